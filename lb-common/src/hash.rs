@@ -1,0 +1,152 @@
+//! The flow hash (run per packet in the kernel and by `lb explain` in userspace) and the
+//! stable hash that seeds Maglev permutations.
+
+use crate::ADDR_FAMILY_V4;
+
+/// The fields of a packet that choose its backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowTuple {
+    /// Source address as big-endian words: IPv4 uses word 0 only, the rest are zero.
+    pub src: [u32; 4],
+    /// Destination address, as `src`.
+    pub dst: [u32; 4],
+    /// Host order.
+    pub src_port: u16,
+    /// Host order.
+    pub dst_port: u16,
+    pub proto: u8,
+    /// `ADDR_FAMILY_V4` or `ADDR_FAMILY_V6`.
+    pub family: u8,
+}
+
+// MurmurHash3 (x86_32) block mixing and finalizer: a few multiplies and rotates per word,
+// no tables and no loops with a variable bound, which keeps the verifier and the per-packet
+// cost happy, and avalanches well enough for `hash % prime`.
+const C1: u32 = 0xcc9e_2d51;
+const C2: u32 = 0x1b87_3593;
+const SEED: u32 = 0x4c42_5f31; // "LB_1": changing it moves every flow.
+
+#[inline(always)]
+const fn mix(h: u32, k: u32) -> u32 {
+    let k = k.wrapping_mul(C1).rotate_left(15).wrapping_mul(C2);
+    (h ^ k)
+        .rotate_left(13)
+        .wrapping_mul(5)
+        .wrapping_add(0xe654_6b64)
+}
+
+#[inline(always)]
+const fn finish(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+#[inline(always)]
+fn mix_addr(h: u32, addr: &[u32; 4], family: u8) -> u32 {
+    if family == ADDR_FAMILY_V4 {
+        mix(h, addr[0])
+    } else {
+        mix(mix(mix(mix(h, addr[0]), addr[1]), addr[2]), addr[3])
+    }
+}
+
+/// The hash a flow is balanced by. With `src_only` just the source address counts
+/// (client affinity); otherwise the whole 5-tuple (per-connection balancing).
+#[inline(always)]
+pub fn flow_hash(flow: &FlowTuple, src_only: bool) -> u32 {
+    let h = mix_addr(SEED, &flow.src, flow.family);
+    if src_only {
+        return finish(h);
+    }
+    let h = mix_addr(h, &flow.dst, flow.family);
+    let h = mix(h, ((flow.src_port as u32) << 16) | flow.dst_port as u32);
+    finish(mix(h, flow.proto as u32))
+}
+
+/// A 64-bit hash that never changes between runs, builds or machines (FNV-1a, then the
+/// splitmix64 finalizer to spread FNV's weak low bits). Seeds Maglev permutations, so
+/// identically configured balancers build identical tables.
+pub const fn stable_hash64(bytes: &[u8], seed: u64) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
+    let mut i = 0;
+    while i < bytes.len() {
+        h ^= bytes[i] as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        i += 1;
+    }
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v4(src: u32, dst: u32, sport: u16, dport: u16) -> FlowTuple {
+        FlowTuple {
+            src: [src, 0, 0, 0],
+            dst: [dst, 0, 0, 0],
+            src_port: sport,
+            dst_port: dport,
+            proto: 6,
+            family: ADDR_FAMILY_V4,
+        }
+    }
+
+    #[test]
+    fn flow_hash_is_stable_across_releases() {
+        // Pinned values: a change here moves every established flow on upgrade.
+        assert_eq!(
+            flow_hash(&v4(0x0a00_0001, 0x0a00_0064, 40000, 80), false),
+            0x2fb5_dc4d
+        );
+        assert_eq!(
+            flow_hash(&v4(0x0a00_0001, 0x0a00_0064, 40000, 80), true),
+            0x804c_e80e
+        );
+        assert_eq!(stable_hash64(b"10.0.0.11", 0), 0xa0ce_f8d6_2b05_2421);
+    }
+
+    #[test]
+    fn every_field_of_the_tuple_counts() {
+        let base = v4(0x0a00_0001, 0x0a00_0064, 40000, 80);
+        let h = flow_hash(&base, false);
+        let variants = [
+            v4(0x0a00_0002, 0x0a00_0064, 40000, 80),
+            v4(0x0a00_0001, 0x0a00_0065, 40000, 80),
+            v4(0x0a00_0001, 0x0a00_0064, 40001, 80),
+            v4(0x0a00_0001, 0x0a00_0064, 40000, 81),
+            FlowTuple { proto: 17, ..base },
+        ];
+        for v in variants {
+            assert_ne!(flow_hash(&v, false), h, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn src_only_ignores_ports_and_destination() {
+        let a = v4(0x0a00_0001, 0x0a00_0064, 40000, 80);
+        let b = v4(0x0a00_0001, 0x0a00_0099, 50000, 443);
+        assert_eq!(flow_hash(&a, true), flow_hash(&b, true));
+    }
+
+    #[test]
+    fn ports_spread_evenly_over_a_prime_table() {
+        // Sequential source ports (what one client produces) must not cluster.
+        let buckets = 7u32;
+        let mut counts = [0u32; 7];
+        for port in 0..70_000u32 {
+            let h = flow_hash(&v4(0x0a00_0001, 0x0a00_0064, port as u16, 80), false);
+            counts[(h % buckets) as usize] += 1;
+        }
+        for c in counts {
+            assert!((9_000..=11_000).contains(&c), "{counts:?}");
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! Types and pure logic shared by the XDP program and the agent.
+//!
+//! Everything that lives in BPF map memory is `#[repr(C)]` with its padding written out,
+//! `Pod`, and has its size asserted, so both sides agree on every byte. The flow hash is
+//! here too: the agent predicts where a flow goes (`lb explain`) with the very function
+//! the kernel runs.
+#![cfg_attr(not(any(feature = "std", test)), no_std)]
+
+#[cfg(feature = "user")]
+pub mod maglev;
+
+mod hash;
+pub use hash::{FlowTuple, flow_hash, stable_hash64};
+
+use bytemuck::{Pod, Zeroable};
+use core::mem::size_of;
+
+/// Most VIPs one data path serves; sizes `LB_VIPS` and the per-VIP stats.
+pub const MAX_VIPS: u32 = 256;
+/// Most backends over all VIPs; sizes `LB_BACKENDS` and the per-backend stats.
+pub const MAX_BACKENDS: u32 = 4096;
+/// Default Maglev table size (a prime), per VIP.
+pub const DEFAULT_MAGLEV_SIZE: u32 = 65537;
+/// Each VIP owns two tables in `LB_MAGLEV` so a new one is written aside and then
+/// switched to in one map update (see `VipInfo::table_base`).
+pub const TABLE_GENERATIONS: u32 = 2;
+/// A Maglev slot or backend id that names no backend (a VIP with no usable backend).
+pub const BACKEND_NONE: u32 = u32::MAX;
+
+/// Map names (at most 15 characters: the kernel truncates longer names).
+pub const MAP_VIPS: &str = "LB_VIPS";
+pub const MAP_MAGLEV: &str = "LB_MAGLEV";
+pub const MAP_BACKENDS: &str = "LB_BACKENDS";
+pub const MAP_STATS: &str = "LB_STATS";
+pub const MAP_VIP_STATS: &str = "LB_VIP_STATS";
+pub const MAP_BACKEND_STATS: &str = "LB_BE_STATS";
+/// Global (read-only data) set at load time: the Maglev table size.
+pub const GLOBAL_MAGLEV_SIZE: &str = "MAGLEV_SIZE";
+/// Global set at load time: the interface's own MAC, written as the source of forwarded
+/// frames.
+pub const GLOBAL_IFACE_MAC: &str = "IFACE_MAC";
+
+pub const ADDR_FAMILY_V4: u8 = 4;
+pub const ADDR_FAMILY_V6: u8 = 6;
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+
+/// Key of `LB_VIPS`: which traffic is balanced.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct VipKey {
+    /// IPv4: the first 4 bytes, the rest zero. IPv6: all 16. Network order.
+    pub addr: [u8; 16],
+    /// Network order.
+    pub port: u16,
+    /// `PROTO_TCP` or `PROTO_UDP`.
+    pub proto: u8,
+    /// `ADDR_FAMILY_V4` or `ADDR_FAMILY_V6`.
+    pub family: u8,
+}
+const _: () = assert!(size_of::<VipKey>() == 20);
+
+/// `VipInfo::flags`: hash on the source address only (client affinity).
+pub const VIP_F_HASH_SRC_IP: u32 = 1;
+
+/// Value of `LB_VIPS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct VipInfo {
+    /// Index into the per-VIP stats.
+    pub vip_id: u32,
+    /// Index of this VIP's current table's first slot in `LB_MAGLEV`. Switching it is
+    /// how a new table takes effect atomically.
+    pub table_base: u32,
+    /// `VIP_F_*` bits.
+    pub flags: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<VipInfo>() == 16);
+
+impl VipInfo {
+    /// First slot of `generation`'s table for `vip_id` in `LB_MAGLEV`.
+    pub const fn table_base_for(vip_id: u32, generation: u32, table_size: u32) -> u32 {
+        (vip_id * TABLE_GENERATIONS + generation) * table_size
+    }
+}
+
+/// Value of `LB_BACKENDS`, indexed by backend id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct BackendInfo {
+    /// Destination MAC of frames sent to this backend.
+    pub mac: [u8; 6],
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(size_of::<BackendInfo>() == 8);
+
+/// Per-VIP and per-backend traffic counters (per CPU; the agent sums them).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TrafficCounters {
+    pub packets: u64,
+    pub bytes: u64,
+    /// TCP SYNs (without ACK) forwarded: connection attempts.
+    pub new_flows: u64,
+    pub _reserved: u64,
+}
+const _: () = assert!(size_of::<TrafficCounters>() == 32);
+
+/// Indices of `LB_STATS`: one per-CPU counter for every outcome of the program.
+/// 0..=4 are the XDP actions by their kernel codes; the rest say why.
+pub mod stat {
+    pub const XDP_ABORTED: u32 = 0;
+    pub const XDP_DROP: u32 = 1;
+    pub const XDP_PASS: u32 = 2;
+    pub const XDP_TX: u32 = 3;
+    pub const XDP_REDIRECT: u32 = 4;
+    /// Passed: EtherType neither IPv4 nor IPv6 (ARP, LLDP ...).
+    pub const PASS_NOT_IP: u32 = 5;
+    /// Passed: IP, but not to a configured VIP, port and protocol.
+    pub const PASS_NOT_VIP: u32 = 6;
+    /// Passed: IP protocol other than TCP and UDP (ICMP ...).
+    pub const PASS_OTHER_PROTO: u32 = 7;
+    /// Passed: an IPv4 fragment; lb does not balance fragments (no ports in later ones).
+    pub const PASS_FRAGMENT: u32 = 8;
+    /// Passed: an IPv6 packet whose next header is an extension header.
+    pub const PASS_IPV6_EXT: u32 = 9;
+    /// Passed: a second VLAN tag (QinQ) is not parsed.
+    pub const PASS_VLAN_STACKED: u32 = 10;
+    /// Dropped: a header is cut short by the end of the frame.
+    pub const DROP_TRUNCATED: u32 = 11;
+    /// Dropped: an IPv4 header length below 20 bytes or a wrong version field.
+    pub const DROP_BAD_HEADER: u32 = 12;
+    /// Dropped: a packet for a VIP that has no usable backend.
+    pub const DROP_NO_BACKEND: u32 = 13;
+    /// Forwarded, noted: an IPv4 header with options (parsed past, not an error).
+    pub const SEEN_IPV4_OPTIONS: u32 = 14;
+    /// Forwarded, noted: a packet with an 802.1Q tag.
+    pub const SEEN_VLAN: u32 = 15;
+    pub const COUNT: u32 = 16;
+
+    /// Names for status and metrics, indexed like the constants above.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "xdp_aborted",
+        "xdp_drop",
+        "xdp_pass",
+        "xdp_tx",
+        "xdp_redirect",
+        "pass_not_ip",
+        "pass_not_vip",
+        "pass_other_proto",
+        "pass_fragment",
+        "pass_ipv6_ext",
+        "pass_vlan_stacked",
+        "drop_truncated",
+        "drop_bad_header",
+        "drop_no_backend",
+        "seen_ipv4_options",
+        "seen_vlan",
+    ];
+}
+
+// The agent reads and writes these through aya's typed maps.
+#[cfg(feature = "user")]
+mod aya_pod {
+    unsafe impl aya::Pod for super::VipKey {}
+    unsafe impl aya::Pod for super::VipInfo {}
+    unsafe impl aya::Pod for super::BackendInfo {}
+    unsafe impl aya::Pod for super::TrafficCounters {}
+}
+
+/// The Maglev slot a flow hash selects.
+#[inline(always)]
+pub const fn maglev_slot(hash: u32, table_size: u32) -> u32 {
+    // checked: a plain `%` carries a division-by-zero panic path the verifier rejects.
+    match hash.checked_rem(table_size) {
+        Some(slot) => slot,
+        None => 0,
+    }
+}

@@ -1,0 +1,58 @@
+//! Every map of the data path. Userspace (`lb-userspace`'s dataplane module) writes the
+//! configuration maps and reads the counters; the program only looks things up and counts.
+
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, PerCpuArray},
+};
+use lb_common::{BackendInfo, MAX_BACKENDS, MAX_VIPS, TrafficCounters, VipInfo, VipKey, stat};
+
+/// VipKey -> VipInfo: which (address, port, protocol) is balanced, and where its current
+/// Maglev table starts. Written by the agent; MAX_VIPS entries.
+#[map(name = "LB_VIPS")]
+pub static LB_VIPS: HashMap<VipKey, VipInfo> = HashMap::with_max_entries(MAX_VIPS, 0);
+
+/// slot -> backend id: every VIP's tables, two generations each, back to back
+/// (`VipInfo::table_base_for`). Written by the agent; resized at load time to
+/// VIP capacity x 2 x MAGLEV_SIZE.
+#[map(name = "LB_MAGLEV")]
+pub static LB_MAGLEV: Array<u32> = Array::with_max_entries(1, 0);
+
+/// backend id -> BackendInfo (its MAC). Written by the agent; MAX_BACKENDS entries.
+#[map(name = "LB_BACKENDS")]
+pub static LB_BACKENDS: Array<BackendInfo> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// stat index -> count, per CPU: every outcome of the program (`lb_common::stat`).
+#[map(name = "LB_STATS")]
+pub static LB_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
+
+/// vip id -> traffic counters, per CPU. Read by the agent.
+#[map(name = "LB_VIP_STATS")]
+pub static LB_VIP_STATS: PerCpuArray<TrafficCounters> = PerCpuArray::with_max_entries(MAX_VIPS, 0);
+
+/// backend id -> traffic counters, per CPU. Read by the agent.
+#[map(name = "LB_BE_STATS")]
+pub static LB_BACKEND_STATS: PerCpuArray<TrafficCounters> =
+    PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Adds one to an outcome counter.
+#[inline(always)]
+pub fn count(index: u32) {
+    if let Some(counter) = LB_STATS.get_ptr_mut(index) {
+        // Per-CPU memory: no other writer, no atomics needed.
+        unsafe { *counter += 1 };
+    }
+}
+
+/// Adds a packet of `bytes` to a VIP's or backend's counters.
+#[inline(always)]
+pub fn count_traffic(map: &PerCpuArray<TrafficCounters>, index: u32, bytes: u64, new_flow: bool) {
+    if let Some(counters) = map.get_ptr_mut(index) {
+        let counters = unsafe { &mut *counters };
+        counters.packets += 1;
+        counters.bytes += bytes;
+        if new_flow {
+            counters.new_flows += 1;
+        }
+    }
+}

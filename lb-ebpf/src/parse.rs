@@ -1,0 +1,228 @@
+//! Header parsing, one small function per layer over one bounds-checked `ptr_at`.
+//!
+//! What happens to what (each outcome has its own counter in `lb_common::stat`):
+//! - a frame too short for the header it announces (Ethernet, VLAN, IPv4 with its
+//!   options, IPv6, TCP, UDP): dropped, `drop_truncated`. The kernel would discard it too.
+//! - an IPv4 header with a version other than 4 or a length below 20 bytes: dropped,
+//!   `drop_bad_header`.
+//! - EtherType other than IPv4/IPv6 (ARP, LLDP ...): passed, `pass_not_ip`.
+//! - one 802.1Q tag: parsed past and kept on the forwarded frame (`seen_vlan`); a second
+//!   tag or an 802.1ad outer tag: passed, `pass_vlan_stacked`.
+//! - IPv4 options: parsed past, the packet is balanced like any other (`seen_ipv4_options`).
+//! - IPv4 fragments (MF set or offset non-zero): passed, `pass_fragment`. Later fragments
+//!   carry no ports, so they cannot follow their first fragment's hash.
+//! - IPv6 with an extension header before TCP/UDP: passed, `pass_ipv6_ext`.
+//! - IP protocols other than TCP and UDP: passed, `pass_other_proto`.
+
+use aya_ebpf::programs::XdpContext;
+use core::mem::size_of;
+use lb_common::{ADDR_FAMILY_V4, ADDR_FAMILY_V6, FlowTuple, PROTO_TCP, PROTO_UDP, stat};
+use network_types::{
+    eth::EthHdr,
+    ip::{Ipv4Hdr, Ipv6Hdr},
+    tcp::TcpHdr,
+    udp::UdpHdr,
+};
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+const VLAN_HDR_LEN: usize = 4;
+const IPV4_MF_AND_OFFSET: u16 = 0x3fff;
+
+/// Why a packet is not forwarded: the XDP action and the counter that says why.
+#[derive(Clone, Copy)]
+pub struct Verdict {
+    pub action: u32,
+    pub reason: u32,
+}
+
+impl Verdict {
+    pub const fn pass(reason: u32) -> Self {
+        Self {
+            action: aya_ebpf::bindings::xdp_action::XDP_PASS,
+            reason,
+        }
+    }
+    pub const fn drop(reason: u32) -> Self {
+        Self {
+            action: aya_ebpf::bindings::xdp_action::XDP_DROP,
+            reason,
+        }
+    }
+}
+
+/// A parsed packet that may be for a VIP.
+pub struct Packet {
+    pub flow: FlowTuple,
+    /// The destination address as it sits in the packet (IPv4: first 4 bytes).
+    pub dst_addr: [u8; 16],
+    /// Network order, as in the packet.
+    pub dst_port_be: u16,
+    /// A TCP SYN without ACK: a connection attempt.
+    pub syn: bool,
+    pub vlan: bool,
+    pub ipv4_options: bool,
+}
+
+/// A pointer to a `T` at `offset` bytes into the frame, if the frame is long enough.
+#[inline(always)]
+fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Result<*mut T, Verdict> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    if start + offset + size_of::<T>() > end {
+        return Err(Verdict::drop(stat::DROP_TRUNCATED));
+    }
+    Ok((start + offset) as *mut T)
+}
+
+/// The Ethernet header, for rewriting.
+#[inline(always)]
+pub fn ethernet(ctx: &XdpContext) -> Result<*mut EthHdr, Verdict> {
+    ptr_at::<EthHdr>(ctx, 0)
+}
+
+/// Parses up to the transport ports. `Err` carries the verdict for anything not
+/// balanced.
+#[inline(always)]
+pub fn parse(ctx: &XdpContext) -> Result<Packet, Verdict> {
+    let eth = ethernet(ctx)?;
+    let mut ether_type = u16::from_be(unsafe { (*eth).ether_type });
+    let mut l3 = EthHdr::LEN;
+    let mut vlan = false;
+    if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
+        // The 802.1Q header: TCI, then the inner EtherType.
+        let inner = ptr_at::<[u8; VLAN_HDR_LEN]>(ctx, l3)?;
+        let inner_type = u16::from_be_bytes(unsafe { [(*inner)[2], (*inner)[3]] });
+        if ether_type == ETH_P_8021AD || inner_type == ETH_P_8021Q || inner_type == ETH_P_8021AD {
+            return Err(Verdict::pass(stat::PASS_VLAN_STACKED));
+        }
+        ether_type = inner_type;
+        l3 += VLAN_HDR_LEN;
+        vlan = true;
+    }
+    let mut packet = match ether_type {
+        ETH_P_IP => ipv4(ctx, l3)?,
+        ETH_P_IPV6 => ipv6(ctx, l3)?,
+        _ => return Err(Verdict::pass(stat::PASS_NOT_IP)),
+    };
+    packet.vlan = vlan;
+    Ok(packet)
+}
+
+#[inline(always)]
+fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
+    let ip = ptr_at::<Ipv4Hdr>(ctx, offset)?;
+    let (vihl, frags, proto, src, dst) = unsafe {
+        (
+            (*ip).vihl,
+            u16::from_be_bytes((*ip).frags),
+            (*ip).proto,
+            (*ip).src_addr,
+            (*ip).dst_addr,
+        )
+    };
+    // Masked to 4 bits so the verifier sees the header length bounded by 60.
+    let header_len = ((vihl & 0x0f) as usize) * 4;
+    if vihl >> 4 != 4 || header_len < Ipv4Hdr::LEN {
+        return Err(Verdict::drop(stat::DROP_BAD_HEADER));
+    }
+    if frags & IPV4_MF_AND_OFFSET != 0 {
+        return Err(Verdict::pass(stat::PASS_FRAGMENT));
+    }
+    let mut dst_addr = [0u8; 16];
+    dst_addr[0] = dst[0];
+    dst_addr[1] = dst[1];
+    dst_addr[2] = dst[2];
+    dst_addr[3] = dst[3];
+    let flow = FlowTuple {
+        src: [u32::from_be_bytes(src), 0, 0, 0],
+        dst: [u32::from_be_bytes(dst), 0, 0, 0],
+        family: ADDR_FAMILY_V4,
+        ..FlowTuple::default()
+    };
+    let mut packet = transport(ctx, offset + header_len, proto, flow, dst_addr)?;
+    packet.ipv4_options = header_len > Ipv4Hdr::LEN;
+    Ok(packet)
+}
+
+#[inline(always)]
+fn ipv6(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
+    let ip = ptr_at::<Ipv6Hdr>(ctx, offset)?;
+    let (version, next, src, dst) = unsafe {
+        (
+            (*ip).vcf[0] >> 4,
+            (*ip).next_hdr,
+            (*ip).src_addr,
+            (*ip).dst_addr,
+        )
+    };
+    if version != 6 {
+        return Err(Verdict::drop(stat::DROP_BAD_HEADER));
+    }
+    if next != PROTO_TCP && next != PROTO_UDP {
+        return Err(Verdict::pass(if is_ipv6_extension(next) {
+            stat::PASS_IPV6_EXT
+        } else {
+            stat::PASS_OTHER_PROTO
+        }));
+    }
+    let flow = FlowTuple {
+        src: words(&src),
+        dst: words(&dst),
+        family: ADDR_FAMILY_V6,
+        ..FlowTuple::default()
+    };
+    transport(ctx, offset + Ipv6Hdr::LEN, next, flow, dst)
+}
+
+/// Hop-by-hop, routing, fragment, ESP, AH, destination options, mobility, HIP, shim6.
+#[inline(always)]
+fn is_ipv6_extension(next: u8) -> bool {
+    matches!(next, 0 | 43 | 44 | 50 | 51 | 60 | 135 | 139 | 140)
+}
+
+#[inline(always)]
+fn words(addr: &[u8; 16]) -> [u32; 4] {
+    [
+        u32::from_be_bytes([addr[0], addr[1], addr[2], addr[3]]),
+        u32::from_be_bytes([addr[4], addr[5], addr[6], addr[7]]),
+        u32::from_be_bytes([addr[8], addr[9], addr[10], addr[11]]),
+        u32::from_be_bytes([addr[12], addr[13], addr[14], addr[15]]),
+    ]
+}
+
+#[inline(always)]
+fn transport(
+    ctx: &XdpContext,
+    offset: usize,
+    proto: u8,
+    mut flow: FlowTuple,
+    dst_addr: [u8; 16],
+) -> Result<Packet, Verdict> {
+    let (src_port, dst_port, syn) = match proto {
+        PROTO_TCP => {
+            let tcp = ptr_at::<TcpHdr>(ctx, offset)?;
+            let tcp = unsafe { &*tcp };
+            (tcp.source, tcp.dest, tcp.syn() != 0 && tcp.ack() == 0)
+        }
+        PROTO_UDP => {
+            let udp = ptr_at::<UdpHdr>(ctx, offset)?;
+            let udp = unsafe { &*udp };
+            (udp.src, udp.dst, false)
+        }
+        _ => return Err(Verdict::pass(stat::PASS_OTHER_PROTO)),
+    };
+    flow.src_port = u16::from_be_bytes(src_port);
+    flow.dst_port = u16::from_be_bytes(dst_port);
+    flow.proto = proto;
+    Ok(Packet {
+        flow,
+        dst_addr,
+        dst_port_be: u16::from_ne_bytes(dst_port),
+        syn,
+        vlan: false,
+        ipv4_options: false,
+    })
+}

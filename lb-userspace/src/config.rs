@@ -1,0 +1,1575 @@
+//! The agent's configuration file (TOML), as documented in product.md "Configuration".
+//!
+//! Parsing and validation are separate steps so that `lb check`, startup and a reload
+//! all reject a bad file the same way, before anything in the data path changes.
+//! Every validation error names the field by its path (`vip[1].backend[0].weight`),
+//! because that is what a user needs to find the mistake.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Most VIPs one agent serves; the data path's maps are sized for this.
+pub const MAX_VIPS: usize = lb_common::MAX_VIPS as usize;
+/// Most backends over all VIPs together; the data path's maps are sized for this.
+pub const MAX_BACKENDS: usize = lb_common::MAX_BACKENDS as usize;
+/// Highest backend weight. Weights are relative; 1..=1000 is fine-grained enough for
+/// any split and keeps weighted table population cheap.
+pub const MAX_WEIGHT: u32 = 1000;
+
+/// Smallest accepted `dataplane.maglev_table_size`.
+pub const MIN_MAGLEV_TABLE_SIZE: u32 = 7;
+/// Largest accepted `dataplane.maglev_table_size`: the smallest prime above 2^22
+/// (16 MiB per table of u32 slots). Far more slots than [`MAX_BACKENDS`] already
+/// balance evenly; larger tables would only cost map memory and rebuild time.
+pub const MAX_MAGLEV_TABLE_SIZE: u32 = 4_194_319;
+
+/// Linux interface names are at most IFNAMSIZ - 1 bytes.
+const MAX_INTERFACE_NAME: usize = 15;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Parse(String),
+    #[error("`{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub dataplane: DataplaneConfig,
+    #[serde(default)]
+    pub control: ControlConfig,
+    /// Empty is valid: an agent can start with nothing to serve yet.
+    #[serde(rename = "vip", default)]
+    pub vips: Vec<VipConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataplaneConfig {
+    pub interface: String,
+    #[serde(default)]
+    pub xdp_mode: XdpModeSetting,
+    #[serde(default = "default_maglev_table_size")]
+    pub maglev_table_size: u32,
+    #[serde(default = "default_conntrack_entries")]
+    pub conntrack_entries: u32,
+}
+
+fn default_maglev_table_size() -> u32 {
+    lb_common::DEFAULT_MAGLEV_SIZE
+}
+
+fn default_conntrack_entries() -> u32 {
+    1_048_576
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum XdpModeSetting {
+    Native,
+    Generic,
+    /// Native if the driver supports it, else generic.
+    #[default]
+    Auto,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ControlConfig {
+    pub socket: PathBuf,
+    /// `None` when the file says `metrics = "off"` (or `""`).
+    #[serde(with = "metrics_addr")]
+    pub metrics: Option<SocketAddr>,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig {
+            socket: PathBuf::from("/run/lb/lb.sock"),
+            metrics: Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 9650))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct VipConfig {
+    pub name: String,
+    pub address: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    #[serde(default)]
+    pub hash: HashMode,
+    #[serde(default = "default_drain_timeout", with = "duration")]
+    pub drain_timeout: Duration,
+    #[serde(default)]
+    pub health: HealthConfig,
+    /// A VIP may start with no backends; they can be added at run time.
+    #[serde(rename = "backend", default)]
+    pub backends: Vec<BackendConfig>,
+}
+
+fn default_drain_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+
+impl VipConfig {
+    /// The port health checks connect to on each backend.
+    pub fn health_port(&self) -> u16 {
+        self.health.port.unwrap_or(self.port)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    /// The IP protocol number, as the data path sees it in the IP header.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
+pub enum HashMode {
+    #[default]
+    #[serde(rename = "5-tuple")]
+    FiveTuple,
+    #[serde(rename = "src-ip")]
+    SrcIp,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    pub kind: HealthKind,
+    #[serde(with = "duration")]
+    pub interval: Duration,
+    #[serde(with = "duration")]
+    pub timeout: Duration,
+    pub rise: u32,
+    pub fall: u32,
+    /// Defaults to the VIP's port; see [`VipConfig::health_port`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Kept as written (absent stays `None`) so the effective config prints what the
+    /// user wrote; see [`HealthConfig::http_path`] for the default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    pub expect_status: u16,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            kind: HealthKind::Tcp,
+            interval: Duration::from_secs(2),
+            timeout: Duration::from_secs(1),
+            rise: 2,
+            fall: 3,
+            port: None,
+            path: None,
+            expect_status: 200,
+        }
+    }
+}
+
+impl HealthConfig {
+    /// The path an HTTP check requests.
+    pub fn http_path(&self) -> &str {
+        self.path.as_deref().unwrap_or("/")
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HealthKind {
+    #[default]
+    Tcp,
+    Http,
+    /// No checks: backends count as up unless their admin state says otherwise.
+    None,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    pub address: IpAddr,
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+    /// When absent the agent resolves it from the neighbour table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<MacAddr>,
+    #[serde(default)]
+    pub state: AdminState,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdminState {
+    #[default]
+    Ready,
+    Drain,
+    Maint,
+}
+
+/// The strings must match the serde names above; `display_matches_serde` checks it.
+macro_rules! display_as {
+    ($ty:ty { $($variant:ident => $text:literal),+ $(,)? }) => {
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(match self {
+                    $(Self::$variant => $text),+
+                })
+            }
+        }
+    };
+}
+
+display_as!(XdpModeSetting { Native => "native", Generic => "generic", Auto => "auto" });
+display_as!(Protocol { Tcp => "tcp", Udp => "udp" });
+display_as!(HashMode { FiveTuple => "5-tuple", SrcIp => "src-ip" });
+display_as!(HealthKind { Tcp => "tcp", Http => "http", None => "none" });
+display_as!(AdminState { Ready => "ready", Drain => "drain", Maint => "maint" });
+
+/// An Ethernet address, written `02:00:00:00:00:0b`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MacAddr(pub [u8; 6]);
+
+impl MacAddr {
+    fn is_multicast(self) -> bool {
+        // The I/G bit; the broadcast address has it set too.
+        self.0[0] & 1 == 1
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid MAC address {0:?}: expected six two-digit hex octets like \"02:00:00:00:00:0b\"")]
+pub struct ParseMacError(String);
+
+impl FromStr for MacAddr {
+    type Err = ParseMacError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let error = || ParseMacError(text.to_owned());
+        let mut octets = [0u8; 6];
+        let mut parts = text.split(':');
+        for octet in &mut octets {
+            let part = parts.next().ok_or_else(error)?;
+            // from_str_radix alone would accept "+f" or a single digit.
+            if part.len() != 2 || !part.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(error());
+            }
+            *octet = u8::from_str_radix(part, 16).map_err(|_| error())?;
+        }
+        if parts.next().is_some() {
+            return Err(error());
+        }
+        Ok(MacAddr(octets))
+    }
+}
+
+impl fmt::Display for MacAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let [a, b, c, d, e, g] = self.0;
+        write!(f, "{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{g:02x}")
+    }
+}
+
+impl fmt::Debug for MacAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl Serialize for MacAddr {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for MacAddr {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Durations as humantime strings ("500ms", "2s", "1m").
+mod duration {
+    use std::fmt;
+    use std::time::Duration;
+
+    use serde::de::{self, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(&humantime::format_duration(*value))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+        deserializer.deserialize_str(DurationVisitor)
+    }
+
+    struct DurationVisitor;
+
+    // A visitor rather than String::deserialize so that `interval = 2` is reported
+    // as "expected a duration such as ...", not "expected a string".
+    impl Visitor<'_> for DurationVisitor {
+        type Value = Duration;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a duration such as \"500ms\", \"2s\" or \"1m\"")
+        }
+
+        fn visit_str<E: de::Error>(self, text: &str) -> Result<Duration, E> {
+            humantime::parse_duration(text).map_err(|e| {
+                E::custom(format!(
+                    "invalid duration {text:?} ({e}); write e.g. \"500ms\", \"2s\" or \"1m\""
+                ))
+            })
+        }
+    }
+}
+
+/// `control.metrics`: an address, or "off" / "" to disable the endpoint.
+mod metrics_addr {
+    use std::net::SocketAddr;
+
+    use serde::{Deserialize, Deserializer, Serializer, de};
+
+    pub fn serialize<S: Serializer>(
+        value: &Option<SocketAddr>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(addr) => serializer.collect_str(addr),
+            // Written as "off" so that the printed config parses back to the same thing.
+            None => serializer.serialize_str("off"),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<SocketAddr>, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        match text.as_str() {
+            "" | "off" => Ok(None),
+            _ => text.parse().map(Some).map_err(|_| {
+                de::Error::custom(format!(
+                    "invalid metrics address {text:?}: expected IP:PORT such as \
+                     \"127.0.0.1:9650\" (IPv6: \"[::1]:9650\"), or \"off\""
+                ))
+            }),
+        }
+    }
+}
+
+impl Config {
+    /// Parses and validates a configuration file's text.
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse(e.to_string().trim_end().to_owned()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads, parses and validates a configuration file. Parse and validation errors do
+    /// not repeat the path; the caller knows it.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::from_toml(&text)
+    }
+
+    /// Checks everything serde cannot: ranges, cross-field and cross-VIP rules.
+    /// Reports the first problem found, in file order.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.dataplane.validate()?;
+        self.control.validate()?;
+
+        if self.vips.len() > MAX_VIPS {
+            return Err(invalid(
+                "vip",
+                format!("{} VIPs; at most {MAX_VIPS} are supported", self.vips.len()),
+            ));
+        }
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        let mut services: HashMap<(IpAddr, u16, Protocol), usize> = HashMap::new();
+        let mut total_backends = 0;
+        for (i, vip) in self.vips.iter().enumerate() {
+            let at = format!("vip[{i}]");
+            vip.validate(&at, self.dataplane.maglev_table_size)?;
+
+            if let Some(first) = names.insert(&vip.name, i) {
+                return Err(invalid(
+                    format!("{at}.name"),
+                    format!("{:?} is already the name of vip[{first}]", vip.name),
+                ));
+            }
+            let service = (vip.address, vip.port, vip.protocol);
+            if let Some(first) = services.insert(service, i) {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "{} port {} {} is already served by vip[{first}] ({:?})",
+                        vip.address, vip.port, vip.protocol, self.vips[first].name
+                    ),
+                ));
+            }
+            total_backends += vip.backends.len();
+            if total_backends > MAX_BACKENDS {
+                return Err(invalid(
+                    format!("{at}.backend"),
+                    format!(
+                        "more than {MAX_BACKENDS} backends in total over all VIPs \
+                         ({total_backends} up to this VIP)"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DataplaneConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let name = &self.interface;
+        if name.is_empty() {
+            return Err(invalid("dataplane.interface", "must not be empty"));
+        }
+        if name.len() > MAX_INTERFACE_NAME {
+            return Err(invalid(
+                "dataplane.interface",
+                format!(
+                    "{name:?} is {} bytes; Linux interface names are at most {MAX_INTERFACE_NAME}",
+                    name.len()
+                ),
+            ));
+        }
+        if name.contains('/') || name.chars().any(char::is_whitespace) {
+            return Err(invalid(
+                "dataplane.interface",
+                format!("{name:?} is not an interface name: it contains '/' or whitespace"),
+            ));
+        }
+
+        let size = self.maglev_table_size;
+        if !(MIN_MAGLEV_TABLE_SIZE..=MAX_MAGLEV_TABLE_SIZE).contains(&size) {
+            return Err(invalid(
+                "dataplane.maglev_table_size",
+                format!("{size} is outside {MIN_MAGLEV_TABLE_SIZE}..={MAX_MAGLEV_TABLE_SIZE}"),
+            ));
+        }
+        // Maglev's permutations only cover the whole table when its size is prime.
+        if !lb_common::maglev::is_prime(size) {
+            return Err(invalid(
+                "dataplane.maglev_table_size",
+                format!("{size} is not a prime (65537 is the usual choice)"),
+            ));
+        }
+        if self.conntrack_entries == 0 {
+            return Err(invalid("dataplane.conntrack_entries", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+impl ControlConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        // The agent may change directory; a relative socket path would then point
+        // somewhere else than the one the CLI connects to.
+        if !self.socket.is_absolute() {
+            return Err(invalid(
+                "control.socket",
+                format!("{} is not an absolute path", self.socket.display()),
+            ));
+        }
+        if let Some(addr) = self.metrics
+            && addr.port() == 0
+        {
+            return Err(invalid(
+                "control.metrics",
+                format!("{addr}: port 0 is not a fixed port; use \"off\" to disable metrics"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl VipConfig {
+    fn validate(&self, at: &str, maglev_table_size: u32) -> Result<(), ConfigError> {
+        if self.name.is_empty() {
+            return Err(invalid(format!("{at}.name"), "must not be empty"));
+        }
+        // Names appear in metric labels, socket commands and logs unquoted.
+        if !self
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+        {
+            return Err(invalid(
+                format!("{at}.name"),
+                format!(
+                    "{:?} may only contain letters, digits, '_', '.' and '-'",
+                    self.name
+                ),
+            ));
+        }
+        if let Some(why) = unusable_address(self.address) {
+            return Err(invalid(format!("{at}.address"), why));
+        }
+        if self.port == 0 {
+            return Err(invalid(format!("{at}.port"), "must not be 0"));
+        }
+        self.health.validate(&format!("{at}.health"))?;
+
+        if self.backends.len() >= maglev_table_size as usize {
+            return Err(invalid(
+                format!("{at}.backend"),
+                format!(
+                    "{} backends need a dataplane.maglev_table_size larger than that (it is {})",
+                    self.backends.len(),
+                    maglev_table_size
+                ),
+            ));
+        }
+        let mut seen: HashMap<IpAddr, usize> = HashMap::new();
+        for (j, backend) in self.backends.iter().enumerate() {
+            let at = format!("{at}.backend[{j}]");
+            if backend.address.is_ipv4() != self.address.is_ipv4() {
+                return Err(invalid(
+                    format!("{at}.address"),
+                    format!(
+                        "{} is not of the same address family as the VIP {}",
+                        backend.address, self.address
+                    ),
+                ));
+            }
+            if let Some(why) = unusable_address(backend.address) {
+                return Err(invalid(format!("{at}.address"), why));
+            }
+            if let Some(first) = seen.insert(backend.address, j) {
+                return Err(invalid(
+                    format!("{at}.address"),
+                    format!(
+                        "{} is already backend[{first}] of this VIP",
+                        backend.address
+                    ),
+                ));
+            }
+            if backend.weight == 0 {
+                return Err(invalid(
+                    format!("{at}.weight"),
+                    "0 is not allowed; to take a backend out of service set \
+                     state = \"drain\" or \"maint\"",
+                ));
+            }
+            if backend.weight > MAX_WEIGHT {
+                return Err(invalid(
+                    format!("{at}.weight"),
+                    format!("{} is above the maximum {MAX_WEIGHT}", backend.weight),
+                ));
+            }
+            // Frames are rewritten to this MAC and sent out; a group address would
+            // fan one flow out to many hosts.
+            if let Some(mac) = backend.mac
+                && (mac.is_multicast() || mac.0 == [0; 6])
+            {
+                return Err(invalid(
+                    format!("{at}.mac"),
+                    format!("{mac} is not a unicast MAC address"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why an address cannot be a VIP or a backend, if it cannot.
+fn unusable_address(addr: IpAddr) -> Option<String> {
+    let kind = match addr {
+        IpAddr::V4(v4) if v4.is_broadcast() => "the broadcast address",
+        IpAddr::V4(v4) if v4.is_multicast() => "a multicast address",
+        IpAddr::V6(v6) if v6.is_multicast() => "a multicast address",
+        _ if addr.is_unspecified() => "the unspecified address",
+        _ => return None,
+    };
+    Some(format!("{addr} is {kind}"))
+}
+
+impl HealthConfig {
+    fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        let show = |d: Duration| humantime::format_duration(d).to_string();
+        if self.interval.is_zero() {
+            return Err(invalid(format!("{at}.interval"), "must be greater than 0"));
+        }
+        if self.timeout.is_zero() {
+            return Err(invalid(format!("{at}.timeout"), "must be greater than 0"));
+        }
+        // Otherwise checks of one backend would overlap.
+        if self.timeout > self.interval {
+            return Err(invalid(
+                format!("{at}.timeout"),
+                format!(
+                    "{} is longer than the interval {}",
+                    show(self.timeout),
+                    show(self.interval)
+                ),
+            ));
+        }
+        if self.rise == 0 {
+            return Err(invalid(format!("{at}.rise"), "must be at least 1"));
+        }
+        if self.fall == 0 {
+            return Err(invalid(format!("{at}.fall"), "must be at least 1"));
+        }
+        if self.port == Some(0) {
+            return Err(invalid(format!("{at}.port"), "must not be 0"));
+        }
+        if let Some(path) = &self.path {
+            if self.kind != HealthKind::Http {
+                return Err(invalid(
+                    format!("{at}.path"),
+                    format!("only used when kind = \"http\" (kind is \"{}\")", self.kind),
+                ));
+            }
+            if !path.starts_with('/') {
+                return Err(invalid(
+                    format!("{at}.path"),
+                    format!("{path:?} must start with '/'"),
+                ));
+            }
+            // It goes verbatim into the request line; a space or CR/LF would break it.
+            if path.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(invalid(
+                    format!("{at}.path"),
+                    format!("{path:?} must not contain whitespace or control characters"),
+                ));
+            }
+        }
+        if !(100..=599).contains(&self.expect_status) {
+            return Err(invalid(
+                format!("{at}.expect_status"),
+                format!("{} is not an HTTP status (100..=599)", self.expect_status),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    /// The example from product.md, verbatim.
+    const EXAMPLE: &str = r#"
+[dataplane]
+interface = "eth0"
+xdp_mode = "auto"            # "native" | "generic" | "auto" (native, else generic)
+# maglev_table_size = 65537  # a prime
+# conntrack_entries = 1048576
+
+[control]
+socket = "/run/lb/lb.sock"   # created 0600: the control plane is root's alone
+metrics = "127.0.0.1:9650"   # Prometheus text format at /metrics
+
+[[vip]]
+name = "web"
+address = "10.0.0.100"       # IPv4 or IPv6
+port = 80
+protocol = "tcp"             # "tcp" | "udp"
+# hash = "5-tuple"           # or "src-ip" (affinity)
+# drain_timeout = "30s"
+
+[vip.health]
+kind = "tcp"                 # "tcp" | "http" | "none"
+interval = "2s"
+timeout = "1s"
+rise = 2
+fall = 3
+# port = 8080                # default: the VIP's port, on the backend's own address
+# path = "/healthz"          # http only
+# expect_status = 200        # http only
+
+[[vip.backend]]
+address = "10.0.0.11"
+weight = 1
+# mac = "02:00:00:00:00:0b"  # optional: otherwise resolved from the neighbour table
+# state = "ready"            # "ready" | "drain" | "maint"
+"#;
+
+    const MINIMAL: &str = r#"
+[dataplane]
+interface = "eth0"
+
+[[vip]]
+name = "web"
+address = "10.0.0.100"
+port = 80
+protocol = "tcp"
+
+[[vip.backend]]
+address = "10.0.0.11"
+"#;
+
+    fn minimal() -> Config {
+        Config::from_toml(MINIMAL).expect("minimal config is valid")
+    }
+
+    fn backend(address: &str) -> BackendConfig {
+        BackendConfig {
+            address: address.parse().unwrap(),
+            weight: 1,
+            mac: None,
+            state: AdminState::Ready,
+        }
+    }
+
+    fn parse_error(text: &str) -> String {
+        match Config::from_toml(text) {
+            Err(ConfigError::Parse(message)) => message,
+            other => panic!("expected a parse error, got {other:?}"),
+        }
+    }
+
+    /// Applies `change` to the minimal config and returns the field validation names.
+    fn rejected_field(change: impl FnOnce(&mut Config)) -> String {
+        let mut config = minimal();
+        change(&mut config);
+        match config.validate() {
+            Err(ConfigError::Invalid { field, .. }) => field,
+            other => panic!("expected a validation error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn example_from_product_parses() {
+        let config = Config::from_toml(EXAMPLE).unwrap();
+        assert_eq!(
+            config.dataplane,
+            DataplaneConfig {
+                interface: "eth0".into(),
+                xdp_mode: XdpModeSetting::Auto,
+                maglev_table_size: 65537,
+                conntrack_entries: 1_048_576,
+            }
+        );
+        assert_eq!(config.control.socket, PathBuf::from("/run/lb/lb.sock"));
+        assert_eq!(
+            config.control.metrics,
+            Some(SocketAddr::from(([127, 0, 0, 1], 9650)))
+        );
+        assert_eq!(
+            config.vips,
+            vec![VipConfig {
+                name: "web".into(),
+                address: IpAddr::V4(Ipv4Addr::new(10, 0, 0, 100)),
+                port: 80,
+                protocol: Protocol::Tcp,
+                hash: HashMode::FiveTuple,
+                drain_timeout: Duration::from_secs(30),
+                health: HealthConfig {
+                    kind: HealthKind::Tcp,
+                    interval: Duration::from_secs(2),
+                    timeout: Duration::from_secs(1),
+                    rise: 2,
+                    fall: 3,
+                    port: None,
+                    path: None,
+                    expect_status: 200,
+                },
+                backends: vec![backend("10.0.0.11")],
+            }]
+        );
+        assert_eq!(config.vips[0].health_port(), 80);
+    }
+
+    #[test]
+    fn example_with_commented_options_enabled_parses() {
+        let text = EXAMPLE
+            .replace("kind = \"tcp\"", "kind = \"http\"")
+            .replace("# hash", "hash")
+            .replace("# drain_timeout", "drain_timeout")
+            .replace("# port = 8080", "port = 8080")
+            .replace("# path", "path")
+            .replace("# expect_status", "expect_status")
+            .replace("# mac", "mac")
+            .replace("# state", "state")
+            .replace("# maglev", "maglev")
+            .replace("# conntrack", "conntrack");
+        let config = Config::from_toml(&text).unwrap();
+        let vip = &config.vips[0];
+        assert_eq!(vip.health.kind, HealthKind::Http);
+        assert_eq!(vip.health.http_path(), "/healthz");
+        assert_eq!(vip.health_port(), 8080);
+        assert_eq!(vip.backends[0].mac, Some(MacAddr([2, 0, 0, 0, 0, 0x0b])));
+        assert_eq!(vip.backends[0].state, AdminState::Ready);
+    }
+
+    #[test]
+    fn minimal_file_gets_defaults() {
+        let config = minimal();
+        assert_eq!(config.dataplane.xdp_mode, XdpModeSetting::Auto);
+        assert_eq!(config.dataplane.maglev_table_size, 65537);
+        assert_eq!(config.dataplane.conntrack_entries, 1_048_576);
+        assert_eq!(config.control, ControlConfig::default());
+        assert_eq!(config.control.socket, PathBuf::from("/run/lb/lb.sock"));
+        assert_eq!(
+            config.control.metrics,
+            Some(SocketAddr::from(([127, 0, 0, 1], 9650)))
+        );
+        let vip = &config.vips[0];
+        assert_eq!(vip.hash, HashMode::FiveTuple);
+        assert_eq!(vip.drain_timeout, Duration::from_secs(30));
+        assert_eq!(vip.health, HealthConfig::default());
+        assert_eq!(vip.health.kind, HealthKind::Tcp);
+        assert_eq!(vip.health.interval, Duration::from_secs(2));
+        assert_eq!(vip.health.timeout, Duration::from_secs(1));
+        assert_eq!((vip.health.rise, vip.health.fall), (2, 3));
+        assert_eq!(vip.health.expect_status, 200);
+        assert_eq!(vip.health.http_path(), "/");
+        assert_eq!(vip.health_port(), 80);
+        assert_eq!(vip.backends, vec![backend("10.0.0.11")]);
+    }
+
+    #[test]
+    fn all_options_parse() {
+        let text = r#"
+[dataplane]
+interface = "ens1f0"
+xdp_mode = "native"
+maglev_table_size = 251
+conntrack_entries = 1000
+
+[control]
+socket = "/tmp/lb.sock"
+metrics = "[::1]:9100"
+
+[[vip]]
+name = "dns"
+address = "10.0.0.53"
+port = 53
+protocol = "udp"
+hash = "src-ip"
+drain_timeout = "1m 30s"
+
+[vip.health]
+kind = "none"
+
+[[vip.backend]]
+address = "10.0.0.21"
+weight = 1000
+mac = "AA:bb:CC:00:11:22"
+state = "maint"
+
+[[vip.backend]]
+address = "10.0.0.22"
+state = "drain"
+"#;
+        let config = Config::from_toml(text).unwrap();
+        assert_eq!(config.dataplane.xdp_mode, XdpModeSetting::Native);
+        assert_eq!(config.dataplane.maglev_table_size, 251);
+        assert_eq!(config.dataplane.conntrack_entries, 1000);
+        assert_eq!(
+            config.control.metrics,
+            Some(SocketAddr::from((Ipv6Addr::LOCALHOST, 9100)))
+        );
+        let vip = &config.vips[0];
+        assert_eq!(vip.protocol, Protocol::Udp);
+        assert_eq!(vip.hash, HashMode::SrcIp);
+        assert_eq!(vip.drain_timeout, Duration::from_secs(90));
+        assert_eq!(vip.health.kind, HealthKind::None);
+        assert_eq!(vip.backends[0].weight, 1000);
+        assert_eq!(
+            vip.backends[0].mac,
+            Some(MacAddr([0xaa, 0xbb, 0xcc, 0, 0x11, 0x22]))
+        );
+        assert_eq!(vip.backends[0].state, AdminState::Maint);
+        assert_eq!(vip.backends[1].state, AdminState::Drain);
+    }
+
+    #[test]
+    fn ipv6_vip_with_ipv6_backends() {
+        let text = r#"
+[dataplane]
+interface = "eth0"
+
+[[vip]]
+name = "web6"
+address = "2001:db8::100"
+port = 443
+protocol = "tcp"
+
+[[vip.backend]]
+address = "2001:db8::11"
+
+[[vip.backend]]
+address = "2001:db8::12"
+weight = 3
+"#;
+        let config = Config::from_toml(text).unwrap();
+        let vip = &config.vips[0];
+        assert_eq!(vip.address, "2001:db8::100".parse::<IpAddr>().unwrap());
+        assert_eq!(vip.backends.len(), 2);
+        assert_eq!(
+            vip.backends[1].address,
+            "2001:db8::12".parse::<IpAddr>().unwrap()
+        );
+        assert_eq!(vip.backends[1].weight, 3);
+    }
+
+    #[test]
+    fn zero_vips_is_valid() {
+        let config = Config::from_toml("[dataplane]\ninterface = \"eth0\"\n").unwrap();
+        assert!(config.vips.is_empty());
+        let config = Config::from_toml("vip = []\n[dataplane]\ninterface = \"eth0\"\n").unwrap();
+        assert!(config.vips.is_empty());
+    }
+
+    #[test]
+    fn vip_without_backends_is_valid() {
+        let mut config = minimal();
+        config.vips[0].backends.clear();
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn metrics_off_or_empty_disables_metrics() {
+        for value in ["off", ""] {
+            let text =
+                format!("[dataplane]\ninterface = \"eth0\"\n[control]\nmetrics = \"{value}\"\n");
+            let config = Config::from_toml(&text).unwrap();
+            assert_eq!(config.control.metrics, None, "metrics = {value:?}");
+            assert_eq!(config.control.socket, PathBuf::from("/run/lb/lb.sock"));
+        }
+    }
+
+    #[test]
+    fn malformed_metrics_address_is_a_parse_error() {
+        let message =
+            parse_error("[dataplane]\ninterface = \"eth0\"\n[control]\nmetrics = \"localhost\"\n");
+        assert!(
+            message.contains("invalid metrics address \"localhost\""),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn unknown_key_is_a_parse_error_naming_the_key() {
+        let message = parse_error(&MINIMAL.replace("interface", "interfase = \"x\"\ninterface"));
+        assert!(message.contains("interfase"), "{message}");
+
+        let message = parse_error(&format!("{MINIMAL}wieght = 2\n"));
+        assert!(message.contains("wieght"), "{message}");
+
+        let message = parse_error(&format!("{MINIMAL}[vip.health]\nintervall = \"2s\"\n"));
+        assert!(message.contains("intervall"), "{message}");
+
+        let message = parse_error(&format!("{MINIMAL}[extra]\n"));
+        assert!(message.contains("extra"), "{message}");
+    }
+
+    #[test]
+    fn missing_required_key_is_a_parse_error() {
+        let message = parse_error(&MINIMAL.replace("protocol = \"tcp\"", ""));
+        assert!(message.contains("protocol"), "{message}");
+    }
+
+    #[test]
+    fn unknown_enum_value_is_a_parse_error() {
+        let message = parse_error(&MINIMAL.replace("\"tcp\"", "\"sctp\""));
+        assert!(message.contains("sctp"), "{message}");
+    }
+
+    #[test]
+    fn malformed_duration_is_a_clear_parse_error() {
+        let message = parse_error(&format!(
+            "{MINIMAL}[vip.health]\ninterval = \"2 parsecs\"\n"
+        ));
+        assert!(
+            message.contains("invalid duration \"2 parsecs\""),
+            "{message}"
+        );
+        assert!(message.contains("interval"), "{message}");
+
+        let message = parse_error(&format!("{MINIMAL}[vip.health]\ninterval = 2\n"));
+        assert!(message.contains("a duration such as"), "{message}");
+    }
+
+    #[test]
+    fn malformed_mac_is_a_clear_parse_error() {
+        let message = parse_error(&format!("{MINIMAL}mac = \"02:00:00:00:0b\"\n"));
+        assert!(
+            message.contains("invalid MAC address \"02:00:00:00:0b\""),
+            "{message}"
+        );
+        assert!(message.contains("mac"), "{message}");
+    }
+
+    #[test]
+    fn mac_parses_and_prints() {
+        let mac: MacAddr = "02:00:00:00:00:0B".parse().unwrap();
+        assert_eq!(mac, MacAddr([2, 0, 0, 0, 0, 0x0b]));
+        assert_eq!(mac.to_string(), "02:00:00:00:00:0b");
+        assert_eq!(format!("{mac:?}"), "02:00:00:00:00:0b");
+        for bad in [
+            "",
+            "02:00:00:00:00",
+            "02:00:00:00:00:0b:0c",
+            "02:00:00:00:00:0",
+            "02:00:00:00:00:0g",
+            "02-00-00-00-00-0b",
+            "02:00:00:00:00:+b",
+            "02:00:00:00:00:0b:",
+        ] {
+            assert!(bad.parse::<MacAddr>().is_err(), "{bad:?} should not parse");
+        }
+    }
+
+    #[test]
+    fn display_matches_serde() {
+        fn serde_name<T: Serialize>(value: T) -> String {
+            #[derive(Serialize)]
+            struct Wrap<T> {
+                v: T,
+            }
+            let text = toml::to_string(&Wrap { v: value }).unwrap();
+            let (_, quoted) = text.trim().split_once(" = ").unwrap();
+            quoted.trim_matches('"').to_owned()
+        }
+        for v in [
+            XdpModeSetting::Native,
+            XdpModeSetting::Generic,
+            XdpModeSetting::Auto,
+        ] {
+            assert_eq!(v.to_string(), serde_name(v));
+        }
+        for v in [Protocol::Tcp, Protocol::Udp] {
+            assert_eq!(v.to_string(), serde_name(v));
+        }
+        for v in [HashMode::FiveTuple, HashMode::SrcIp] {
+            assert_eq!(v.to_string(), serde_name(v));
+        }
+        for v in [HealthKind::Tcp, HealthKind::Http, HealthKind::None] {
+            assert_eq!(v.to_string(), serde_name(v));
+        }
+        for v in [AdminState::Ready, AdminState::Drain, AdminState::Maint] {
+            assert_eq!(v.to_string(), serde_name(v));
+        }
+        assert_eq!(XdpModeSetting::Auto.to_string(), "auto");
+        assert_eq!(HashMode::FiveTuple.to_string(), "5-tuple");
+        assert_eq!(Protocol::Udp.to_string(), "udp");
+    }
+
+    #[test]
+    fn protocol_numbers() {
+        assert_eq!(Protocol::Tcp.number(), 6);
+        assert_eq!(Protocol::Udp.number(), 17);
+    }
+
+    #[test]
+    fn serialized_config_parses_back_unchanged() {
+        let mut config = minimal();
+        config.control.metrics = None;
+        config.vips[0].drain_timeout = Duration::from_millis(1500);
+        config.vips[0].health.kind = HealthKind::Http;
+        config.vips[0].health.path = Some("/healthz".into());
+        config.vips[0].backends[0].mac = Some(MacAddr([2, 0, 0, 0, 0, 0x0b]));
+        config.vips.push(VipConfig {
+            name: "web6".into(),
+            address: "2001:db8::1".parse().unwrap(),
+            backends: vec![backend("2001:db8::2")],
+            ..config.vips[0].clone()
+        });
+        let text = toml::to_string(&config).unwrap();
+        assert_eq!(Config::from_toml(&text).unwrap(), config, "{text}");
+    }
+
+    #[test]
+    fn load_reads_the_file_and_names_it_when_it_cannot() {
+        let dir = std::env::temp_dir().join(format!("lb-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lb.toml");
+        std::fs::write(&path, MINIMAL).unwrap();
+        assert_eq!(Config::load(&path).unwrap(), minimal());
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        match Config::load(&path) {
+            Err(error @ ConfigError::Read { .. }) => {
+                let ConfigError::Read { path: named, .. } = &error else {
+                    unreachable!()
+                };
+                assert_eq!(named, &path);
+                assert!(error.to_string().contains("lb.toml"));
+            }
+            other => panic!("expected a read error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn from_toml_validates() {
+        let text = MINIMAL.replace("port = 80", "port = 0");
+        assert!(matches!(
+            Config::from_toml(&text),
+            Err(ConfigError::Invalid { field, .. }) if field == "vip[0].port"
+        ));
+    }
+
+    #[test]
+    fn invalid_error_names_field_and_reason() {
+        let error = invalid("dataplane.maglev_table_size", "65536 is not a prime");
+        assert_eq!(
+            error.to_string(),
+            "`dataplane.maglev_table_size`: 65536 is not a prime"
+        );
+    }
+
+    // --- dataplane ---
+
+    #[test]
+    fn interface_must_not_be_empty() {
+        assert_eq!(
+            rejected_field(|c| c.dataplane.interface.clear()),
+            "dataplane.interface"
+        );
+    }
+
+    #[test]
+    fn interface_at_most_15_bytes() {
+        let mut config = minimal();
+        config.dataplane.interface = "a".repeat(15);
+        config.validate().unwrap();
+        assert_eq!(
+            rejected_field(|c| c.dataplane.interface = "a".repeat(16)),
+            "dataplane.interface"
+        );
+    }
+
+    #[test]
+    fn interface_without_slash_or_whitespace() {
+        assert_eq!(
+            rejected_field(|c| c.dataplane.interface = "eth/0".into()),
+            "dataplane.interface"
+        );
+        assert_eq!(
+            rejected_field(|c| c.dataplane.interface = "eth 0".into()),
+            "dataplane.interface"
+        );
+        assert_eq!(
+            rejected_field(|c| c.dataplane.interface = "eth0\n".into()),
+            "dataplane.interface"
+        );
+    }
+
+    #[test]
+    fn maglev_table_size_must_be_prime() {
+        assert_eq!(
+            rejected_field(|c| c.dataplane.maglev_table_size = 65536),
+            "dataplane.maglev_table_size"
+        );
+        assert_eq!(
+            rejected_field(|c| c.dataplane.maglev_table_size = 9),
+            "dataplane.maglev_table_size"
+        );
+    }
+
+    #[test]
+    fn maglev_table_size_within_bounds() {
+        for size in [MIN_MAGLEV_TABLE_SIZE, MAX_MAGLEV_TABLE_SIZE] {
+            let mut config = minimal();
+            config.dataplane.maglev_table_size = size;
+            config.validate().unwrap();
+        }
+        for size in [0, 2, 5, 4_194_329] {
+            assert_eq!(
+                rejected_field(|c| c.dataplane.maglev_table_size = size),
+                "dataplane.maglev_table_size",
+                "size {size}"
+            );
+        }
+    }
+
+    #[test]
+    fn conntrack_entries_at_least_one() {
+        assert_eq!(
+            rejected_field(|c| c.dataplane.conntrack_entries = 0),
+            "dataplane.conntrack_entries"
+        );
+    }
+
+    // --- control ---
+
+    #[test]
+    fn control_socket_must_be_absolute() {
+        assert_eq!(
+            rejected_field(|c| c.control.socket = "lb.sock".into()),
+            "control.socket"
+        );
+    }
+
+    #[test]
+    fn metrics_port_must_not_be_zero() {
+        assert_eq!(
+            rejected_field(|c| c.control.metrics = Some(SocketAddr::from(([127, 0, 0, 1], 0)))),
+            "control.metrics"
+        );
+    }
+
+    // --- VIPs ---
+
+    fn numbered_vip(template: &VipConfig, i: usize) -> VipConfig {
+        VipConfig {
+            name: format!("vip{i}"),
+            port: 1000 + i as u16,
+            ..template.clone()
+        }
+    }
+
+    #[test]
+    fn at_most_max_vips() {
+        let mut config = minimal();
+        let template = config.vips[0].clone();
+        config.vips = (0..MAX_VIPS).map(|i| numbered_vip(&template, i)).collect();
+        config.validate().unwrap();
+        assert_eq!(
+            rejected_field(|c| {
+                c.vips = (0..=MAX_VIPS).map(|i| numbered_vip(&template, i)).collect();
+            }),
+            "vip"
+        );
+    }
+
+    #[test]
+    fn vip_name_must_not_be_empty() {
+        assert_eq!(rejected_field(|c| c.vips[0].name.clear()), "vip[0].name");
+    }
+
+    #[test]
+    fn vip_name_charset() {
+        let mut config = minimal();
+        config.vips[0].name = "Web_1.prod-a".into();
+        config.validate().unwrap();
+        for bad in ["web 1", "web/1", "wéb", "web\"", "web{x}"] {
+            assert_eq!(
+                rejected_field(|c| c.vips[0].name = bad.into()),
+                "vip[0].name",
+                "name {bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn vip_names_unique() {
+        let field = rejected_field(|c| {
+            let mut second = c.vips[0].clone();
+            second.port = 443;
+            c.vips.push(second);
+        });
+        assert_eq!(field, "vip[1].name");
+    }
+
+    #[test]
+    fn vip_address_port_protocol_unique() {
+        let field = rejected_field(|c| {
+            let mut second = c.vips[0].clone();
+            second.name = "web2".into();
+            c.vips.push(second);
+        });
+        assert_eq!(field, "vip[1]");
+
+        // The same address and port with another protocol is a different service.
+        let mut config = minimal();
+        let mut udp = config.vips[0].clone();
+        udp.name = "web-udp".into();
+        udp.protocol = Protocol::Udp;
+        config.vips.push(udp);
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn vip_port_not_zero() {
+        assert_eq!(rejected_field(|c| c.vips[0].port = 0), "vip[0].port");
+    }
+
+    #[test]
+    fn vip_address_must_be_usable() {
+        for bad in ["0.0.0.0", "255.255.255.255", "224.0.0.1", "::", "ff02::1"] {
+            assert_eq!(
+                rejected_field(|c| c.vips[0].address = bad.parse().unwrap()),
+                "vip[0].address",
+                "address {bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn errors_index_the_vip() {
+        let field = rejected_field(|c| {
+            let mut second = c.vips[0].clone();
+            second.name = "second".into();
+            second.port = 443;
+            second.backends[0].weight = 0;
+            c.vips.push(second);
+        });
+        assert_eq!(field, "vip[1].backend[0].weight");
+    }
+
+    // --- health ---
+
+    #[test]
+    fn health_interval_positive() {
+        assert_eq!(
+            rejected_field(|c| c.vips[0].health.interval = Duration::ZERO),
+            "vip[0].health.interval"
+        );
+    }
+
+    #[test]
+    fn health_timeout_positive() {
+        assert_eq!(
+            rejected_field(|c| c.vips[0].health.timeout = Duration::ZERO),
+            "vip[0].health.timeout"
+        );
+    }
+
+    #[test]
+    fn health_timeout_not_above_interval() {
+        let mut config = minimal();
+        config.vips[0].health.timeout = config.vips[0].health.interval;
+        config.validate().unwrap();
+        assert_eq!(
+            rejected_field(|c| c.vips[0].health.timeout = Duration::from_millis(2001)),
+            "vip[0].health.timeout"
+        );
+    }
+
+    #[test]
+    fn health_rise_at_least_one() {
+        assert_eq!(
+            rejected_field(|c| c.vips[0].health.rise = 0),
+            "vip[0].health.rise"
+        );
+    }
+
+    #[test]
+    fn health_fall_at_least_one() {
+        assert_eq!(
+            rejected_field(|c| c.vips[0].health.fall = 0),
+            "vip[0].health.fall"
+        );
+    }
+
+    #[test]
+    fn health_port_not_zero() {
+        assert_eq!(
+            rejected_field(|c| c.vips[0].health.port = Some(0)),
+            "vip[0].health.port"
+        );
+    }
+
+    #[test]
+    fn health_path_only_for_http() {
+        for kind in [HealthKind::Tcp, HealthKind::None] {
+            assert_eq!(
+                rejected_field(|c| {
+                    c.vips[0].health.kind = kind;
+                    c.vips[0].health.path = Some("/healthz".into());
+                }),
+                "vip[0].health.path"
+            );
+        }
+    }
+
+    #[test]
+    fn health_path_starts_with_slash() {
+        assert_eq!(
+            rejected_field(|c| {
+                c.vips[0].health.kind = HealthKind::Http;
+                c.vips[0].health.path = Some("healthz".into());
+            }),
+            "vip[0].health.path"
+        );
+    }
+
+    #[test]
+    fn health_path_without_whitespace() {
+        assert_eq!(
+            rejected_field(|c| {
+                c.vips[0].health.kind = HealthKind::Http;
+                c.vips[0].health.path = Some("/a\r\nHost: x".into());
+            }),
+            "vip[0].health.path"
+        );
+    }
+
+    #[test]
+    fn http_path_defaults_to_root() {
+        let mut config = minimal();
+        config.vips[0].health.kind = HealthKind::Http;
+        config.validate().unwrap();
+        assert_eq!(config.vips[0].health.http_path(), "/");
+    }
+
+    #[test]
+    fn health_expect_status_is_an_http_status() {
+        for status in [0, 99, 600] {
+            assert_eq!(
+                rejected_field(|c| c.vips[0].health.expect_status = status),
+                "vip[0].health.expect_status",
+                "status {status}"
+            );
+        }
+        for status in [100, 204, 599] {
+            let mut config = minimal();
+            config.vips[0].health.expect_status = status;
+            config.validate().unwrap();
+        }
+    }
+
+    // --- backends ---
+
+    #[test]
+    fn backend_family_matches_vip() {
+        assert_eq!(
+            rejected_field(|c| c.vips[0].backends.push(backend("2001:db8::1"))),
+            "vip[0].backend[1].address"
+        );
+    }
+
+    #[test]
+    fn backend_addresses_unique_within_vip() {
+        assert_eq!(
+            rejected_field(|c| c.vips[0].backends.push(backend("10.0.0.11"))),
+            "vip[0].backend[1].address"
+        );
+
+        // The same backend may serve several VIPs.
+        let mut config = minimal();
+        let mut second = config.vips[0].clone();
+        second.name = "web2".into();
+        second.port = 443;
+        config.vips.push(second);
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn backend_weight_not_zero() {
+        assert_eq!(
+            rejected_field(|c| c.vips[0].backends[0].weight = 0),
+            "vip[0].backend[0].weight"
+        );
+    }
+
+    #[test]
+    fn backend_weight_at_most_max() {
+        let mut config = minimal();
+        config.vips[0].backends[0].weight = MAX_WEIGHT;
+        config.validate().unwrap();
+        assert_eq!(
+            rejected_field(|c| c.vips[0].backends[0].weight = MAX_WEIGHT + 1),
+            "vip[0].backend[0].weight"
+        );
+    }
+
+    #[test]
+    fn backend_address_must_be_usable() {
+        for bad in ["0.0.0.0", "255.255.255.255", "239.1.2.3"] {
+            assert_eq!(
+                rejected_field(|c| c.vips[0].backends[0].address = bad.parse().unwrap()),
+                "vip[0].backend[0].address",
+                "address {bad}"
+            );
+        }
+        for bad in ["::", "ff02::1"] {
+            let field = rejected_field(|c| {
+                c.vips[0].address = "2001:db8::100".parse().unwrap();
+                c.vips[0].backends[0].address = bad.parse().unwrap();
+            });
+            assert_eq!(field, "vip[0].backend[0].address", "address {bad}");
+        }
+    }
+
+    #[test]
+    fn backend_mac_must_be_unicast() {
+        for bad in [[0xff; 6], [0x01, 0, 0x5e, 0, 0, 1], [0; 6]] {
+            assert_eq!(
+                rejected_field(|c| c.vips[0].backends[0].mac = Some(MacAddr(bad))),
+                "vip[0].backend[0].mac"
+            );
+        }
+    }
+
+    fn backends(count: usize) -> Vec<BackendConfig> {
+        (0..count)
+            .map(|i| backend(&Ipv4Addr::from(0x0a01_0000 + i as u32 + 1).to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn at_most_max_backends_in_total() {
+        let mut config = minimal();
+        let mut second = config.vips[0].clone();
+        second.name = "web2".into();
+        second.port = 443;
+        config.vips.push(second);
+        config.vips[0].backends = backends(MAX_BACKENDS / 2);
+        config.vips[1].backends = backends(MAX_BACKENDS / 2);
+        config.validate().unwrap();
+
+        config.vips[1].backends = backends(MAX_BACKENDS / 2 + 1);
+        assert!(matches!(
+            config.validate(),
+            Err(ConfigError::Invalid { field, .. }) if field == "vip[1].backend"
+        ));
+    }
+
+    #[test]
+    fn backends_fewer_than_maglev_table_size() {
+        let mut config = minimal();
+        config.dataplane.maglev_table_size = 7;
+        config.vips[0].backends = backends(6);
+        config.validate().unwrap();
+        assert_eq!(
+            rejected_field(|c| {
+                c.dataplane.maglev_table_size = 7;
+                c.vips[0].backends = backends(7);
+            }),
+            "vip[0].backend"
+        );
+    }
+}

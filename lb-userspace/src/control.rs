@@ -1,0 +1,222 @@
+//! The control socket: HTTP/1.1 with JSON bodies on a Unix socket that only root can
+//! open (created 0600). `GET /status` returns `Status`.
+
+use std::{
+    collections::BTreeMap,
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+
+use anyhow::{Context, bail};
+use axum::{Json, Router, extract::State, http::StatusCode, routing::get};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
+use tokio::net::{UnixListener, UnixStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::Shared;
+use crate::model::CheckRecord;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Status {
+    pub dataplane: DataplaneStatus,
+    pub vips: Vec<VipStatus>,
+    /// Outcome counters of the program (`lb_common::stat::NAMES`), summed over CPUs.
+    pub counters: BTreeMap<String, u64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DataplaneStatus {
+    pub interface: String,
+    pub interface_mac: String,
+    /// The XDP mode actually attached: "native" or "generic".
+    pub xdp_mode: String,
+    pub maglev_table_size: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VipStatus {
+    pub name: String,
+    pub address: String,
+    pub port: u16,
+    pub protocol: String,
+    pub hash: String,
+    pub packets: u64,
+    pub bytes: u64,
+    pub new_flows: u64,
+    pub healthy_backends: usize,
+    pub unhealthy_backends: usize,
+    pub backends: Vec<BackendStatus>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BackendStatus {
+    pub address: String,
+    pub weight: u32,
+    /// Admin state: "ready", "draining", "drained" or "maint".
+    pub state: String,
+    /// "up", "down" or "unknown" (not checked).
+    pub health: String,
+    pub mac: Option<String>,
+    /// Takes new flows now.
+    pub in_table: bool,
+    /// Maglev slots held.
+    pub slots: usize,
+    /// Flows in the connection table; null while the data path keeps none.
+    pub active_flows: Option<u64>,
+    pub packets: u64,
+    pub bytes: u64,
+    pub new_flows: u64,
+    /// Consecutive check results agreeing with the last one.
+    pub consecutive: u32,
+    pub last_check: Option<CheckRecord>,
+}
+
+/// Binds the socket (0600, parent created 0700 if missing) and serves until `shutdown`.
+pub async fn serve(
+    path: PathBuf,
+    shared: Arc<Mutex<Shared>>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let listener = bind(&path).await?;
+    let app = Router::new()
+        .route("/status", get(status))
+        .with_state(shared);
+    Ok(tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await;
+        if let Err(error) = served {
+            tracing::error!("control socket: {error}");
+        }
+        let _ = std::fs::remove_file(&path);
+    }))
+}
+
+async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(parent) = path.parent()
+        && !parent.exists()
+    {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700))?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).await.is_ok() {
+            bail!("{} is in use: is another agent running?", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
+    }
+    // No window in which the socket is reachable by others: umask before bind, chmod after.
+    let old_mask = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+    let bound = UnixListener::bind(path);
+    nix::sys::stat::umask(old_mask);
+    let listener = bound.with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+async fn status(
+    State(shared): State<Arc<Mutex<Shared>>>,
+) -> Result<Json<Status>, (StatusCode, String)> {
+    let shared = shared.lock().expect("agent state poisoned");
+    shared
+        .status()
+        .map(Json)
+        .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
+/// Sends `GET path` to the agent and returns the body of a 2xx answer.
+pub async fn request(socket: &Path, path: &str) -> anyhow::Result<Vec<u8>> {
+    let stream = UnixStream::connect(socket).await.with_context(|| {
+        format!(
+            "cannot reach the agent at {} (is `lb run` running?)",
+            socket.display()
+        )
+    })?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(connection);
+    let request = hyper::Request::get(path)
+        .header(hyper::header::HOST, "lb")
+        .body(Empty::<Bytes>::new())?;
+    let response = sender.send_request(request).await?;
+    let code = response.status();
+    let body = response.into_body().collect().await?.to_bytes().to_vec();
+    if !code.is_success() {
+        bail!("agent answered {code}: {}", String::from_utf8_lossy(&body));
+    }
+    Ok(body)
+}
+
+/// The status as a table for people.
+pub fn render(status: &Status) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let d = &status.dataplane;
+    let _ = writeln!(
+        out,
+        "data path: {} ({}) xdp mode {}, maglev table {} slots",
+        d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size
+    );
+    for vip in &status.vips {
+        let _ = writeln!(
+            out,
+            "\nvip {} {}:{}/{} hash {}: {} healthy, {} unhealthy, {} packets, {} new flows",
+            vip.name,
+            vip.address,
+            vip.port,
+            vip.protocol,
+            vip.hash,
+            vip.healthy_backends,
+            vip.unhealthy_backends,
+            vip.packets,
+            vip.new_flows
+        );
+        let _ = writeln!(
+            out,
+            "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>10} {:>12} {:>9}  last check",
+            "backend", "weight", "state", "health", "mac", "slots", "packets", "bytes", "new_flows"
+        );
+        for b in &vip.backends {
+            let check = match &b.last_check {
+                None => "-".to_string(),
+                Some(c) if c.ok => format!("ok {:.1}ms", c.latency_ms),
+                Some(c) => format!("failed: {}", c.error.as_deref().unwrap_or("?")),
+            };
+            let _ = writeln!(
+                out,
+                "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>10} {:>12} {:>9}  {}",
+                b.address,
+                b.weight,
+                b.state,
+                b.health,
+                b.mac.as_deref().unwrap_or("unresolved"),
+                b.slots,
+                b.packets,
+                b.bytes,
+                b.new_flows,
+                check
+            );
+        }
+    }
+    let nonzero: Vec<String> = status
+        .counters
+        .iter()
+        .filter(|(_, v)| **v > 0)
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    let _ = writeln!(
+        out,
+        "\ncounters: {}",
+        if nonzero.is_empty() {
+            "none yet".into()
+        } else {
+            nonzero.join(" ")
+        }
+    );
+    out
+}

@@ -1,0 +1,383 @@
+//! The agent's view of its VIPs and backends, and the pure step from it to the tables
+//! the data path should hold (`Model::desired`).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::IpAddr;
+
+use lb_common::{
+    ADDR_FAMILY_V4, ADDR_FAMILY_V6, BackendInfo, MAX_BACKENDS, MAX_VIPS, VIP_F_HASH_SRC_IP, VipKey,
+    maglev::{MaglevBackend, build_table},
+};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{AdminState, BackendConfig, Config, HashMode, HealthKind, MacAddr, VipConfig};
+use crate::tables::{Desired, DesiredVip};
+
+/// What the health checks say of a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Health {
+    Up,
+    Down,
+    /// Not checked (`kind = "none"`): trusted.
+    Unknown,
+}
+
+/// The result of one health check.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckRecord {
+    pub ok: bool,
+    pub latency_ms: f64,
+    /// Why it failed ("connection refused", "timeout", "status 503" ...).
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackendState {
+    pub id: u32,
+    pub config: BackendConfig,
+    /// From the config, else from the neighbour table.
+    pub mac: Option<MacAddr>,
+    pub health: Health,
+    /// Consecutive results agreeing with each other (rise/fall progress).
+    pub streak: u32,
+    pub last_check: Option<CheckRecord>,
+}
+
+impl BackendState {
+    /// May new flows go to this backend?
+    pub fn in_table(&self) -> bool {
+        self.config.state == AdminState::Ready && self.mac.is_some() && self.health != Health::Down
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct VipState {
+    pub id: u32,
+    pub config: VipConfig,
+    pub backends: Vec<BackendState>,
+}
+
+impl VipState {
+    pub fn key(&self) -> VipKey {
+        vip_key(
+            self.config.address,
+            self.config.port,
+            self.config.protocol.number(),
+        )
+    }
+}
+
+/// The data-path key of a VIP.
+pub fn vip_key(address: IpAddr, port: u16, proto: u8) -> VipKey {
+    let mut addr = [0u8; 16];
+    let family = match address {
+        IpAddr::V4(a) => {
+            addr[..4].copy_from_slice(&a.octets());
+            ADDR_FAMILY_V4
+        }
+        IpAddr::V6(a) => {
+            addr.copy_from_slice(&a.octets());
+            ADDR_FAMILY_V6
+        }
+    };
+    VipKey {
+        addr,
+        port: port.to_be(),
+        proto,
+        family,
+    }
+}
+
+/// Hands out small integer ids, reusing freed ones oldest-first.
+#[derive(Clone, Debug)]
+pub struct IdPool {
+    free: VecDeque<u32>,
+}
+
+impl IdPool {
+    pub fn new(capacity: u32) -> Self {
+        Self {
+            free: (0..capacity).collect(),
+        }
+    }
+    pub fn take(&mut self) -> Option<u32> {
+        self.free.pop_front()
+    }
+    pub fn give_back(&mut self, id: u32) {
+        self.free.push_back(id);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("no free {0} id left")]
+    Exhausted(&'static str),
+}
+
+/// Every VIP and backend the agent serves, with ids stable across updates.
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub table_size: u32,
+    pub vips: Vec<VipState>,
+    vip_ids: IdPool,
+    backend_ids: IdPool,
+}
+
+impl Model {
+    pub fn new(table_size: u32) -> Self {
+        Self {
+            table_size,
+            vips: Vec::new(),
+            vip_ids: IdPool::new(MAX_VIPS),
+            backend_ids: IdPool::new(MAX_BACKENDS),
+        }
+    }
+
+    /// Makes the model follow `config`'s VIPs and backends. VIPs (by name) and backends
+    /// (by VIP and address) that stay keep their ids, MACs and health; new ones start
+    /// down until checked (or unknown when unchecked); gone ones free their ids.
+    pub fn update(&mut self, config: &Config) -> Result<(), ModelError> {
+        let mut old: Vec<VipState> = std::mem::take(&mut self.vips);
+        for vip_config in &config.vips {
+            let previous = old
+                .iter()
+                .position(|v| v.config.name == vip_config.name)
+                .map(|i| old.swap_remove(i));
+            let (id, mut old_backends) = match previous {
+                Some(v) => (v.id, v.backends),
+                None => (
+                    self.vip_ids.take().ok_or(ModelError::Exhausted("VIP"))?,
+                    Vec::new(),
+                ),
+            };
+            let mut backends = Vec::with_capacity(vip_config.backends.len());
+            for backend_config in &vip_config.backends {
+                let kept = old_backends
+                    .iter()
+                    .position(|b| b.config.address == backend_config.address)
+                    .map(|i| old_backends.swap_remove(i));
+                let state = match kept {
+                    Some(mut b) => {
+                        if let Some(mac) = backend_config.mac {
+                            b.mac = Some(mac);
+                        }
+                        if vip_config.health.kind == HealthKind::None {
+                            b.health = Health::Unknown;
+                        } else if b.health == Health::Unknown {
+                            b.health = Health::Down;
+                        }
+                        b.config = backend_config.clone();
+                        b
+                    }
+                    None => BackendState {
+                        id: self
+                            .backend_ids
+                            .take()
+                            .ok_or(ModelError::Exhausted("backend"))?,
+                        config: backend_config.clone(),
+                        mac: backend_config.mac,
+                        health: initial_health(vip_config),
+                        streak: 0,
+                        last_check: None,
+                    },
+                };
+                backends.push(state);
+            }
+            for gone in old_backends {
+                self.backend_ids.give_back(gone.id);
+            }
+            self.vips.push(VipState {
+                id,
+                config: vip_config.clone(),
+                backends,
+            });
+        }
+        for gone in old {
+            self.vip_ids.give_back(gone.id);
+            for b in gone.backends {
+                self.backend_ids.give_back(b.id);
+            }
+        }
+        Ok(())
+    }
+
+    /// The tables the data path should hold now.
+    pub fn desired(&self) -> Desired {
+        let mut desired = Desired::default();
+        for vip in &self.vips {
+            let members: Vec<MaglevBackend> = vip
+                .backends
+                .iter()
+                .filter(|b| b.in_table())
+                .map(|b| MaglevBackend {
+                    id: b.id,
+                    address: b.config.address,
+                    weight: b.config.weight,
+                })
+                .collect();
+            for b in &vip.backends {
+                if let Some(mac) = b.mac {
+                    desired.backends.insert(
+                        b.id,
+                        BackendInfo {
+                            mac: mac.0,
+                            _pad: [0; 2],
+                        },
+                    );
+                }
+            }
+            desired.vips.push(DesiredVip {
+                key: vip.key(),
+                vip_id: vip.id,
+                flags: match vip.config.hash {
+                    HashMode::FiveTuple => 0,
+                    HashMode::SrcIp => VIP_F_HASH_SRC_IP,
+                },
+                table: build_table(&members, self.table_size),
+            });
+        }
+        desired
+    }
+
+    /// Every backend, for iteration with its VIP.
+    pub fn backends_mut(&mut self) -> impl Iterator<Item = &mut BackendState> {
+        self.vips.iter_mut().flat_map(|v| v.backends.iter_mut())
+    }
+
+    /// Slots each backend holds in its VIP's current desired table.
+    pub fn slot_counts(desired: &Desired) -> BTreeMap<u32, usize> {
+        let mut counts = BTreeMap::new();
+        for vip in &desired.vips {
+            for &id in &vip.table {
+                *counts.entry(id).or_default() += 1;
+            }
+        }
+        counts
+    }
+}
+
+fn initial_health(vip: &VipConfig) -> Health {
+    match vip.health.kind {
+        HealthKind::None => Health::Unknown,
+        // Down until the first checks pass: a backend that never started gets no traffic.
+        HealthKind::Tcp | HealthKind::Http => Health::Down,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lb_common::BACKEND_NONE;
+
+    fn config(backends: &[(&str, &str)], kind: &str) -> Config {
+        let mut text = format!(
+            "[dataplane]\ninterface = \"eth0\"\nmaglev_table_size = 7\n\
+             [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+             [vip.health]\nkind = \"{kind}\"\n"
+        );
+        for (address, extra) in backends {
+            text += &format!("[[vip.backend]]\naddress = \"{address}\"\n{extra}\n");
+        }
+        Config::from_toml(&text).unwrap()
+    }
+
+    fn resolve_all(model: &mut Model) {
+        for b in model.backends_mut() {
+            b.mac = Some(MacAddr([2, 0, 0, 0, 0, b.id as u8]));
+        }
+    }
+
+    #[test]
+    fn unchecked_backends_with_a_mac_are_in_the_table() {
+        let mut model = Model::new(7);
+        model
+            .update(&config(&[("10.0.0.11", ""), ("10.0.0.12", "")], "none"))
+            .unwrap();
+        assert!(
+            model.desired().vips[0]
+                .table
+                .iter()
+                .all(|&id| id == BACKEND_NONE),
+            "no MAC yet"
+        );
+        resolve_all(&mut model);
+        let desired = model.desired();
+        let counts = Model::slot_counts(&desired);
+        assert_eq!(counts.len(), 2, "{counts:?}");
+        assert_eq!(desired.backends.len(), 2);
+    }
+
+    #[test]
+    fn checked_backends_start_down_and_drained_ones_stay_out() {
+        let mut model = Model::new(7);
+        model
+            .update(&config(
+                &[("10.0.0.11", ""), ("10.0.0.12", "state = \"drain\"")],
+                "tcp",
+            ))
+            .unwrap();
+        resolve_all(&mut model);
+        assert!(
+            model.desired().vips[0]
+                .table
+                .iter()
+                .all(|&id| id == BACKEND_NONE)
+        );
+        for b in model.backends_mut() {
+            b.health = Health::Up;
+        }
+        let table = &model.desired().vips[0].table;
+        let first = model.vips[0].backends[0].id;
+        assert!(
+            table.iter().all(|&id| id == first),
+            "drained backend took slots: {table:?}"
+        );
+    }
+
+    #[test]
+    fn update_keeps_ids_macs_and_health_of_unchanged_backends() {
+        let mut model = Model::new(7);
+        model
+            .update(&config(&[("10.0.0.11", ""), ("10.0.0.12", "")], "tcp"))
+            .unwrap();
+        resolve_all(&mut model);
+        model.vips[0].backends[0].health = Health::Up;
+        let before = model.vips[0].backends[0].clone();
+        model
+            .update(&config(
+                &[("10.0.0.13", ""), ("10.0.0.11", "weight = 3")],
+                "tcp",
+            ))
+            .unwrap();
+        let kept = model.vips[0]
+            .backends
+            .iter()
+            .find(|b| b.config.address == before.config.address)
+            .unwrap();
+        assert_eq!(
+            (kept.id, kept.mac, kept.health),
+            (before.id, before.mac, before.health)
+        );
+        assert_eq!(kept.config.weight, 3);
+        let new = model.vips[0]
+            .backends
+            .iter()
+            .find(|b| b.config.address.to_string() == "10.0.0.13")
+            .unwrap();
+        assert_eq!(new.health, Health::Down);
+        assert_ne!(new.id, before.id);
+    }
+
+    #[test]
+    fn freed_ids_are_reused_last() {
+        let mut pool = IdPool::new(3);
+        let a = pool.take().unwrap();
+        pool.give_back(a);
+        assert_eq!(
+            pool.take(),
+            Some(1),
+            "a freed id waits behind never-used ones"
+        );
+    }
+}

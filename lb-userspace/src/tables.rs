@@ -1,0 +1,281 @@
+//! "What should be" and "write only what changed".
+//!
+//! `Desired` is computed purely from the agent's view of VIPs and backends. `TableWriter`
+//! turns it into data-path writes: backends first, then each changed VIP's new table
+//! into the generation no packet is reading, then one `LB_VIPS` update that switches the
+//! VIP to it. A packet sees either the whole old table or the whole new one.
+
+use std::collections::{BTreeMap, HashMap};
+
+use lb_common::{BackendInfo, TABLE_GENERATIONS, VipInfo, VipKey};
+
+use crate::dataplane::{Dataplane, DataplaneError};
+
+/// One VIP as the data path should have it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DesiredVip {
+    pub key: VipKey,
+    pub vip_id: u32,
+    pub flags: u32,
+    /// Backend id per slot (`BACKEND_NONE` where no backend is usable).
+    pub table: Vec<u32>,
+}
+
+/// The whole data path as it should be.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Desired {
+    pub vips: Vec<DesiredVip>,
+    pub backends: BTreeMap<u32, BackendInfo>,
+}
+
+/// What one `apply` wrote.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub slots_written: usize,
+    pub tables_switched: usize,
+    pub vips_removed: usize,
+    pub backends_written: usize,
+}
+
+#[derive(Debug, Default)]
+struct VipTables {
+    /// The generation `LB_VIPS` points at, when the VIP is in the map.
+    active: Option<u32>,
+    /// What each generation's slots hold, as far as we wrote them.
+    contents: [Option<Vec<u32>>; TABLE_GENERATIONS as usize],
+}
+
+/// Remembers what was written, so the next `apply` writes only differences.
+#[derive(Debug)]
+pub struct TableWriter {
+    table_size: u32,
+    /// By vip id: kept after a VIP is removed, so a reused id knows its slots' contents.
+    tables: HashMap<u32, VipTables>,
+    vips: HashMap<VipKey, VipInfo>,
+    backends: HashMap<u32, BackendInfo>,
+}
+
+impl TableWriter {
+    pub fn new(table_size: u32) -> Self {
+        Self {
+            table_size,
+            tables: HashMap::new(),
+            vips: HashMap::new(),
+            backends: HashMap::new(),
+        }
+    }
+
+    pub fn apply<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        desired: &Desired,
+    ) -> Result<ApplyReport, DataplaneError> {
+        let mut report = ApplyReport::default();
+
+        // Backends before the tables that name them.
+        for (&id, info) in &desired.backends {
+            if self.backends.get(&id) != Some(info) {
+                dataplane.set_backend(id, info)?;
+                self.backends.insert(id, *info);
+                report.backends_written += 1;
+            }
+        }
+
+        for vip in &desired.vips {
+            assert_eq!(
+                vip.table.len(),
+                self.table_size as usize,
+                "table of the wrong size"
+            );
+            let tables = self.tables.entry(vip.vip_id).or_default();
+            let unchanged = tables
+                .active
+                .and_then(|g| tables.contents[g as usize].as_ref())
+                .is_some_and(|active| *active == vip.table);
+            let generation = match (unchanged, tables.active) {
+                (true, Some(active)) => active,
+                (_, active) => {
+                    let target = active.map_or(0, |g| (g + 1) % TABLE_GENERATIONS);
+                    let base = VipInfo::table_base_for(vip.vip_id, target, self.table_size);
+                    let previous = tables.contents[target as usize].as_deref();
+                    let changes: Vec<(u32, u32)> = vip
+                        .table
+                        .iter()
+                        .enumerate()
+                        .filter(|(slot, id)| previous.is_none_or(|p| p[*slot] != **id))
+                        .map(|(slot, &id)| (base + slot as u32, id))
+                        .collect();
+                    dataplane.write_slots(&changes)?;
+                    report.slots_written += changes.len();
+                    report.tables_switched += 1;
+                    tables.contents[target as usize] = Some(vip.table.clone());
+                    target
+                }
+            };
+            let info = VipInfo {
+                vip_id: vip.vip_id,
+                table_base: VipInfo::table_base_for(vip.vip_id, generation, self.table_size),
+                flags: vip.flags,
+                _pad: 0,
+            };
+            if self.vips.get(&vip.key) != Some(&info) {
+                dataplane.set_vip(&vip.key, &info)?;
+                self.vips.insert(vip.key, info);
+            }
+            tables.active = Some(generation);
+        }
+
+        let gone: Vec<VipKey> = self
+            .vips
+            .keys()
+            .filter(|key| !desired.vips.iter().any(|v| v.key == **key))
+            .copied()
+            .collect();
+        for key in gone {
+            dataplane.remove_vip(&key)?;
+            if let Some(info) = self.vips.remove(&key)
+                && let Some(tables) = self.tables.get_mut(&info.vip_id)
+            {
+                tables.active = None;
+            }
+            report.vips_removed += 1;
+        }
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::{MemoryDataplane, Write};
+    use lb_common::BACKEND_NONE;
+
+    const SIZE: u32 = 7;
+
+    fn key(last: u8) -> VipKey {
+        VipKey {
+            addr: [10, 0, 0, last, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            port: 80u16.to_be(),
+            proto: 6,
+            family: 4,
+        }
+    }
+
+    fn desired(table: [u32; 7]) -> Desired {
+        let mut backends = BTreeMap::new();
+        for id in table.iter().filter(|&&id| id != BACKEND_NONE) {
+            backends.insert(
+                *id,
+                BackendInfo {
+                    mac: [2, 0, 0, 0, 0, *id as u8],
+                    _pad: [0; 2],
+                },
+            );
+        }
+        Desired {
+            vips: vec![DesiredVip {
+                key: key(100),
+                vip_id: 3,
+                flags: 0,
+                table: table.to_vec(),
+            }],
+            backends,
+        }
+    }
+
+    /// The backend the data path would pick for `slot`, read like the kernel does.
+    fn lookup(dp: &MemoryDataplane, key: &VipKey, slot: u32) -> u32 {
+        let info = dp.vips[key];
+        dp.maglev[&(info.table_base + slot)]
+    }
+
+    #[test]
+    fn first_apply_writes_everything_then_nothing() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        let want = desired([1, 2, 1, 2, 1, 2, 1]);
+        let report = writer.apply(&mut dp, &want).unwrap();
+        assert_eq!(report.slots_written, 7);
+        assert_eq!(report.backends_written, 2);
+        for slot in 0..SIZE {
+            assert_eq!(
+                lookup(&dp, &key(100), slot),
+                want.vips[0].table[slot as usize]
+            );
+        }
+        let again = writer.apply(&mut dp, &want).unwrap();
+        assert_eq!(again, ApplyReport::default());
+    }
+
+    #[test]
+    fn a_new_table_goes_to_the_idle_generation_then_switches() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        writer
+            .apply(&mut dp, &desired([1, 2, 1, 2, 1, 2, 1]))
+            .unwrap();
+        let active_base = dp.vips[&key(100)].table_base;
+        dp.log.clear();
+
+        writer
+            .apply(&mut dp, &desired([1, 3, 1, 3, 1, 3, 1]))
+            .unwrap();
+        let active_range = active_base..active_base + SIZE;
+        // Every slot write lands outside the table packets are reading, and the switch
+        // (the VIP update) comes after all of them.
+        let switch_at = dp
+            .log
+            .iter()
+            .position(|w| matches!(w, Write::Vip(..)))
+            .unwrap();
+        for (i, write) in dp.log.iter().enumerate() {
+            if let Write::Slots(slots) = write {
+                assert!(i < switch_at, "slots written after the switch");
+                assert!(
+                    slots.iter().all(|(s, _)| !active_range.contains(s)),
+                    "{slots:?}"
+                );
+            }
+        }
+        assert_ne!(dp.vips[&key(100)].table_base, active_base);
+        assert_eq!(lookup(&dp, &key(100), 1), 3);
+    }
+
+    #[test]
+    fn only_changed_slots_are_written() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        writer
+            .apply(&mut dp, &desired([1, 2, 1, 2, 1, 2, 1]))
+            .unwrap();
+        writer
+            .apply(&mut dp, &desired([1, 2, 1, 2, 1, 2, 2]))
+            .unwrap();
+        // Generation 0 holds the first table; changing one slot back writes one slot.
+        let report = writer
+            .apply(&mut dp, &desired([1, 2, 1, 2, 1, 2, 1]))
+            .unwrap();
+        assert_eq!(
+            report.slots_written, 0,
+            "generation 0 already holds this table"
+        );
+        assert_eq!(report.tables_switched, 1);
+        // Generation 1 holds [.., 2, 2]: only slot 5 differs from the new table.
+        let report = writer
+            .apply(&mut dp, &desired([1, 2, 1, 2, 1, 1, 2]))
+            .unwrap();
+        assert_eq!(report.slots_written, 1);
+        assert_eq!(lookup(&dp, &key(100), 5), 1);
+        assert_eq!(lookup(&dp, &key(100), 6), 2);
+    }
+
+    #[test]
+    fn removed_vips_leave_the_map() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        writer.apply(&mut dp, &desired([1; 7])).unwrap();
+        let report = writer.apply(&mut dp, &Desired::default()).unwrap();
+        assert_eq!(report.vips_removed, 1);
+        assert!(dp.vips.is_empty());
+    }
+}
