@@ -29,7 +29,10 @@ mod program {
     pub fn lb_xdp(ctx: XdpContext) -> u32 {
         let verdict = balance(&ctx).unwrap_or_else(|verdict| verdict);
         count(verdict.action);
-        count(verdict.reason);
+        // A forwarded packet's reason is its action: count it once.
+        if verdict.reason != verdict.action {
+            count(verdict.reason);
+        }
         verdict.action
     }
 
