@@ -2,7 +2,7 @@
 //! the control socket, and stop cleanly on SIGINT/SIGTERM.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     path::PathBuf,
     sync::{Arc, Mutex},
     time::Duration,
@@ -18,6 +18,7 @@ use crate::{
     config::{AdminState, Config, HashMode},
     control::{self, BackendStatus, DataplaneStatus, Status, VipStatus},
     dataplane::{AttachedMode, AyaDataplane, Dataplane, LoadOptions, vip_capacity},
+    health,
     model::{Health, Model},
     neighbor::{Interface, Neighbors},
     tables::{Desired, TableWriter},
@@ -211,6 +212,8 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
         shutdown.clone(),
     )
     .await?;
+    let health_tasks = Arc::new(Mutex::new(HashSet::new()));
+    health::spawn_checks(&shared, &health_tasks, &shutdown);
 
     println!(
         "serving {} VIP(s) on {} (xdp mode: {mode}); control socket {}",

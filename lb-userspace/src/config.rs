@@ -176,6 +176,13 @@ pub struct HealthConfig {
     pub timeout: Duration,
     pub rise: u32,
     pub fall: u32,
+    /// Interval while a backend is changing state (some but not yet `rise`/`fall`
+    /// results towards the other state), so a decision comes sooner. Default: interval/4.
+    #[serde(with = "option_duration", skip_serializing_if = "Option::is_none")]
+    pub fast_interval: Option<Duration>,
+    /// Interval while a backend is down and not recovering. Default: the interval.
+    #[serde(with = "option_duration", skip_serializing_if = "Option::is_none")]
+    pub down_interval: Option<Duration>,
     /// Defaults to the VIP's port; see [`VipConfig::health_port`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
@@ -194,6 +201,8 @@ impl Default for HealthConfig {
             timeout: Duration::from_secs(1),
             rise: 2,
             fall: 3,
+            fast_interval: None,
+            down_interval: None,
             port: None,
             path: None,
             expect_status: 200,
@@ -205,6 +214,16 @@ impl HealthConfig {
     /// The path an HTTP check requests.
     pub fn http_path(&self) -> &str {
         self.path.as_deref().unwrap_or("/")
+    }
+
+    /// See `fast_interval`.
+    pub fn fast_interval(&self) -> Duration {
+        self.fast_interval.unwrap_or(self.interval / 4)
+    }
+
+    /// See `down_interval`.
+    pub fn down_interval(&self) -> Duration {
+        self.down_interval.unwrap_or(self.interval)
     }
 }
 
@@ -360,6 +379,29 @@ mod duration {
                 ))
             })
         }
+    }
+}
+
+/// An optional duration, written like `duration`.
+mod option_duration {
+    use std::time::Duration;
+
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        value: &Option<Duration>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(d) => super::duration::serialize(d, serializer),
+            None => serializer.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<Duration>, D::Error> {
+        super::duration::deserialize(deserializer).map(Some)
     }
 }
 
@@ -651,6 +693,14 @@ impl HealthConfig {
                 ),
             ));
         }
+        for (name, value) in [
+            ("fast_interval", self.fast_interval),
+            ("down_interval", self.down_interval),
+        ] {
+            if value.is_some_and(|d| d.is_zero()) {
+                return Err(invalid(format!("{at}.{name}"), "must be greater than 0"));
+            }
+        }
         if self.rise == 0 {
             return Err(invalid(format!("{at}.rise"), "must be at least 1"));
         }
@@ -809,6 +859,8 @@ address = "10.0.0.11"
                     timeout: Duration::from_secs(1),
                     rise: 2,
                     fall: 3,
+                    fast_interval: None,
+                    down_interval: None,
                     port: None,
                     path: None,
                     expect_status: 200,
@@ -817,6 +869,28 @@ address = "10.0.0.11"
             }]
         );
         assert_eq!(config.vips[0].health_port(), 80);
+    }
+
+    #[test]
+    fn fast_and_down_intervals_default_from_interval() {
+        let config = Config::from_toml(EXAMPLE).unwrap();
+        let health = &config.vips[0].health;
+        assert_eq!(health.fast_interval(), Duration::from_millis(500));
+        assert_eq!(health.down_interval(), Duration::from_secs(2));
+        let text = EXAMPLE.replace(
+            "rise = 2",
+            "rise = 2\nfast_interval = \"200ms\"\ndown_interval = \"10s\"",
+        );
+        let health = Config::from_toml(&text).unwrap().vips[0].health.clone();
+        assert_eq!(health.fast_interval(), Duration::from_millis(200));
+        assert_eq!(health.down_interval(), Duration::from_secs(10));
+        let zero = EXAMPLE.replace("rise = 2", "rise = 2\nfast_interval = \"0s\"");
+        match Config::from_toml(&zero) {
+            Err(ConfigError::Invalid { field, .. }) => {
+                assert_eq!(field, "vip[0].health.fast_interval")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -1,0 +1,427 @@
+//! Health checks: TCP connect or HTTP GET against each backend's own address, with
+//! HAProxy's consecutive rise/fall semantics.
+//!
+//! Intervals: `interval` while stable and up; `fast_interval` while a backend is changing
+//! state (it has some, but not yet `rise`/`fall`, results towards the other state), so the
+//! decision comes sooner; `down_interval` while down and not recovering. Every delay has
+//! ±10% jitter and the first check waits a random part of `fast_interval`, so a hundred
+//! backends are not probed at the same instant.
+
+use std::{
+    collections::HashSet,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    agent::Shared,
+    config::{HealthConfig, HealthKind},
+    model::{CheckRecord, Health},
+};
+
+/// Most of an HTTP check's body that is read (and then discarded).
+const HTTP_BODY_CAP: usize = 64 * 1024;
+
+/// Consecutive-result bookkeeping of one backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckState {
+    pub health: Health,
+    /// Consecutive results equal to `last_ok`.
+    pub streak: u32,
+    pub last_ok: Option<bool>,
+}
+
+impl CheckState {
+    /// Records one result; returns the new health when it changed.
+    pub fn observe(&mut self, ok: bool, rise: u32, fall: u32) -> Option<Health> {
+        self.streak = if self.last_ok == Some(ok) {
+            self.streak + 1
+        } else {
+            1
+        };
+        self.last_ok = Some(ok);
+        let next = match (self.health, ok) {
+            (Health::Up, false) if self.streak >= fall => Health::Down,
+            (Health::Down | Health::Unknown, true) if self.streak >= rise => Health::Up,
+            _ => return None,
+        };
+        self.health = next;
+        Some(next)
+    }
+
+    /// Has some results towards the other state, but not enough yet.
+    pub fn transitioning(&self) -> bool {
+        matches!(
+            (self.health, self.last_ok),
+            (Health::Up, Some(false)) | (Health::Down, Some(true))
+        )
+    }
+
+    /// Delay before the next check, before jitter.
+    pub fn next_interval(&self, config: &HealthConfig) -> Duration {
+        if self.transitioning() {
+            config.fast_interval()
+        } else if self.health == Health::Down {
+            config.down_interval()
+        } else {
+            config.interval
+        }
+    }
+}
+
+/// `base` scaled by a factor in [0.9, 1.1].
+pub fn jittered(base: Duration) -> Duration {
+    base.mul_f64(0.9 + fastrand::f64() * 0.2)
+}
+
+/// Runs one check of `kind` against `target`.
+pub async fn check(config: &HealthConfig, target: SocketAddr) -> CheckRecord {
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(config.timeout, async {
+        match config.kind {
+            HealthKind::Tcp => TcpStream::connect(target)
+                .await
+                .map(drop)
+                .map_err(describe_io),
+            HealthKind::Http => http_check(config, target).await,
+            HealthKind::None => Ok(()),
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        Err(format!(
+            "timeout after {}",
+            humantime::format_duration(config.timeout)
+        ))
+    });
+    CheckRecord {
+        ok: outcome.is_ok(),
+        latency_ms: started.elapsed().as_secs_f64() * 1000.0,
+        error: outcome.err(),
+    }
+}
+
+async fn http_check(config: &HealthConfig, target: SocketAddr) -> Result<(), String> {
+    let stream = TcpStream::connect(target).await.map_err(describe_io)?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("http: {e}"))?;
+    tokio::spawn(connection);
+    let request = hyper::Request::get(config.http_path())
+        .header(hyper::header::HOST, target.ip().to_string())
+        .header(hyper::header::USER_AGENT, "lb-health-check")
+        .header(hyper::header::CONNECTION, "close")
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| format!("http request: {e}"))?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| format!("http: {e}"))?;
+    let status = response.status().as_u16();
+    // Read (a bounded part of) the body: an application that answers headers and then
+    // hangs is not healthy.
+    Limited::new(response.into_body(), HTTP_BODY_CAP)
+        .collect()
+        .await
+        .map_err(|e| format!("http body: {e}"))?;
+    if status != config.expect_status {
+        return Err(format!(
+            "status {status} (expected {})",
+            config.expect_status
+        ));
+    }
+    Ok(())
+}
+
+fn describe_io(error: std::io::Error) -> String {
+    match error.kind() {
+        std::io::ErrorKind::ConnectionRefused => "connection refused".into(),
+        std::io::ErrorKind::ConnectionReset => "connection reset".into(),
+        _ => error.to_string(),
+    }
+}
+
+/// Starts a check task for every checked backend that has none yet. Tasks end by
+/// themselves when their backend leaves the model or stops being checked.
+pub fn spawn_checks(
+    shared: &Arc<Mutex<Shared>>,
+    running: &Arc<Mutex<HashSet<u32>>>,
+    shutdown: &CancellationToken,
+) {
+    let targets: Vec<u32> = {
+        let shared = shared.lock().expect("agent state poisoned");
+        shared
+            .model
+            .vips
+            .iter()
+            .filter(|v| v.config.health.kind != HealthKind::None)
+            .flat_map(|v| v.backends.iter().map(|b| b.id))
+            .collect()
+    };
+    let mut running_ids = running.lock().expect("health task set poisoned");
+    for id in targets {
+        if running_ids.insert(id) {
+            tokio::spawn(check_loop(
+                id,
+                shared.clone(),
+                running.clone(),
+                shutdown.clone(),
+            ));
+        }
+    }
+}
+
+async fn check_loop(
+    id: u32,
+    shared: Arc<Mutex<Shared>>,
+    running: Arc<Mutex<HashSet<u32>>>,
+    shutdown: CancellationToken,
+) {
+    let mut first = true;
+    // Read what to check under the lock, check without it.
+    while let Some((config, target, state)) = target_of(&shared, id) {
+        let delay = if first {
+            config.fast_interval().mul_f64(fastrand::f64())
+        } else {
+            jittered(state.next_interval(&config))
+        };
+        first = false;
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        let record = check(&config, target).await;
+        let mut shared = shared.lock().expect("agent state poisoned");
+        let Some((vip, backend)) = shared.model.vips.iter_mut().find_map(|v| {
+            let name = v.config.name.clone();
+            v.backends
+                .iter_mut()
+                .find(|b| b.id == id)
+                .map(|b| (name, b))
+        }) else {
+            break;
+        };
+        let mut state = CheckState {
+            health: backend.health,
+            streak: backend.streak,
+            last_ok: backend.last_check.as_ref().map(|c| c.ok),
+        };
+        let changed = state.observe(record.ok, config.rise, config.fall);
+        backend.health = state.health;
+        backend.streak = state.streak;
+        let address = backend.config.address;
+        let reason = record
+            .error
+            .clone()
+            .unwrap_or_else(|| format!("{:.1}ms", record.latency_ms));
+        backend.last_check = Some(record);
+        if let Some(health) = changed {
+            let (word, threshold) = match health {
+                Health::Up => ("UP", "successes"),
+                _ => ("DOWN", "failures"),
+            };
+            tracing::warn!(
+                "backend {address} of vip {vip} is {word}: {reason} ({} consecutive {threshold})",
+                state.streak
+            );
+            if let Err(error) = shared.sync() {
+                tracing::error!("writing tables after a health change: {error:#}");
+            }
+        }
+    }
+    running
+        .lock()
+        .expect("health task set poisoned")
+        .remove(&id);
+}
+
+fn target_of(
+    shared: &Arc<Mutex<Shared>>,
+    id: u32,
+) -> Option<(HealthConfig, SocketAddr, CheckState)> {
+    let shared = shared.lock().expect("agent state poisoned");
+    shared.model.vips.iter().find_map(|v| {
+        if v.config.health.kind == HealthKind::None {
+            return None;
+        }
+        v.backends.iter().find(|b| b.id == id).map(|b| {
+            (
+                v.config.health.clone(),
+                SocketAddr::new(b.config.address, v.config.health_port()),
+                CheckState {
+                    health: b.health,
+                    streak: b.streak,
+                    last_ok: b.last_check.as_ref().map(|c| c.ok),
+                },
+            )
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn down() -> CheckState {
+        CheckState {
+            health: Health::Down,
+            streak: 0,
+            last_ok: None,
+        }
+    }
+
+    fn feed(state: &mut CheckState, results: &[bool], rise: u32, fall: u32) -> Vec<Option<Health>> {
+        results
+            .iter()
+            .map(|&ok| state.observe(ok, rise, fall))
+            .collect()
+    }
+
+    #[test]
+    fn rise_consecutive_successes_bring_a_backend_up() {
+        let mut s = down();
+        assert_eq!(feed(&mut s, &[true, true], 3, 2), [None, None]);
+        assert_eq!(s.observe(true, 3, 2), Some(Health::Up));
+        assert_eq!(s.health, Health::Up);
+    }
+
+    #[test]
+    fn fall_consecutive_failures_take_it_down() {
+        let mut s = CheckState {
+            health: Health::Up,
+            streak: 5,
+            last_ok: Some(true),
+        };
+        assert_eq!(
+            feed(&mut s, &[false, false, false], 2, 3),
+            [None, None, Some(Health::Down)]
+        );
+    }
+
+    #[test]
+    fn an_opposite_result_resets_the_count() {
+        let mut s = CheckState {
+            health: Health::Up,
+            streak: 5,
+            last_ok: Some(true),
+        };
+        // fail, fail, ok, fail, fail: never three in a row.
+        let changes = feed(&mut s, &[false, false, true, false, false], 2, 3);
+        assert!(changes.iter().all(Option::is_none), "{changes:?}");
+        assert_eq!(s.health, Health::Up);
+        assert_eq!(s.observe(false, 2, 3), Some(Health::Down));
+    }
+
+    #[test]
+    fn flapping_faster_than_rise_and_fall_never_changes_state() {
+        let mut s = down();
+        let flaps: Vec<bool> = (0..100).map(|i| i % 2 == 0).collect();
+        assert!(feed(&mut s, &flaps, 2, 2).iter().all(Option::is_none));
+        assert_eq!(s.health, Health::Down);
+    }
+
+    #[test]
+    fn interval_depends_on_state() {
+        let config = HealthConfig {
+            interval: Duration::from_secs(2),
+            fast_interval: Some(Duration::from_millis(300)),
+            down_interval: Some(Duration::from_secs(5)),
+            ..HealthConfig::default()
+        };
+        let mut s = CheckState {
+            health: Health::Up,
+            streak: 3,
+            last_ok: Some(true),
+        };
+        assert_eq!(s.next_interval(&config), Duration::from_secs(2));
+        s.observe(false, 2, 3);
+        assert_eq!(
+            s.next_interval(&config),
+            Duration::from_millis(300),
+            "going down"
+        );
+        s.observe(false, 2, 3);
+        s.observe(false, 2, 3);
+        assert_eq!(s.health, Health::Down);
+        assert_eq!(
+            s.next_interval(&config),
+            Duration::from_secs(5),
+            "down and failing"
+        );
+        s.observe(true, 2, 3);
+        assert_eq!(
+            s.next_interval(&config),
+            Duration::from_millis(300),
+            "recovering"
+        );
+    }
+
+    #[test]
+    fn jitter_stays_within_ten_percent() {
+        for _ in 0..1000 {
+            let d = jittered(Duration::from_secs(1));
+            assert!(
+                d >= Duration::from_millis(900) && d <= Duration::from_millis(1100),
+                "{d:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn tcp_check_against_real_sockets() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let open = listener.local_addr().unwrap();
+        let config = HealthConfig {
+            kind: HealthKind::Tcp,
+            ..HealthConfig::default()
+        };
+        let record = check(&config, open).await;
+        assert!(record.ok, "{record:?}");
+        drop(listener);
+        let record = check(&config, open).await;
+        assert_eq!(record.error.as_deref(), Some("connection refused"));
+    }
+
+    /// A one-shot HTTP server on loopback answering `response` to one request.
+    async fn http_server(response: &'static str) -> SocketAddr {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 1024];
+            let _ = stream.read(&mut buf).await;
+            let _ = stream.write_all(response.as_bytes()).await;
+            // Keep the connection open a while: a "hang" response never finishes.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn http_check_wants_the_expected_status_within_the_timeout() {
+        let config = HealthConfig {
+            kind: HealthKind::Http,
+            path: Some("/healthz".into()),
+            timeout: Duration::from_millis(500),
+            ..HealthConfig::default()
+        };
+        let ok = http_server("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+        assert!(check(&config, ok).await.ok);
+        let unavailable =
+            http_server("HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
+        let record = check(&config, unavailable).await;
+        assert_eq!(record.error.as_deref(), Some("status 503 (expected 200)"));
+        // Headers, then a body that never comes.
+        let hang = http_server("HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial").await;
+        let record = check(&config, hang).await;
+        assert_eq!(record.error.as_deref(), Some("timeout after 500ms"));
+    }
+}
