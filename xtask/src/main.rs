@@ -1,0 +1,587 @@
+//! `cargo xtask`: orchestration for lb (bootstrap, build, test, the lab, clippy).
+//!
+//! Kept to std + anyhow + clap on purpose: it runs before everything else, so it must
+//! compile in seconds on a fresh machine.
+
+use std::{
+    env,
+    ffi::{OsStr, OsString},
+    fs,
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Command, ExitCode, Stdio},
+    time::Instant,
+};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+
+/// The only bpf-linker that works here: 0.11+ wants a system LLVM 22 (`-lLLVM`), while
+/// 0.10.x loads rustc's own LLVM through rustup (see environment notes in the README).
+const BPF_LINKER_VERSION: &str = "0.10.4";
+/// Debian packages the tests and the lab call: ip, ethtool, tcpdump, bpftool.
+const APT_PACKAGES: &[&str] = &["iproute2", "ethtool", "tcpdump", "bpftool"];
+const BPF_FS: &str = "/sys/fs/bpf";
+/// Read by lb-tests: which `lb` binary to drive, and whether a skip is a failure.
+const LB_BIN_ENV: &str = "LB_BIN";
+const REQUIRE_ALL_ENV: &str = "LB_REQUIRE_ALL_TESTS";
+
+#[derive(Parser)]
+#[command(
+    name = "xtask",
+    bin_name = "cargo xtask",
+    about = "Build, test and run lb",
+    version
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what is missing (rust-src for nightly, bpf-linker, apt packages, bpffs).
+    Bootstrap,
+    /// Bootstrap, then build the workspace (the eBPF object included).
+    Build {
+        #[arg(long)]
+        release: bool,
+    },
+    /// Bootstrap, build, then run every test tier (root tiers skip without root,
+    /// unless CI is set). Arguments after `--` go to the test harness, e.g.
+    /// `cargo xtask test -- --nocapture` or `cargo xtask test -- maglev`.
+    Test {
+        #[arg(last = true, value_name = "TEST_ARGS")]
+        test_args: Vec<OsString>,
+    },
+    /// Without arguments after `--`: the lab in network namespaces (root).
+    /// With them: run the agent, e.g. `cargo xtask run -- run --config FILE`.
+    Run(RunArgs),
+    /// Clippy with -D warnings: the workspace, then the eBPF crate on its own target.
+    Clippy,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Build and run the release profile.
+    #[arg(long)]
+    release: bool,
+    /// Lab: keep the namespaces up after the demonstration, until Ctrl-C.
+    #[arg(long)]
+    keep: bool,
+    /// Lab: number of TCP connections to send to the VIP.
+    #[arg(long, value_name = "N")]
+    requests: Option<u32>,
+    /// Lab: XDP attach mode of the balancer.
+    #[arg(long, value_name = "MODE", value_parser = ["native", "generic"])]
+    mode: Option<String>,
+    /// Arguments for `lb` itself, instead of the lab.
+    #[arg(last = true, value_name = "LB_ARGS", conflicts_with_all = ["keep", "requests", "mode"])]
+    lb_args: Vec<OsString>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let started = Instant::now();
+    let result = Ctx::new().and_then(|ctx| match cli.command {
+        Task::Bootstrap => bootstrap(&ctx, Scope::All),
+        Task::Build { release } => {
+            bootstrap(&ctx, Scope::All)?;
+            build(&ctx, release, false)
+        }
+        Task::Test { test_args } => test(&ctx, &test_args),
+        Task::Run(args) => run(&ctx, args),
+        Task::Clippy => clippy(&ctx),
+    });
+    match result {
+        Ok(()) => {
+            println!("xtask: done in {:.1}s", started.elapsed().as_secs_f64());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What every subcommand needs to know about the machine and the workspace.
+struct Ctx {
+    root: PathBuf,
+    target_dir: PathBuf,
+    /// PATH for children, with cargo's bin directory (bpf-linker) in it.
+    path: OsString,
+    is_root: bool,
+}
+
+impl Ctx {
+    fn new() -> Result<Self> {
+        let root = workspace_root();
+        // Cargo reads a relative CARGO_TARGET_DIR against its working directory; children
+        // run in the workspace root, so anchor it there as they will.
+        let target_dir = match env::var_os("CARGO_TARGET_DIR") {
+            Some(dir) => root.join(dir),
+            None => root.join("target"),
+        };
+        let cargo_bin = match env::var_os("CARGO_HOME") {
+            Some(home) => PathBuf::from(home).join("bin"),
+            None => {
+                PathBuf::from(env::var_os("HOME").context("HOME is not set")?).join(".cargo/bin")
+            }
+        };
+        let mut dirs: Vec<PathBuf> =
+            env::split_paths(&env::var_os("PATH").unwrap_or_default()).collect();
+        if !dirs.contains(&cargo_bin) {
+            dirs.insert(0, cargo_bin);
+        }
+        let path = env::join_paths(dirs).context("cannot build PATH")?;
+        Ok(Self {
+            root,
+            target_dir,
+            path,
+            is_root: effective_uid()? == 0,
+        })
+    }
+
+    /// A command run in the workspace root with our PATH. std looks the program up in
+    /// the child's PATH when it is set explicitly, so bpf-linker is found right after
+    /// `cargo install` even if the caller's PATH lacked ~/.cargo/bin.
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.current_dir(&self.root).env("PATH", &self.path);
+        if let Some(dir) = env::var_os("CARGO_TARGET_DIR") {
+            cmd.env("CARGO_TARGET_DIR", self.root.join(dir));
+        }
+        cmd
+    }
+
+    fn cargo(&self) -> Command {
+        // The rustup proxy, not $CARGO: `+nightly` and bpf-linker's LD_LIBRARY_PATH to
+        // rustc's libLLVM both come from rustup.
+        self.command("cargo")
+    }
+
+    fn profile_dir(&self, release: bool) -> PathBuf {
+        self.target_dir
+            .join(if release { "release" } else { "debug" })
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    let xtask_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    xtask_dir.parent().unwrap_or(xtask_dir).to_path_buf()
+}
+
+/// Effective uid from /proc/self/status (`Uid: real effective saved fs`), else `id -u`.
+fn effective_uid() -> Result<u32> {
+    if let Ok(status) = fs::read_to_string("/proc/self/status")
+        && let Some(uid) = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|uid| uid.parse().ok())
+    {
+        return Ok(uid);
+    }
+    let out = probe(Command::new("id").arg("-u"))?.context("`id -u` failed")?;
+    out.trim()
+        .parse()
+        .with_context(|| format!("`id -u` printed {out:?}"))
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Scope {
+    /// The toolchain only: enough to compile (clippy).
+    Toolchain,
+    /// Also the system tools and bpffs the tests and the lab use.
+    All,
+}
+
+fn bootstrap(ctx: &Ctx, scope: Scope) -> Result<()> {
+    nightly_toolchain(ctx)?;
+    rust_src(ctx)?;
+    bpf_linker(ctx)?;
+    if scope == Scope::All {
+        apt_packages(ctx)?;
+        bpffs(ctx)?;
+    }
+    Ok(())
+}
+
+fn step(what: &str, status: impl std::fmt::Display) {
+    println!("bootstrap: {what}: {status}");
+}
+
+fn nightly_toolchain(ctx: &Ctx) -> Result<()> {
+    const WHAT: &str = "nightly toolchain";
+    let list = probe(ctx.command("rustup").args(["toolchain", "list"]))
+        .context("cannot run `rustup toolchain list`: is rustup installed?")?
+        .context("`rustup toolchain list` failed")?;
+    match list
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .find(|t| t.starts_with("nightly"))
+    {
+        Some(name) => {
+            step(WHAT, format_args!("already installed ({name})"));
+            Ok(())
+        }
+        None => {
+            step(WHAT, "MISSING");
+            // Installing a toolchain needs rustup's server, which this kind of machine
+            // cannot reach, and RUSTUP_AUTO_INSTALL=0 forbids doing it implicitly.
+            bail!(
+                "the `nightly` toolchain is not installed (rustup toolchain list: {}); the eBPF \
+                 crate needs it. Bootstrap does not install toolchains: run \
+                 `rustup toolchain install nightly` on a machine that can reach rustup's server",
+                list.lines()
+                    .filter_map(|l| l.split_whitespace().next())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    }
+}
+
+fn rust_src(ctx: &Ctx) -> Result<()> {
+    const WHAT: &str = "rust-src for nightly";
+    let installed = probe(ctx.command("rustup").args([
+        "component",
+        "list",
+        "--toolchain",
+        "nightly",
+        "--installed",
+    ]))?
+    .context("`rustup component list --toolchain nightly --installed` failed")?;
+    // The line is `rust-src`, without a target triple: it is target independent.
+    if installed
+        .lines()
+        .any(|l| l.split_whitespace().next() == Some("rust-src"))
+    {
+        step(WHAT, "already installed");
+        return Ok(());
+    }
+    step(WHAT, "missing, installing");
+    run_cmd(ctx.command("rustup").args([
+        "component",
+        "add",
+        "rust-src",
+        "--toolchain",
+        "nightly",
+    ]))?;
+    step(WHAT, "installed");
+    Ok(())
+}
+
+fn bpf_linker(ctx: &Ctx) -> Result<()> {
+    let what = format!("bpf-linker {BPF_LINKER_VERSION}");
+    let found = || -> Option<String> {
+        // Not startable means not installed.
+        probe(ctx.command("bpf-linker").arg("--version"))
+            .ok()
+            .flatten()
+            .map(|v| v.trim().to_string())
+    };
+    let wanted = |v: &str| v.split_whitespace().any(|w| w == BPF_LINKER_VERSION);
+    let current = found();
+    match &current {
+        Some(v) if wanted(v) => {
+            step(&what, "already installed");
+            return Ok(());
+        }
+        Some(v) => step(
+            &what,
+            format_args!(
+                "found `{v}` (0.11+ cannot find libLLVM here), installing (about a minute)"
+            ),
+        ),
+        None => step(&what, "not found, installing (about a minute)"),
+    }
+    run_cmd(ctx.cargo().args([
+        "install",
+        &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+        "--locked",
+    ]))?;
+    match found() {
+        Some(v) if wanted(&v) => {
+            step(&what, "installed");
+            Ok(())
+        }
+        other => bail!(
+            "after `cargo install bpf-linker@{BPF_LINKER_VERSION}`, the bpf-linker on PATH reports {other:?}: \
+             another bpf-linker comes first on PATH ({})",
+            ctx.path.to_string_lossy()
+        ),
+    }
+}
+
+fn apt_packages(ctx: &Ctx) -> Result<()> {
+    let mut missing = Vec::new();
+    for &pkg in APT_PACKAGES {
+        let what = format!("apt package {pkg}");
+        let status = match probe(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg])) {
+            Ok(status) => status.unwrap_or_default(),
+            Err(_) => {
+                warn_loud(&[
+                    "dpkg-query not found: not a Debian system?".into(),
+                    format!("install these yourself: {}", APT_PACKAGES.join(" ")),
+                ]);
+                return Ok(());
+            }
+        };
+        if status.trim() == "install ok installed" {
+            step(&what, "already installed");
+        } else {
+            step(&what, "missing");
+            missing.push(pkg);
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !ctx.is_root {
+        warn_loud(&[
+            format!(
+                "not root: NOT installing apt packages {}",
+                missing.join(" ")
+            ),
+            "the lab and the root test tiers need them; as root run:".into(),
+            format!(
+                "  apt-get install -y --no-install-recommends {}",
+                missing.join(" ")
+            ),
+        ]);
+        return Ok(());
+    }
+    let apt = |args: &[&str]| {
+        let mut cmd = ctx.command("apt-get");
+        cmd.args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdin(Stdio::null());
+        cmd
+    };
+    run_cmd(&mut apt(&["update"]))?;
+    let mut install = vec!["install", "-y", "--no-install-recommends"];
+    install.extend(&missing);
+    run_cmd(&mut apt(&install))?;
+    step(&format!("apt packages {}", missing.join(" ")), "installed");
+    Ok(())
+}
+
+fn bpffs_mounted() -> Result<bool> {
+    let mounts = fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
+    Ok(mounts.lines().any(|l| {
+        let f: Vec<_> = l.split_whitespace().collect();
+        f.get(1) == Some(&BPF_FS) && f.get(2) == Some(&"bpf")
+    }))
+}
+
+fn bpffs(ctx: &Ctx) -> Result<()> {
+    let what = format!("bpf filesystem at {BPF_FS}");
+    if bpffs_mounted()? {
+        step(&what, "already mounted");
+        return Ok(());
+    }
+    if !ctx.is_root {
+        step(&what, "not mounted");
+        warn_loud(&[
+            format!("not root: NOT mounting bpffs at {BPF_FS} (the agent pins its maps there)"),
+            format!("as root run: mount -t bpf bpf {BPF_FS}"),
+        ]);
+        return Ok(());
+    }
+    step(&what, "not mounted, mounting");
+    run_cmd(ctx.command("mount").args(["-t", "bpf", "bpf", BPF_FS]))?;
+    if !bpffs_mounted()? {
+        bail!(
+            "`mount -t bpf bpf {BPF_FS}` succeeded but /proc/mounts shows no bpf filesystem there"
+        );
+    }
+    step(&what, "mounted");
+    Ok(())
+}
+
+fn build(ctx: &Ctx, release: bool, all_targets: bool) -> Result<()> {
+    let mut cmd = ctx.cargo();
+    cmd.args(["build", "--workspace"]);
+    if all_targets {
+        cmd.arg("--all-targets");
+    }
+    if release {
+        cmd.arg("--release");
+    }
+    run_cmd(&mut cmd)
+}
+
+/// CI=true (or any value but empty/false/0).
+fn in_ci() -> bool {
+    env::var("CI")
+        .is_ok_and(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "false" | "0"))
+}
+
+fn test(ctx: &Ctx, test_args: &[OsString]) -> Result<()> {
+    bootstrap(ctx, Scope::All)?;
+    build(ctx, false, true)?;
+    let ci = in_ci();
+    println!("xtask: test tiers:");
+    println!("xtask:   1. unit tests (no root): run");
+    let root_tier = if ctx.is_root {
+        "run"
+    } else if ci {
+        "FAIL (not root, and CI requires every tier)"
+    } else {
+        "SKIPPED (not root)"
+    };
+    println!("xtask:   2. BPF_PROG_TEST_RUN fixtures (root): {root_tier}");
+    println!("xtask:   3. namespace end-to-end tests (root): {root_tier}");
+    if !ctx.is_root {
+        warn_loud(&[
+            "not root: the BPF_PROG_TEST_RUN fixtures and the namespace end-to-end tests".into(),
+            if ci {
+                format!("will FAIL ({REQUIRE_ALL_ENV}=1 because CI is set); run as root")
+            } else {
+                "will be SKIPPED; only the unit tests prove anything in this run".into()
+            },
+        ]);
+    }
+
+    let mut cmd = ctx.cargo();
+    // --no-fail-fast: one failing unit test must not hide what the root tiers found.
+    cmd.args(["test", "--workspace", "--no-fail-fast"])
+        .env(LB_BIN_ENV, ctx.profile_dir(false).join("lb"));
+    if ci {
+        cmd.env(REQUIRE_ALL_ENV, "1");
+    }
+    if !test_args.is_empty() {
+        cmd.arg("--").args(test_args);
+    }
+    run_cmd(&mut cmd)
+}
+
+fn run(ctx: &Ctx, args: RunArgs) -> Result<()> {
+    bootstrap(ctx, Scope::All)?;
+    build(ctx, args.release, false)?;
+    let bin = ctx.profile_dir(args.release);
+    let mut cmd;
+    if args.lb_args.is_empty() {
+        if !ctx.is_root {
+            warn_loud(&[
+                "not root: the lab creates network namespaces and attaches XDP; expect it to fail"
+                    .into(),
+            ]);
+        }
+        cmd = Command::new(bin.join("lab"));
+        cmd.arg("--lb-bin").arg(bin.join("lb"));
+        if args.keep {
+            cmd.arg("--keep");
+        }
+        if let Some(n) = args.requests {
+            cmd.arg("--requests").arg(n.to_string());
+        }
+        if let Some(mode) = &args.mode {
+            cmd.args(["--mode", mode]);
+        }
+    } else {
+        cmd = Command::new(bin.join("lb"));
+        cmd.args(&args.lb_args);
+    }
+    cmd.current_dir(&ctx.root).env("PATH", &ctx.path);
+    println!("xtask: $ {}", show(&cmd));
+    // exec: the child gets Ctrl-C alone (the lab tears its namespaces down, the agent
+    // detaches), and its exit code is ours.
+    let err = cmd.exec();
+    Err(err).with_context(|| format!("cannot execute `{}`", show(&cmd)))
+}
+
+fn clippy(ctx: &Ctx) -> Result<()> {
+    // The workspace build script compiles the eBPF object, so the toolchain is needed;
+    // apt packages and bpffs are not.
+    bootstrap(ctx, Scope::Toolchain)?;
+    run_cmd(ctx.cargo().args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    run_cmd(ctx.cargo().current_dir(ctx.root.join("lb-ebpf")).args([
+        "+nightly",
+        "clippy",
+        "--target",
+        "bpfel-unknown-none",
+        "-Z",
+        "build-std=core",
+        "--release",
+        "--",
+        "-D",
+        "warnings",
+    ]))
+}
+
+/// Prints the command, runs it with inherited stdio, and fails naming it unless it
+/// exits 0.
+fn run_cmd(cmd: &mut Command) -> Result<()> {
+    let shown = show(cmd);
+    println!("xtask: $ {shown}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start `{shown}`"))?;
+    if !status.success() {
+        bail!("`{shown}` failed ({status})");
+    }
+    Ok(())
+}
+
+/// Runs a check quietly: Ok(Some(stdout)) on success, Ok(None) when it ran and failed,
+/// Err when it could not be started (not installed).
+fn probe(cmd: &mut Command) -> Result<Option<String>> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .with_context(|| format!("cannot run `{}`", show(cmd)))?;
+    Ok(out
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned()))
+}
+
+/// `A=1 cargo test --workspace` as a shell would take it; PATH is left out (always set).
+fn show(cmd: &Command) -> String {
+    let mut words: Vec<String> = cmd
+        .get_envs()
+        .filter(|(k, _)| *k != "PATH")
+        .filter_map(|(k, v)| Some(format!("{}={}", k.to_string_lossy(), quote(v?))))
+        .collect();
+    words.push(quote(cmd.get_program()));
+    words.extend(cmd.get_args().map(quote));
+    let line = words.join(" ");
+    match cmd.get_current_dir() {
+        Some(dir) if dir != workspace_root() => {
+            format!("(cd {} && {line})", quote(dir.as_os_str()))
+        }
+        _ => line,
+    }
+}
+
+fn quote(word: &OsStr) -> String {
+    let s = word.to_string_lossy();
+    let plain = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:@+,%".contains(c));
+    if plain {
+        s.into_owned()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+fn warn_loud(lines: &[String]) {
+    let bar = "!".repeat(72);
+    eprintln!("xtask: {bar}");
+    for line in lines {
+        eprintln!("xtask: WARNING: {line}");
+    }
+    eprintln!("xtask: {bar}");
+}
