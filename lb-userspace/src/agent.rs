@@ -31,6 +31,8 @@ const FIRST_RESOLVE_WAIT: Duration = Duration::from_secs(3);
 
 /// Everything the agent's tasks share, behind one mutex (operations on it are short).
 pub struct Shared {
+    /// The file `reload` re-reads.
+    pub config_path: PathBuf,
     pub config: Config,
     pub model: Model,
     pub dataplane: Box<dyn Dataplane + Send>,
@@ -77,6 +79,42 @@ impl Shared {
             }
         }
         changed
+    }
+
+    /// Makes the running agent follow `new`: unchanged backends keep their ids, health
+    /// and flows; the tables are rewritten where they differ. Settings fixed at load
+    /// time are refused, and then nothing changes.
+    pub fn reload(&mut self, new: Config) -> Result<Vec<String>, ReloadError> {
+        let old = &self.config;
+        let fixed = [
+            (
+                "dataplane.interface",
+                old.dataplane.interface != new.dataplane.interface,
+            ),
+            (
+                "dataplane.xdp_mode",
+                old.dataplane.xdp_mode != new.dataplane.xdp_mode,
+            ),
+            (
+                "dataplane.maglev_table_size",
+                old.dataplane.maglev_table_size != new.dataplane.maglev_table_size,
+            ),
+            (
+                "dataplane.conntrack_entries",
+                old.dataplane.conntrack_entries != new.dataplane.conntrack_entries,
+            ),
+            ("control.socket", old.control.socket != new.control.socket),
+        ];
+        if let Some((field, _)) = fixed.iter().find(|(_, changed)| *changed) {
+            return Err(ReloadError::NeedsRestart(field));
+        }
+        let mut model = self.model.clone();
+        model.update(&new).map_err(ReloadError::Model)?;
+        let changes = describe_changes(&self.model, &model);
+        self.model = model;
+        self.config = new;
+        self.sync().map_err(ReloadError::Write)?;
+        Ok(changes)
     }
 
     pub fn status(&self) -> anyhow::Result<Status> {
@@ -177,7 +215,10 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
         .context("reading the data-path interface")?;
     let interface = neighbors.interface().clone();
 
-    let mut model = Model::new(config.dataplane.maglev_table_size);
+    let mut model = Model::new(
+        config.dataplane.maglev_table_size,
+        vip_capacity(config.vips.len()),
+    );
     model.update(&config)?;
     resolve_first_macs(&neighbors, &mut model).await;
 
@@ -197,6 +238,7 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
     let mode = dataplane.attach(&interface.name, config.dataplane.xdp_mode)?;
 
     let shared = Arc::new(Mutex::new(Shared {
+        config_path,
         config: config.clone(),
         model,
         dataplane: Box::new(dataplane),
@@ -206,14 +248,17 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
         mode,
     }));
     let shutdown = CancellationToken::new();
+    let health_tasks = HealthTasks {
+        running: Arc::new(Mutex::new(HashSet::new())),
+        shutdown: shutdown.clone(),
+    };
     let control = control::serve(
         config.control.socket.clone(),
         shared.clone(),
-        shutdown.clone(),
+        health_tasks.clone(),
     )
     .await?;
-    let health_tasks = Arc::new(Mutex::new(HashSet::new()));
-    health::spawn_checks(&shared, &health_tasks, &shutdown);
+    health::spawn_checks(&shared, &health_tasks.running, &shutdown);
 
     println!(
         "serving {} VIP(s) on {} (xdp mode: {mode}); control socket {}",
@@ -224,11 +269,17 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
 
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sighup = signal(SignalKind::hangup())?;
     let mut refresh = tokio::time::interval(NEIGHBOR_REFRESH);
     loop {
         tokio::select! {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
+            _ = sighup.recv() => {
+                if let Err(error) = reload(&shared, &health_tasks) {
+                    tracing::error!("reload refused: {:#}", anyhow::Error::from(error));
+                }
+            }
             _ = refresh.tick() => {
                 if let Err(error) = follow_neighbors(&neighbors, &shared).await {
                     tracing::warn!("neighbour refresh: {error:#}");
@@ -287,4 +338,174 @@ async fn follow_neighbors(
         shared.sync()?;
     }
     Ok(())
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error("`{0}` changed: restart the agent to apply it (nothing was changed)")]
+    NeedsRestart(&'static str),
+    #[error("{0} (nothing was changed)")]
+    Model(crate::model::ModelError),
+    #[error("writing the tables")]
+    Write(#[source] anyhow::Error),
+}
+
+/// One line per VIP or backend added, removed or changed between two models.
+fn describe_changes(before: &Model, after: &Model) -> Vec<String> {
+    let mut lines = Vec::new();
+    for vip in &after.vips {
+        let Some(old) = before
+            .vips
+            .iter()
+            .find(|v| v.config.name == vip.config.name)
+        else {
+            lines.push(format!("vip {}: added", vip.config.name));
+            continue;
+        };
+        for b in &vip.backends {
+            match old
+                .backends
+                .iter()
+                .find(|o| o.config.address == b.config.address)
+            {
+                None => lines.push(format!(
+                    "vip {}: backend {} added",
+                    vip.config.name, b.config.address
+                )),
+                Some(o) if o.config != b.config => lines.push(format!(
+                    "vip {}: backend {} changed",
+                    vip.config.name, b.config.address
+                )),
+                Some(_) => {}
+            }
+        }
+        for o in &old.backends {
+            if !vip
+                .backends
+                .iter()
+                .any(|b| b.config.address == o.config.address)
+            {
+                lines.push(format!(
+                    "vip {}: backend {} removed",
+                    vip.config.name, o.config.address
+                ));
+            }
+        }
+        let (mut a, mut b) = (old.config.clone(), vip.config.clone());
+        a.backends.clear();
+        b.backends.clear();
+        if a != b {
+            lines.push(format!("vip {}: settings changed", vip.config.name));
+        }
+    }
+    for old in &before.vips {
+        if !after.vips.iter().any(|v| v.config.name == old.config.name) {
+            lines.push(format!("vip {}: removed", old.config.name));
+        }
+    }
+    lines
+}
+
+/// Re-reads the configuration file and applies it (SIGHUP, `lb reload`). On any error the
+/// running configuration stays as it was.
+pub fn reload(
+    shared: &Arc<Mutex<Shared>>,
+    health_tasks: &HealthTasks,
+) -> Result<Vec<String>, ReloadError> {
+    let changes = {
+        let mut guard = shared.lock().expect("agent state poisoned");
+        let new = Config::load(&guard.config_path)?;
+        guard.reload(new)?
+    };
+    health::spawn_checks(shared, &health_tasks.running, &health_tasks.shutdown);
+    if changes.is_empty() {
+        tracing::info!("reload: no change");
+    }
+    for line in &changes {
+        tracing::info!("reload: {line}");
+    }
+    Ok(changes)
+}
+
+/// What starting health-check tasks needs.
+#[derive(Clone)]
+pub struct HealthTasks {
+    pub running: Arc<Mutex<HashSet<u32>>>,
+    pub shutdown: CancellationToken,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{config::MacAddr, dataplane::MemoryDataplane};
+
+    fn config(interface: &str, backends: &[&str]) -> Config {
+        let mut text = format!(
+            "[dataplane]\ninterface = \"{interface}\"\nmaglev_table_size = 7\n\
+             [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+             [vip.health]\nkind = \"none\"\n"
+        );
+        for (i, address) in backends.iter().enumerate() {
+            text += &format!(
+                "[[vip.backend]]\naddress = \"{address}\"\nmac = \"02:00:00:00:00:{i:02x}\"\n"
+            );
+        }
+        Config::from_toml(&text).unwrap()
+    }
+
+    fn shared(config: Config) -> Shared {
+        let mut model = Model::new(7, 16);
+        model.update(&config).unwrap();
+        let mut shared = Shared {
+            config_path: PathBuf::from("/nonexistent"),
+            config,
+            model,
+            dataplane: Box::new(MemoryDataplane::default()),
+            writer: TableWriter::new(7),
+            desired: Desired::default(),
+            interface: Interface {
+                name: "eth0".into(),
+                index: 1,
+                mac: MacAddr([2, 0, 0, 0, 0, 1]),
+            },
+            mode: AttachedMode::Generic,
+        };
+        shared.sync().unwrap();
+        shared
+    }
+
+    #[test]
+    fn reload_applies_a_backend_diff() {
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let kept_id = shared.model.vips[0].backends[0].id;
+        let changes = shared
+            .reload(config("eth0", &["10.0.0.11", "10.0.0.13"]))
+            .unwrap();
+        assert_eq!(
+            changes,
+            [
+                "vip web: backend 10.0.0.13 added",
+                "vip web: backend 10.0.0.12 removed"
+            ]
+        );
+        assert_eq!(shared.model.vips[0].backends[0].id, kept_id);
+        let in_table: HashSet<u32> = shared.desired.vips[0].table.iter().copied().collect();
+        assert_eq!(in_table.len(), 2);
+        assert!(in_table.contains(&kept_id));
+    }
+
+    #[test]
+    fn reload_refuses_load_time_settings_and_changes_nothing() {
+        let mut shared = shared(config("eth0", &["10.0.0.11"]));
+        let before = shared.model.vips.clone();
+        let refused = shared.reload(config("eth1", &["10.0.0.11", "10.0.0.12"]));
+        assert!(matches!(
+            refused,
+            Err(ReloadError::NeedsRestart("dataplane.interface"))
+        ));
+        assert_eq!(shared.model.vips, before);
+        assert_eq!(shared.config.dataplane.interface, "eth0");
+    }
 }

@@ -9,15 +9,19 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use axum::{Json, Router, extract::State, http::StatusCode, routing::get};
+use axum::{
+    Json, Router,
+    extract::State,
+    http::StatusCode,
+    routing::{get, post},
+};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use tokio::net::{UnixListener, UnixStream};
-use tokio_util::sync::CancellationToken;
 
-use crate::agent::Shared;
+use crate::agent::{HealthTasks, Shared};
 use crate::model::CheckRecord;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -79,12 +83,17 @@ pub struct BackendStatus {
 pub async fn serve(
     path: PathBuf,
     shared: Arc<Mutex<Shared>>,
-    shutdown: CancellationToken,
+    health_tasks: HealthTasks,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let listener = bind(&path).await?;
+    let shutdown = health_tasks.shutdown.clone();
     let app = Router::new()
         .route("/status", get(status))
-        .with_state(shared);
+        .route("/reload", post(reload))
+        .with_state(Api {
+            shared,
+            health_tasks,
+        });
     Ok(tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown.cancelled_owned())
@@ -119,8 +128,31 @@ async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     Ok(listener)
 }
 
+/// What the handlers share.
+#[derive(Clone)]
+struct Api {
+    shared: Arc<Mutex<Shared>>,
+    health_tasks: HealthTasks,
+}
+
+/// The answer to `POST /reload`: the changes applied. A refused reload answers 422 with
+/// the reason, and nothing changed.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReloadAnswer {
+    pub changes: Vec<String>,
+}
+
+async fn reload(State(api): State<Api>) -> Result<Json<ReloadAnswer>, (StatusCode, String)> {
+    crate::agent::reload(&api.shared, &api.health_tasks)
+        .map(|changes| Json(ReloadAnswer { changes }))
+        .map_err(|e| {
+            let message = format!("{:#}", anyhow::Error::from(e));
+            (StatusCode::UNPROCESSABLE_ENTITY, message)
+        })
+}
+
 async fn status(
-    State(shared): State<Arc<Mutex<Shared>>>,
+    State(Api { shared, .. }): State<Api>,
 ) -> Result<Json<Status>, (StatusCode, String)> {
     let shared = shared.lock().expect("agent state poisoned");
     shared
@@ -129,8 +161,9 @@ async fn status(
         .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }
 
-/// Sends `GET path` to the agent and returns the body of a 2xx answer.
-pub async fn request(socket: &Path, path: &str) -> anyhow::Result<Vec<u8>> {
+/// Sends `method path` to the agent and returns the body of a 2xx answer; otherwise
+/// the agent's message is the error.
+pub async fn request(socket: &Path, method: hyper::Method, path: &str) -> anyhow::Result<Vec<u8>> {
     let stream = UnixStream::connect(socket).await.with_context(|| {
         format!(
             "cannot reach the agent at {} (is `lb run` running?)",
@@ -140,14 +173,16 @@ pub async fn request(socket: &Path, path: &str) -> anyhow::Result<Vec<u8>> {
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(connection);
-    let request = hyper::Request::get(path)
+    let request = hyper::Request::builder()
+        .method(method)
+        .uri(path)
         .header(hyper::header::HOST, "lb")
         .body(Empty::<Bytes>::new())?;
     let response = sender.send_request(request).await?;
     let code = response.status();
     let body = response.into_body().collect().await?.to_bytes().to_vec();
     if !code.is_success() {
-        bail!("agent answered {code}: {}", String::from_utf8_lossy(&body));
+        bail!("{}", String::from_utf8_lossy(&body));
     }
     Ok(body)
 }

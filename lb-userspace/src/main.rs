@@ -2,6 +2,7 @@
 
 use std::{path::PathBuf, process::ExitCode};
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use lb_userspace::{agent, config::Config, control};
 
@@ -27,6 +28,11 @@ enum Command {
     Check {
         #[arg(long)]
         config: PathBuf,
+    },
+    /// Make the running agent re-read its configuration file (as SIGHUP does).
+    Reload {
+        #[command(flatten)]
+        target: Target,
     },
     /// Show VIPs, backends, health and counters of the running agent.
     Status {
@@ -107,8 +113,20 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
                 parsed.vips.len()
             );
         }
+        Command::Reload { target } => {
+            let body = control::request(&target.socket()?, hyper::Method::POST, "/reload")
+                .await
+                .context("reload refused")?;
+            let answer: control::ReloadAnswer = serde_json::from_slice(&body)?;
+            if answer.changes.is_empty() {
+                println!("reloaded: no change");
+            }
+            for line in answer.changes {
+                println!("reloaded: {line}");
+            }
+        }
         Command::Status { json, target } => {
-            let body = control::request(&target.socket()?, "/status").await?;
+            let body = control::request(&target.socket()?, hyper::Method::GET, "/status").await?;
             if json {
                 println!("{}", String::from_utf8_lossy(&body));
             } else {

@@ -111,7 +111,7 @@ impl IdPool {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("no free {0} id left")]
+    #[error("more {0}s than the data path was sized for at start; restart the agent")]
     Exhausted(&'static str),
 }
 
@@ -125,11 +125,12 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn new(table_size: u32) -> Self {
+    /// `vip_capacity`: how many VIPs the data path's table map has room for.
+    pub fn new(table_size: u32, vip_capacity: u32) -> Self {
         Self {
             table_size,
             vips: Vec::new(),
-            vip_ids: IdPool::new(MAX_VIPS),
+            vip_ids: IdPool::new(vip_capacity.min(MAX_VIPS)),
             backend_ids: IdPool::new(MAX_BACKENDS),
         }
     }
@@ -290,7 +291,7 @@ mod tests {
 
     #[test]
     fn unchecked_backends_with_a_mac_are_in_the_table() {
-        let mut model = Model::new(7);
+        let mut model = Model::new(7, 16);
         model
             .update(&config(&[("10.0.0.11", ""), ("10.0.0.12", "")], "none"))
             .unwrap();
@@ -310,7 +311,7 @@ mod tests {
 
     #[test]
     fn checked_backends_start_down_and_drained_ones_stay_out() {
-        let mut model = Model::new(7);
+        let mut model = Model::new(7, 16);
         model
             .update(&config(
                 &[("10.0.0.11", ""), ("10.0.0.12", "state = \"drain\"")],
@@ -337,7 +338,7 @@ mod tests {
 
     #[test]
     fn update_keeps_ids_macs_and_health_of_unchanged_backends() {
-        let mut model = Model::new(7);
+        let mut model = Model::new(7, 16);
         model
             .update(&config(&[("10.0.0.11", ""), ("10.0.0.12", "")], "tcp"))
             .unwrap();

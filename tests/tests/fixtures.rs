@@ -287,7 +287,7 @@ fn with_fixture<T>(test: &str, body: impl FnOnce(&mut Fixture) -> T) -> Option<T
             },
         )
         .expect("load the XDP program");
-        let mut model = Model::new(TABLE_SIZE);
+        let mut model = Model::new(TABLE_SIZE, vip_capacity(config.vips.len()));
         model.update(&config).expect("model");
         TableWriter::new(TABLE_SIZE)
             .apply(&mut dataplane, &model.desired())
