@@ -34,11 +34,24 @@ pub const MAP_BACKENDS: &str = "LB_BACKENDS";
 pub const MAP_STATS: &str = "LB_STATS";
 pub const MAP_VIP_STATS: &str = "LB_VIP_STATS";
 pub const MAP_BACKEND_STATS: &str = "LB_BE_STATS";
+pub const MAP_CONNTRACK: &str = "LB_CONNTRACK";
+pub const MAP_FLOOD: &str = "LB_FLOOD";
+/// Default size of the connection table.
+pub const DEFAULT_CONNTRACK_ENTRIES: u32 = 1 << 20;
 /// Global (read-only data) set at load time: the Maglev table size.
 pub const GLOBAL_MAGLEV_SIZE: &str = "MAGLEV_SIZE";
 /// Global set at load time: the interface's own MAC, written as the source of forwarded
 /// frames.
 pub const GLOBAL_IFACE_MAC: &str = "IFACE_MAC";
+/// Global set at load time: nanoseconds after which an idle UDP flow's entry no longer
+/// holds it to its backend.
+pub const GLOBAL_UDP_IDLE_NS: &str = "UDP_IDLE_NS";
+/// Global set at load time: most connection-table entries one CPU creates per second
+/// (0: no limit). Above it, flows still balance by the Maglev table, uncached.
+pub const GLOBAL_CT_INSERT_LIMIT: &str = "CT_INSERT_LIMIT";
+/// Entries refresh their `last_seen_ns` at most this often: fewer writes to shared
+/// cache lines from many CPUs.
+pub const LAST_SEEN_GRANULARITY_NS: u64 = 1_000_000_000;
 
 pub const ADDR_FAMILY_V4: u8 = 4;
 pub const ADDR_FAMILY_V6: u8 = 6;
@@ -85,15 +98,58 @@ impl VipInfo {
     }
 }
 
+/// `BackendInfo::flags`: the backend may keep the flows it has (ready, or draining while
+/// healthy). Without it, a connection-table entry pointing here is re-hashed.
+pub const BACKEND_F_SERVES_FLOWS: u16 = 1;
+
 /// Value of `LB_BACKENDS`, indexed by backend id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct BackendInfo {
     /// Destination MAC of frames sent to this backend.
     pub mac: [u8; 6],
-    pub _pad: [u8; 2],
+    /// `BACKEND_F_*` bits.
+    pub flags: u16,
 }
 const _: () = assert!(size_of::<BackendInfo>() == 8);
+
+/// Key of `LB_CONNTRACK`: one flow, as it arrives (client to VIP).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct FlowKey {
+    /// IPv4: the first 4 bytes. Network order.
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+    /// Network order.
+    pub src_port: u16,
+    /// Network order.
+    pub dst_port: u16,
+    pub proto: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(size_of::<FlowKey>() == 40);
+
+/// Value of `LB_CONNTRACK`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct FlowEntry {
+    pub backend_id: u32,
+    pub _pad: u32,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet, to
+    /// `LAST_SEEN_GRANULARITY_NS`.
+    pub last_seen_ns: u64,
+}
+const _: () = assert!(size_of::<FlowEntry>() == 16);
+
+/// Value of `LB_FLOOD` (per CPU): connection-table inserts in the current second.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct InsertWindow {
+    pub start_ns: u64,
+    pub inserts: u64,
+}
+const _: () = assert!(size_of::<InsertWindow>() == 16);
 
 /// Per-VIP and per-backend traffic counters (per CPU; the agent sums them).
 #[repr(C)]
@@ -137,7 +193,22 @@ pub mod stat {
     pub const SEEN_IPV4_OPTIONS: u32 = 14;
     /// Forwarded, noted: a packet with an 802.1Q tag.
     pub const SEEN_VLAN: u32 = 15;
-    pub const COUNT: u32 = 16;
+    /// A TCP SYN: always balanced by the Maglev table, (re)creating its entry.
+    pub const CT_MISS_SYN: u32 = 16;
+    /// A TCP packet other than SYN with no entry: a flow the table did not know. Steady
+    /// non-zero growth means flows are being broken.
+    pub const CT_MISS_NON_SYN: u32 = 17;
+    /// A UDP packet with no live entry: a new (or idle-expired) UDP flow.
+    pub const CT_MISS_UDP: u32 = 18;
+    /// A packet that followed its entry.
+    pub const CT_HIT: u32 = 19;
+    /// An entry whose backend no longer serves flows (failed, maint, removed): re-hashed.
+    pub const CT_REHASH: u32 = 20;
+    /// Entries created.
+    pub const CT_CREATED: u32 = 21;
+    /// Inserts skipped by the flood guard (`CT_INSERT_LIMIT`).
+    pub const CT_INSERT_SKIPPED: u32 = 22;
+    pub const COUNT: u32 = 23;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -157,6 +228,13 @@ pub mod stat {
         "drop_no_backend",
         "seen_ipv4_options",
         "seen_vlan",
+        "ct_miss_syn",
+        "ct_miss_non_syn",
+        "ct_miss_udp",
+        "ct_hit",
+        "ct_rehash",
+        "ct_created",
+        "ct_insert_skipped",
     ];
 }
 
@@ -167,6 +245,9 @@ mod aya_pod {
     unsafe impl aya::Pod for super::VipInfo {}
     unsafe impl aya::Pod for super::BackendInfo {}
     unsafe impl aya::Pod for super::TrafficCounters {}
+    unsafe impl aya::Pod for super::FlowKey {}
+    unsafe impl aya::Pod for super::FlowEntry {}
+    unsafe impl aya::Pod for super::InsertWindow {}
 }
 
 /// The Maglev slot a flow hash selects.

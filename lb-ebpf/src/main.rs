@@ -9,13 +9,20 @@ mod parse;
 
 #[cfg(target_arch = "bpf")]
 mod program {
-    use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-    use lb_common::{BACKEND_NONE, VIP_F_HASH_SRC_IP, VipKey, flow_hash, maglev_slot, stat};
+    use aya_ebpf::{
+        bindings::xdp_action, helpers::bpf_ktime_get_ns, macros::xdp, programs::XdpContext,
+    };
+    use lb_common::{
+        BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, FlowEntry, FlowKey,
+        LAST_SEEN_GRANULARITY_NS, PROTO_UDP, VIP_F_HASH_SRC_IP, VipInfo, VipKey, flow_hash,
+        maglev_slot, stat,
+    };
 
     use crate::maps::{
-        LB_BACKEND_STATS, LB_BACKENDS, LB_MAGLEV, LB_VIP_STATS, LB_VIPS, count, count_traffic,
+        LB_BACKEND_STATS, LB_BACKENDS, LB_CONNTRACK, LB_FLOOD, LB_MAGLEV, LB_VIP_STATS, LB_VIPS,
+        count, count_traffic,
     };
-    use crate::parse::{Verdict, ethernet, parse};
+    use crate::parse::{Packet, Verdict, ethernet, parse};
 
     /// Slots per VIP table; set by the agent at load time (`lb_common::GLOBAL_MAGLEV_SIZE`).
     #[unsafe(no_mangle)]
@@ -24,6 +31,14 @@ mod program {
     /// The attached interface's MAC, the source of forwarded frames; set at load time.
     #[unsafe(no_mangle)]
     static IFACE_MAC: [u8; 6] = [0; 6];
+
+    /// Idle time after which a UDP flow's entry is ignored (`lb_common::GLOBAL_UDP_IDLE_NS`).
+    #[unsafe(no_mangle)]
+    static UDP_IDLE_NS: u64 = 30_000_000_000;
+
+    /// Inserts per second per CPU; 0: unlimited (`lb_common::GLOBAL_CT_INSERT_LIMIT`).
+    #[unsafe(no_mangle)]
+    static CT_INSERT_LIMIT: u64 = 0;
 
     #[xdp]
     pub fn lb_xdp(ctx: XdpContext) -> u32 {
@@ -40,27 +55,16 @@ mod program {
     #[inline(always)]
     fn balance(ctx: &XdpContext) -> Result<Verdict, Verdict> {
         let packet = parse(ctx)?;
-        let key = VipKey {
+        let vip_key = VipKey {
             addr: packet.dst_addr,
             port: packet.dst_port_be,
             proto: packet.flow.proto,
             family: packet.flow.family,
         };
-        let Some(vip) = (unsafe { LB_VIPS.get(key) }) else {
+        let Some(vip) = (unsafe { LB_VIPS.get(vip_key) }) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
-        // Read-only data: volatile so the compiler does not fold the compile-time
-        // default in place of what the loader wrote.
-        let table_size = unsafe { core::ptr::read_volatile(&MAGLEV_SIZE) };
-        let hash = flow_hash(&packet.flow, vip.flags & VIP_F_HASH_SRC_IP != 0);
-        let slot = vip.table_base + maglev_slot(hash, table_size);
-        let backend_id = match LB_MAGLEV.get(slot) {
-            Some(&id) if id != BACKEND_NONE => id,
-            _ => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
-        };
-        let Some(backend) = LB_BACKENDS.get(backend_id) else {
-            return Err(Verdict::drop(stat::DROP_NO_BACKEND));
-        };
+        let (backend_id, backend) = choose_backend(&packet, vip)?;
 
         let eth = ethernet(ctx)?;
         unsafe {
@@ -81,6 +85,106 @@ mod program {
             action: xdp_action::XDP_TX,
             reason: stat::XDP_TX,
         })
+    }
+
+    /// The flow's backend: a TCP SYN always takes the Maglev table (and (re)creates its
+    /// entry); other packets follow their connection-table entry while its backend still
+    /// serves flows (and, for UDP, while it is not idle-expired), else take the table.
+    #[inline(always)]
+    fn choose_backend(packet: &Packet, vip: &VipInfo) -> Result<(u32, BackendInfo), Verdict> {
+        let now = unsafe { bpf_ktime_get_ns() };
+        let key = FlowKey {
+            src: packet.src_addr,
+            dst: packet.dst_addr,
+            src_port: packet.src_port_be,
+            dst_port: packet.dst_port_be,
+            proto: packet.flow.proto,
+            family: packet.flow.family,
+            _pad: [0; 2],
+        };
+        let udp = packet.flow.proto == PROTO_UDP;
+        if !packet.syn
+            && let Some(entry) = LB_CONNTRACK.get_ptr_mut(key)
+        {
+            let entry = unsafe { &mut *entry };
+            let idle_expired = udp && now.saturating_sub(entry.last_seen_ns) > read(&UDP_IDLE_NS);
+            if !idle_expired
+                && let Some(backend) = LB_BACKENDS.get(entry.backend_id)
+                && backend.flags & BACKEND_F_SERVES_FLOWS != 0
+            {
+                if now.saturating_sub(entry.last_seen_ns) > LAST_SEEN_GRANULARITY_NS {
+                    entry.last_seen_ns = now;
+                }
+                count(stat::CT_HIT);
+                return Ok((entry.backend_id, *backend));
+            }
+            count(if idle_expired {
+                stat::CT_MISS_UDP
+            } else {
+                stat::CT_REHASH
+            });
+        } else {
+            count(if packet.syn {
+                stat::CT_MISS_SYN
+            } else if udp {
+                stat::CT_MISS_UDP
+            } else {
+                stat::CT_MISS_NON_SYN
+            });
+        }
+
+        let table_size = read(&MAGLEV_SIZE);
+        let hash = flow_hash(&packet.flow, vip.flags & VIP_F_HASH_SRC_IP != 0);
+        let slot = vip.table_base + maglev_slot(hash, table_size);
+        let backend_id = match LB_MAGLEV.get(slot) {
+            Some(&id) if id != BACKEND_NONE => id,
+            _ => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
+        };
+        let Some(backend) = LB_BACKENDS.get(backend_id) else {
+            return Err(Verdict::drop(stat::DROP_NO_BACKEND));
+        };
+        if !packet.rst && may_insert(now) {
+            let entry = FlowEntry {
+                backend_id,
+                _pad: 0,
+                last_seen_ns: now,
+            };
+            if LB_CONNTRACK.insert(key, entry, 0).is_ok() {
+                count(stat::CT_CREATED);
+            }
+        }
+        Ok((backend_id, *backend))
+    }
+
+    /// The flood guard: at most `CT_INSERT_LIMIT` inserts per second on this CPU, so a
+    /// SYN flood cannot evict every established flow from the LRU.
+    #[inline(always)]
+    fn may_insert(now: u64) -> bool {
+        let limit = read(&CT_INSERT_LIMIT);
+        if limit == 0 {
+            return true;
+        }
+        let Some(window) = LB_FLOOD.get_ptr_mut(0) else {
+            return true;
+        };
+        let window = unsafe { &mut *window };
+        if now.saturating_sub(window.start_ns) >= 1_000_000_000 {
+            window.start_ns = now;
+            window.inserts = 0;
+        }
+        if window.inserts >= limit {
+            count(stat::CT_INSERT_SKIPPED);
+            return false;
+        }
+        window.inserts += 1;
+        true
+    }
+
+    /// Reads a load-time global. Volatile, so the compiler does not fold the default in
+    /// place of what the loader wrote.
+    #[inline(always)]
+    fn read<T: Copy>(global: &T) -> T {
+        unsafe { core::ptr::read_volatile(global) }
     }
 
     /// Returns XDP_PASS. Native XDP_TX on a veth needs a program on the peer; this is it.

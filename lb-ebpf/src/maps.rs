@@ -3,9 +3,15 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
-use lb_common::{BackendInfo, MAX_BACKENDS, MAX_VIPS, TrafficCounters, VipInfo, VipKey, stat};
+use lb_common::{
+    BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS, TrafficCounters,
+    VipInfo, VipKey, stat,
+};
+
+/// LRU lists per CPU instead of one shared list: no global lock on insert.
+const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
 
 /// VipKey -> VipInfo: which (address, port, protocol) is balanced, and where its current
 /// Maglev table starts. Written by the agent; MAX_VIPS entries.
@@ -34,6 +40,17 @@ pub static LB_VIP_STATS: PerCpuArray<TrafficCounters> = PerCpuArray::with_max_en
 #[map(name = "LB_BE_STATS")]
 pub static LB_BACKEND_STATS: PerCpuArray<TrafficCounters> =
     PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// FlowKey -> FlowEntry: the connection table, so a flow stays on its backend while the
+/// backend set changes. Written by the program; read (and aged) by the agent. Resized
+/// at load time to `conntrack_entries`; the least recently used entries go first.
+#[map(name = "LB_CONNTRACK")]
+pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
+    LruHashMap::with_max_entries(1 << 20, BPF_F_NO_COMMON_LRU);
+
+/// 0 -> this CPU's inserts in the current second (flood guard). Program only.
+#[map(name = "LB_FLOOD")]
+pub static LB_FLOOD: PerCpuArray<InsertWindow> = PerCpuArray::with_max_entries(1, 0);
 
 /// Adds one to an outcome counter.
 #[inline(always)]

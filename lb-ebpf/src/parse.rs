@@ -56,12 +56,16 @@ impl Verdict {
 /// A parsed packet that may be for a VIP.
 pub struct Packet {
     pub flow: FlowTuple,
-    /// The destination address as it sits in the packet (IPv4: first 4 bytes).
+    /// The addresses as they sit in the packet (IPv4: first 4 bytes).
+    pub src_addr: [u8; 16],
     pub dst_addr: [u8; 16],
     /// Network order, as in the packet.
+    pub src_port_be: u16,
     pub dst_port_be: u16,
     /// A TCP SYN without ACK: a connection attempt.
     pub syn: bool,
+    /// A TCP RST: never creates a connection-table entry.
+    pub rst: bool,
     pub vlan: bool,
     pub ipv4_options: bool,
 }
@@ -131,18 +135,17 @@ fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     if frags & IPV4_MF_AND_OFFSET != 0 {
         return Err(Verdict::pass(stat::PASS_FRAGMENT));
     }
+    let mut src_addr = [0u8; 16];
+    src_addr[..4].copy_from_slice(&src);
     let mut dst_addr = [0u8; 16];
-    dst_addr[0] = dst[0];
-    dst_addr[1] = dst[1];
-    dst_addr[2] = dst[2];
-    dst_addr[3] = dst[3];
+    dst_addr[..4].copy_from_slice(&dst);
     let flow = FlowTuple {
         src: [u32::from_be_bytes(src), 0, 0, 0],
         dst: [u32::from_be_bytes(dst), 0, 0, 0],
         family: ADDR_FAMILY_V4,
         ..FlowTuple::default()
     };
-    let mut packet = transport(ctx, offset + header_len, proto, flow, dst_addr)?;
+    let mut packet = transport(ctx, offset + header_len, proto, flow, src_addr, dst_addr)?;
     packet.ipv4_options = header_len > Ipv4Hdr::LEN;
     Ok(packet)
 }
@@ -174,7 +177,7 @@ fn ipv6(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
         family: ADDR_FAMILY_V6,
         ..FlowTuple::default()
     };
-    transport(ctx, offset + Ipv6Hdr::LEN, next, flow, dst)
+    transport(ctx, offset + Ipv6Hdr::LEN, next, flow, src, dst)
 }
 
 /// Hop-by-hop, routing, fragment, ESP, AH, destination options, mobility, HIP, shim6.
@@ -199,18 +202,24 @@ fn transport(
     offset: usize,
     proto: u8,
     mut flow: FlowTuple,
+    src_addr: [u8; 16],
     dst_addr: [u8; 16],
 ) -> Result<Packet, Verdict> {
-    let (src_port, dst_port, syn) = match proto {
+    let (src_port, dst_port, syn, rst) = match proto {
         PROTO_TCP => {
             let tcp = ptr_at::<TcpHdr>(ctx, offset)?;
             let tcp = unsafe { &*tcp };
-            (tcp.source, tcp.dest, tcp.syn() != 0 && tcp.ack() == 0)
+            (
+                tcp.source,
+                tcp.dest,
+                tcp.syn() != 0 && tcp.ack() == 0,
+                tcp.rst() != 0,
+            )
         }
         PROTO_UDP => {
             let udp = ptr_at::<UdpHdr>(ctx, offset)?;
             let udp = unsafe { &*udp };
-            (udp.src, udp.dst, false)
+            (udp.src, udp.dst, false, false)
         }
         _ => return Err(Verdict::pass(stat::PASS_OTHER_PROTO)),
     };
@@ -219,9 +228,12 @@ fn transport(
     flow.proto = proto;
     Ok(Packet {
         flow,
+        src_addr,
         dst_addr,
+        src_port_be: u16::from_ne_bytes(src_port),
         dst_port_be: u16::from_ne_bytes(dst_port),
         syn,
+        rst,
         vlan: false,
         ipv4_options: false,
     })

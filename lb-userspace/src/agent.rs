@@ -18,6 +18,7 @@ use crate::{
     config::{AdminState, Config, HashMode},
     control::{self, BackendStatus, DataplaneStatus, Status, VipStatus},
     dataplane::{AttachedMode, AyaDataplane, Dataplane, LoadOptions, vip_capacity},
+    explain::monotonic_ns,
     health,
     model::{Health, Model},
     neighbor::{Interface, Neighbors},
@@ -26,6 +27,8 @@ use crate::{
 
 /// How often the neighbour table is re-read for backend MAC changes.
 const NEIGHBOR_REFRESH: Duration = Duration::from_secs(1);
+/// How often live flows are counted per backend (status, draining).
+const FLOW_SCAN: Duration = Duration::from_secs(2);
 /// How long start-up waits for missing backend MACs before serving without them.
 const FIRST_RESOLVE_WAIT: Duration = Duration::from_secs(3);
 
@@ -40,6 +43,11 @@ pub struct Shared {
     pub desired: Desired,
     pub interface: Interface,
     pub mode: AttachedMode,
+    /// Per backend id: connection-table entries seen within `flow_idle_timeout`, as of
+    /// the last scan (`scan_flows`).
+    pub active_flows: HashMap<u32, u64>,
+    /// Connection-table entries at the last scan.
+    pub conntrack_size: u64,
 }
 
 impl Shared {
@@ -117,6 +125,20 @@ impl Shared {
         Ok(changes)
     }
 
+    /// Counts live connection-table entries per backend.
+    pub fn scan_flows(&mut self, now_ns: u64) -> anyhow::Result<()> {
+        let idle_ns = self.config.dataplane.flow_idle_timeout.as_nanos() as u64;
+        let flows = self.dataplane.flows()?;
+        self.conntrack_size = flows.len() as u64;
+        self.active_flows.clear();
+        for (_, entry) in flows {
+            if now_ns.saturating_sub(entry.last_seen_ns) <= idle_ns {
+                *self.active_flows.entry(entry.backend_id).or_default() += 1;
+            }
+        }
+        Ok(())
+    }
+
     pub fn status(&self) -> anyhow::Result<Status> {
         let vip_ids: Vec<u32> = self.model.vips.iter().map(|v| v.id).collect();
         let backend_ids: Vec<u32> = self
@@ -156,7 +178,7 @@ impl Shared {
                             mac: b.mac.map(|m| m.to_string()),
                             in_table: b.in_table(),
                             slots: slots.get(&b.id).copied().unwrap_or(0),
-                            active_flows: None,
+                            active_flows: self.active_flows.get(&b.id).copied().unwrap_or(0),
                             packets: traffic.packets,
                             bytes: traffic.bytes,
                             new_flows: traffic.new_flows,
@@ -200,6 +222,7 @@ impl Shared {
                 interface_mac: self.interface.mac.to_string(),
                 xdp_mode: self.mode.to_string(),
                 maglev_table_size: self.model.table_size,
+                conntrack_entries: self.conntrack_size,
             },
             vips,
             counters,
@@ -218,17 +241,14 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
     let mut model = Model::new(
         config.dataplane.maglev_table_size,
         vip_capacity(config.vips.len()),
+        config.dataplane.flow_idle_timeout,
     );
     model.update(&config)?;
     resolve_first_macs(&neighbors, &mut model).await;
 
     let mut dataplane = AyaDataplane::load(
         EBPF_OBJECT,
-        LoadOptions {
-            maglev_table_size: config.dataplane.maglev_table_size,
-            vip_capacity: vip_capacity(config.vips.len()),
-            iface_mac: interface.mac.0,
-        },
+        LoadOptions::from_config(&config, interface.mac.0),
     )
     .context("loading the XDP program")?;
     // Tables first, then attach: the program never runs on empty maps.
@@ -246,6 +266,8 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
         desired,
         interface: interface.clone(),
         mode,
+        active_flows: HashMap::new(),
+        conntrack_size: 0,
     }));
     let shutdown = CancellationToken::new();
     let health_tasks = HealthTasks {
@@ -271,6 +293,7 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sighup = signal(SignalKind::hangup())?;
     let mut refresh = tokio::time::interval(NEIGHBOR_REFRESH);
+    let mut flow_scan = tokio::time::interval(FLOW_SCAN);
     loop {
         tokio::select! {
             _ = sigterm.recv() => break,
@@ -278,6 +301,12 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
             _ = sighup.recv() => {
                 if let Err(error) = reload(&shared, &health_tasks) {
                     tracing::error!("reload refused: {:#}", anyhow::Error::from(error));
+                }
+            }
+            _ = flow_scan.tick() => {
+                let mut shared = shared.lock().expect("agent state poisoned");
+                if let Err(error) = shared.scan_flows(monotonic_ns()) {
+                    tracing::warn!("connection-table scan: {error:#}");
                 }
             }
             _ = refresh.tick() => {
@@ -456,7 +485,7 @@ mod tests {
     }
 
     fn shared(config: Config) -> Shared {
-        let mut model = Model::new(7, 16);
+        let mut model = Model::new(7, 16, Duration::ZERO);
         model.update(&config).unwrap();
         let mut shared = Shared {
             config_path: PathBuf::from("/nonexistent"),
@@ -471,6 +500,8 @@ mod tests {
                 mac: MacAddr([2, 0, 0, 0, 0, 1]),
             },
             mode: AttachedMode::Generic,
+            active_flows: HashMap::new(),
+            conntrack_size: 0,
         };
         shared.sync().unwrap();
         shared

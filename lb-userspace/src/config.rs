@@ -73,6 +73,23 @@ pub struct DataplaneConfig {
     pub maglev_table_size: u32,
     #[serde(default = "default_conntrack_entries")]
     pub conntrack_entries: u32,
+    /// A UDP flow not seen for this long is balanced afresh; a flow (TCP or UDP) not seen
+    /// for this long no longer counts as active (draining completes without it).
+    #[serde(default = "default_flow_idle_timeout", with = "duration")]
+    pub flow_idle_timeout: Duration,
+    /// Most connection-table entries one CPU creates per second (0: no limit). Above it,
+    /// new flows still balance by the Maglev table but are not cached, so a SYN flood
+    /// cannot evict established flows.
+    #[serde(default = "default_conntrack_insert_limit")]
+    pub conntrack_insert_limit: u64,
+}
+
+fn default_flow_idle_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_conntrack_insert_limit() -> u64 {
+    100_000
 }
 
 fn default_maglev_table_size() -> u32 {
@@ -80,7 +97,7 @@ fn default_maglev_table_size() -> u32 {
 }
 
 fn default_conntrack_entries() -> u32 {
-    1_048_576
+    lb_common::DEFAULT_CONNTRACK_ENTRIES
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
@@ -543,6 +560,12 @@ impl DataplaneConfig {
                 format!("{size} is not a prime (65537 is the usual choice)"),
             ));
         }
+        if self.flow_idle_timeout.is_zero() {
+            return Err(invalid(
+                "dataplane.flow_idle_timeout",
+                "must be greater than 0",
+            ));
+        }
         if self.conntrack_entries == 0 {
             return Err(invalid("dataplane.conntrack_entries", "must be at least 1"));
         }
@@ -837,6 +860,8 @@ address = "10.0.0.11"
                 xdp_mode: XdpModeSetting::Auto,
                 maglev_table_size: 65537,
                 conntrack_entries: 1_048_576,
+                flow_idle_timeout: Duration::from_secs(30),
+                conntrack_insert_limit: 100_000,
             }
         );
         assert_eq!(config.control.socket, PathBuf::from("/run/lb/lb.sock"));

@@ -15,13 +15,14 @@ use axum::{
     http::StatusCode,
     routing::{get, post},
 };
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::agent::{HealthTasks, Shared};
+use crate::explain::{ExplainRequest, Explanation, View, monotonic_ns};
 use crate::model::CheckRecord;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -39,6 +40,8 @@ pub struct DataplaneStatus {
     /// The XDP mode actually attached: "native" or "generic".
     pub xdp_mode: String,
     pub maglev_table_size: u32,
+    /// Connection-table entries at the agent's last scan.
+    pub conntrack_entries: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -69,8 +72,8 @@ pub struct BackendStatus {
     pub in_table: bool,
     /// Maglev slots held.
     pub slots: usize,
-    /// Flows in the connection table; null while the data path keeps none.
-    pub active_flows: Option<u64>,
+    /// Connection-table entries that saw a packet within `flow_idle_timeout`.
+    pub active_flows: u64,
     pub packets: u64,
     pub bytes: u64,
     pub new_flows: u64,
@@ -90,6 +93,7 @@ pub async fn serve(
     let app = Router::new()
         .route("/status", get(status))
         .route("/reload", post(reload))
+        .route("/explain", post(explain))
         .with_state(Api {
             shared,
             health_tasks,
@@ -151,6 +155,21 @@ async fn reload(State(api): State<Api>) -> Result<Json<ReloadAnswer>, (StatusCod
         })
 }
 
+async fn explain(
+    State(Api { shared, .. }): State<Api>,
+    Json(request): Json<ExplainRequest>,
+) -> Result<Json<Explanation>, (StatusCode, String)> {
+    let shared = shared.lock().expect("agent state poisoned");
+    crate::explain::explain(&View::of(&shared), &request, monotonic_ns())
+        .map(Json)
+        .map_err(|e| {
+            (
+                StatusCode::NOT_FOUND,
+                format!("{:#}", anyhow::Error::from(e)),
+            )
+        })
+}
+
 async fn status(
     State(Api { shared, .. }): State<Api>,
 ) -> Result<Json<Status>, (StatusCode, String)> {
@@ -163,7 +182,12 @@ async fn status(
 
 /// Sends `method path` to the agent and returns the body of a 2xx answer; otherwise
 /// the agent's message is the error.
-pub async fn request(socket: &Path, method: hyper::Method, path: &str) -> anyhow::Result<Vec<u8>> {
+pub async fn request(
+    socket: &Path,
+    method: hyper::Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> anyhow::Result<Vec<u8>> {
     let stream = UnixStream::connect(socket).await.with_context(|| {
         format!(
             "cannot reach the agent at {} (is `lb run` running?)",
@@ -177,7 +201,8 @@ pub async fn request(socket: &Path, method: hyper::Method, path: &str) -> anyhow
         .method(method)
         .uri(path)
         .header(hyper::header::HOST, "lb")
-        .body(Empty::<Bytes>::new())?;
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))?;
     let response = sender.send_request(request).await?;
     let code = response.status();
     let body = response.into_body().collect().await?.to_bytes().to_vec();
@@ -213,8 +238,17 @@ pub fn render(status: &Status) -> String {
         );
         let _ = writeln!(
             out,
-            "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>10} {:>12} {:>9}  last check",
-            "backend", "weight", "state", "health", "mac", "slots", "packets", "bytes", "new_flows"
+            "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  last check",
+            "backend",
+            "weight",
+            "state",
+            "health",
+            "mac",
+            "slots",
+            "flows",
+            "packets",
+            "bytes",
+            "new_flows"
         );
         for b in &vip.backends {
             let check = match &b.last_check {
@@ -224,13 +258,14 @@ pub fn render(status: &Status) -> String {
             };
             let _ = writeln!(
                 out,
-                "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>10} {:>12} {:>9}  {}",
+                "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  {}",
                 b.address,
                 b.weight,
                 b.state,
                 b.health,
                 b.mac.as_deref().unwrap_or("unresolved"),
                 b.slots,
+                b.active_flows,
                 b.packets,
                 b.bytes,
                 b.new_flows,

@@ -2,7 +2,7 @@
 //! (`AyaDataplane`) and in memory (`MemoryDataplane`, for unit tests of what is written
 //! and in which order).
 
-use std::collections::HashMap;
+use std::{collections::HashMap, time::Duration};
 
 use aya::{
     Ebpf, EbpfLoader,
@@ -10,12 +10,13 @@ use aya::{
     programs::{Xdp, XdpMode},
 };
 use lb_common::{
-    BackendInfo, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_MAGLEV,
-    MAP_STATS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS, TABLE_GENERATIONS, TrafficCounters,
-    VipInfo, VipKey, stat,
+    BackendInfo, FlowEntry, FlowKey, GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE,
+    GLOBAL_UDP_IDLE_NS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CONNTRACK, MAP_MAGLEV, MAP_STATS,
+    MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS, TABLE_GENERATIONS, TrafficCounters, VipInfo,
+    VipKey, stat,
 };
 
-use crate::config::XdpModeSetting;
+use crate::config::{Config, XdpModeSetting};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
@@ -61,6 +62,10 @@ pub trait Dataplane {
     fn set_backend(&mut self, id: u32, info: &BackendInfo) -> Result<(), DataplaneError>;
     /// Counters of the given VIP and backend ids.
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError>;
+    /// The connection-table entry of one flow.
+    fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError>;
+    /// Every connection-table entry (a syscall or two per entry: call it off the hot path).
+    fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError>;
 }
 
 /// The XDP mode that was actually attached.
@@ -87,6 +92,25 @@ pub struct LoadOptions {
     /// How many VIPs the table map has room for (each gets `TABLE_GENERATIONS` tables).
     pub vip_capacity: u32,
     pub iface_mac: [u8; 6],
+    pub conntrack_entries: u32,
+    /// UDP entries idle this long are re-balanced.
+    pub flow_idle: Duration,
+    /// Connection-table inserts per second per CPU; 0: unlimited.
+    pub conntrack_insert_limit: u64,
+}
+
+impl LoadOptions {
+    /// The options a configuration asks for.
+    pub fn from_config(config: &Config, iface_mac: [u8; 6]) -> Self {
+        Self {
+            maglev_table_size: config.dataplane.maglev_table_size,
+            vip_capacity: vip_capacity(config.vips.len()),
+            iface_mac,
+            conntrack_entries: config.dataplane.conntrack_entries,
+            flow_idle: config.dataplane.flow_idle_timeout,
+            conntrack_insert_limit: config.dataplane.conntrack_insert_limit,
+        }
+    }
 }
 
 /// VIP capacity for a configuration with `vips` VIPs: room to grow by reload without
@@ -105,6 +129,7 @@ pub struct AyaDataplane {
     stats: PerCpuArray<MapData, u64>,
     vip_stats: PerCpuArray<MapData, TrafficCounters>,
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
+    conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
 }
 
 impl AyaDataplane {
@@ -114,10 +139,18 @@ impl AyaDataplane {
             return Err(DataplaneError::NoObject);
         }
         let maglev_entries = options.vip_capacity * TABLE_GENERATIONS * options.maglev_table_size;
+        let udp_idle_ns = options.flow_idle.as_nanos().min(u64::MAX as u128) as u64;
         let mut ebpf = EbpfLoader::new()
             .override_global(GLOBAL_MAGLEV_SIZE, &options.maglev_table_size, true)
             .override_global(GLOBAL_IFACE_MAC, &options.iface_mac, true)
+            .override_global(GLOBAL_UDP_IDLE_NS, &udp_idle_ns, true)
+            .override_global(
+                GLOBAL_CT_INSERT_LIMIT,
+                &options.conntrack_insert_limit,
+                true,
+            )
             .map_max_entries(MAP_MAGLEV, maglev_entries)
+            .map_max_entries(MAP_CONNTRACK, options.conntrack_entries)
             .load(object)?;
         let program: &mut Xdp = program(&mut ebpf)?;
         program.load().map_err(|source| DataplaneError::Program {
@@ -131,6 +164,7 @@ impl AyaDataplane {
             stats: take_map(&mut ebpf, MAP_STATS)?,
             vip_stats: take_map(&mut ebpf, MAP_VIP_STATS)?,
             backend_stats: take_map(&mut ebpf, MAP_BACKEND_STATS)?,
+            conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
             ebpf,
         })
     }
@@ -168,6 +202,16 @@ impl AyaDataplane {
     /// The loaded program, for BPF_PROG_TEST_RUN in tests and benchmarks.
     pub fn program_mut(&mut self) -> Result<&mut Xdp, DataplaneError> {
         program(&mut self.ebpf)
+    }
+
+    /// Writes a connection-table entry (tests: to age or plant an entry).
+    pub fn insert_flow(&mut self, key: &FlowKey, entry: &FlowEntry) -> Result<(), DataplaneError> {
+        self.conntrack
+            .insert(key, entry, 0)
+            .map_err(|source| DataplaneError::Map {
+                map: MAP_CONNTRACK,
+                source,
+            })
     }
 
     /// The XDP_TX counter: how many packets were forwarded so far.
@@ -287,6 +331,35 @@ impl Dataplane for AyaDataplane {
         }
         Ok(counters)
     }
+
+    fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError> {
+        match self.conntrack.get(key, 0) {
+            Ok(entry) => Ok(Some(entry)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(DataplaneError::Map {
+                map: MAP_CONNTRACK,
+                source,
+            }),
+        }
+    }
+
+    fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+        let mut flows = Vec::new();
+        for item in self.conntrack.iter() {
+            match item {
+                Ok(flow) => flows.push(flow),
+                // An entry evicted between listing its key and reading it.
+                Err(aya::maps::MapError::KeyNotFound) => continue,
+                Err(source) => {
+                    return Err(DataplaneError::Map {
+                        map: MAP_CONNTRACK,
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(flows)
+    }
 }
 
 /// One write to the data path, as recorded by `MemoryDataplane`.
@@ -304,6 +377,7 @@ pub struct MemoryDataplane {
     pub vips: HashMap<VipKey, VipInfo>,
     pub maglev: HashMap<u32, u32>,
     pub backends: HashMap<u32, BackendInfo>,
+    pub flows: HashMap<FlowKey, FlowEntry>,
     pub log: Vec<Write>,
 }
 
@@ -337,5 +411,13 @@ impl Dataplane for MemoryDataplane {
             outcomes: vec![0; stat::COUNT as usize],
             ..Counters::default()
         })
+    }
+
+    fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError> {
+        Ok(self.flows.get(key).copied())
+    }
+
+    fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+        Ok(self.flows.iter().map(|(k, v)| (*k, *v)).collect())
     }
 }

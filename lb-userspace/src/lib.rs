@@ -4,6 +4,7 @@ pub mod agent;
 pub mod config;
 pub mod control;
 pub mod dataplane;
+pub mod explain;
 pub mod health;
 pub mod model;
 pub mod neighbor;

@@ -4,7 +4,14 @@ use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use lb_userspace::{agent, config::Config, control};
+use std::net::SocketAddr;
+
+use lb_userspace::{
+    agent,
+    config::Config,
+    control,
+    explain::{ExplainRequest, Explanation, VipTarget},
+};
 
 #[derive(Parser)]
 #[command(
@@ -31,6 +38,17 @@ enum Command {
     },
     /// Make the running agent re-read its configuration file (as SIGHUP does).
     Reload {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Which backend a flow goes to: the table's choice and the connection table's entry.
+    Explain {
+        /// VIP:PORT/PROTO, e.g. 10.0.0.100:80/tcp or [fd00::100]:80/tcp
+        vip: VipTarget,
+        /// SRC_IP:SRC_PORT of the client
+        source: SocketAddr,
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         target: Target,
     },
@@ -114,7 +132,7 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             );
         }
         Command::Reload { target } => {
-            let body = control::request(&target.socket()?, hyper::Method::POST, "/reload")
+            let body = control::request(&target.socket()?, hyper::Method::POST, "/reload", None)
                 .await
                 .context("reload refused")?;
             let answer: control::ReloadAnswer = serde_json::from_slice(&body)?;
@@ -125,8 +143,48 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
                 println!("reloaded: {line}");
             }
         }
+        Command::Explain {
+            vip,
+            source,
+            json,
+            target,
+        } => {
+            let request = serde_json::to_vec(&ExplainRequest { vip, source })?;
+            let body = control::request(
+                &target.socket()?,
+                hyper::Method::POST,
+                "/explain",
+                Some(request),
+            )
+            .await?;
+            if json {
+                println!("{}", String::from_utf8_lossy(&body));
+            } else {
+                let e: Explanation = serde_json::from_slice(&body)?;
+                let none = || "no backend".to_string();
+                println!(
+                    "flow {source} -> {vip} (vip {}): hash {:#010x}, slot {}",
+                    e.vip, e.hash, e.slot
+                );
+                println!(
+                    "  maglev table:     {}",
+                    e.table_backend.unwrap_or_else(none)
+                );
+                match (e.conntrack_backend, e.conntrack_idle_seconds) {
+                    (Some(b), Some(idle)) => {
+                        println!("  connection table: {b} (last packet {idle:.1}s ago)")
+                    }
+                    _ => println!("  connection table: no entry"),
+                }
+                println!(
+                    "  next packet goes to: {}",
+                    e.next_packet_backend.unwrap_or_else(none)
+                );
+            }
+        }
         Command::Status { json, target } => {
-            let body = control::request(&target.socket()?, hyper::Method::GET, "/status").await?;
+            let body =
+                control::request(&target.socket()?, hyper::Method::GET, "/status", None).await?;
             if json {
                 println!("{}", String::from_utf8_lossy(&body));
             } else {

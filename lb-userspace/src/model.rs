@@ -3,9 +3,11 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::IpAddr;
+use std::time::{Duration, Instant};
 
 use lb_common::{
-    ADDR_FAMILY_V4, ADDR_FAMILY_V6, BackendInfo, MAX_BACKENDS, MAX_VIPS, VIP_F_HASH_SRC_IP, VipKey,
+    ADDR_FAMILY_V4, ADDR_FAMILY_V6, BACKEND_F_SERVES_FLOWS, BackendInfo, MAX_BACKENDS, MAX_VIPS,
+    VIP_F_HASH_SRC_IP, VipKey,
     maglev::{MaglevBackend, build_table},
 };
 use serde::{Deserialize, Serialize};
@@ -46,6 +48,11 @@ pub struct BackendState {
 
 impl BackendState {
     /// May new flows go to this backend?
+    /// May flows it already has stay? (Ready, or draining, and not failed.)
+    pub fn serves_flows(&self) -> bool {
+        self.config.state != AdminState::Maint && self.mac.is_some() && self.health != Health::Down
+    }
+
     pub fn in_table(&self) -> bool {
         self.config.state == AdminState::Ready && self.mac.is_some() && self.health != Health::Down
     }
@@ -89,23 +96,34 @@ pub fn vip_key(address: IpAddr, port: u16, proto: u8) -> VipKey {
     }
 }
 
-/// Hands out small integer ids, reusing freed ones oldest-first.
+/// Hands out small integer ids, reusing freed ones oldest-first, and only after they
+/// have been free for `quarantine`: a connection-table entry that still names an old
+/// backend id must not land on a new backend while its flow could still be alive.
 #[derive(Clone, Debug)]
 pub struct IdPool {
-    free: VecDeque<u32>,
+    /// Never-used ids (no time) first, then freed ones in the order they were freed.
+    free: VecDeque<(u32, Option<Instant>)>,
+    quarantine: Duration,
 }
 
 impl IdPool {
-    pub fn new(capacity: u32) -> Self {
+    pub fn new(capacity: u32, quarantine: Duration) -> Self {
         Self {
-            free: (0..capacity).collect(),
+            free: (0..capacity).map(|id| (id, None)).collect(),
+            quarantine,
         }
     }
-    pub fn take(&mut self) -> Option<u32> {
-        self.free.pop_front()
+
+    pub fn take(&mut self, now: Instant) -> Option<u32> {
+        match self.free.front() {
+            Some((_, Some(freed))) if now.duration_since(*freed) < self.quarantine => None,
+            Some(_) => self.free.pop_front().map(|(id, _)| id),
+            None => None,
+        }
     }
-    pub fn give_back(&mut self, id: u32) {
-        self.free.push_back(id);
+
+    pub fn give_back(&mut self, id: u32, now: Instant) {
+        self.free.push_back((id, Some(now)));
     }
 }
 
@@ -126,12 +144,13 @@ pub struct Model {
 
 impl Model {
     /// `vip_capacity`: how many VIPs the data path's table map has room for.
-    pub fn new(table_size: u32, vip_capacity: u32) -> Self {
+    /// `flow_idle`: how long a freed backend id waits before it is reused.
+    pub fn new(table_size: u32, vip_capacity: u32, flow_idle: Duration) -> Self {
         Self {
             table_size,
             vips: Vec::new(),
-            vip_ids: IdPool::new(vip_capacity.min(MAX_VIPS)),
-            backend_ids: IdPool::new(MAX_BACKENDS),
+            vip_ids: IdPool::new(vip_capacity.min(MAX_VIPS), Duration::ZERO),
+            backend_ids: IdPool::new(MAX_BACKENDS, flow_idle),
         }
     }
 
@@ -139,6 +158,7 @@ impl Model {
     /// (by VIP and address) that stay keep their ids, MACs and health; new ones start
     /// down until checked (or unknown when unchecked); gone ones free their ids.
     pub fn update(&mut self, config: &Config) -> Result<(), ModelError> {
+        let now = Instant::now();
         let mut old: Vec<VipState> = std::mem::take(&mut self.vips);
         for vip_config in &config.vips {
             let previous = old
@@ -148,7 +168,7 @@ impl Model {
             let (id, mut old_backends) = match previous {
                 Some(v) => (v.id, v.backends),
                 None => (
-                    self.vip_ids.take().ok_or(ModelError::Exhausted("VIP"))?,
+                    self.vip_ids.take(now).ok_or(ModelError::Exhausted("VIP"))?,
                     Vec::new(),
                 ),
             };
@@ -174,7 +194,7 @@ impl Model {
                     None => BackendState {
                         id: self
                             .backend_ids
-                            .take()
+                            .take(now)
                             .ok_or(ModelError::Exhausted("backend"))?,
                         config: backend_config.clone(),
                         mac: backend_config.mac,
@@ -186,7 +206,7 @@ impl Model {
                 backends.push(state);
             }
             for gone in old_backends {
-                self.backend_ids.give_back(gone.id);
+                self.backend_ids.give_back(gone.id, now);
             }
             self.vips.push(VipState {
                 id,
@@ -195,9 +215,9 @@ impl Model {
             });
         }
         for gone in old {
-            self.vip_ids.give_back(gone.id);
+            self.vip_ids.give_back(gone.id, now);
             for b in gone.backends {
-                self.backend_ids.give_back(b.id);
+                self.backend_ids.give_back(b.id, now);
             }
         }
         Ok(())
@@ -219,13 +239,14 @@ impl Model {
                 .collect();
             for b in &vip.backends {
                 if let Some(mac) = b.mac {
-                    desired.backends.insert(
-                        b.id,
-                        BackendInfo {
-                            mac: mac.0,
-                            _pad: [0; 2],
-                        },
-                    );
+                    let flags = if b.serves_flows() {
+                        BACKEND_F_SERVES_FLOWS
+                    } else {
+                        0
+                    };
+                    desired
+                        .backends
+                        .insert(b.id, BackendInfo { mac: mac.0, flags });
                 }
             }
             desired.vips.push(DesiredVip {
@@ -291,7 +312,7 @@ mod tests {
 
     #[test]
     fn unchecked_backends_with_a_mac_are_in_the_table() {
-        let mut model = Model::new(7, 16);
+        let mut model = Model::new(7, 16, Duration::ZERO);
         model
             .update(&config(&[("10.0.0.11", ""), ("10.0.0.12", "")], "none"))
             .unwrap();
@@ -311,7 +332,7 @@ mod tests {
 
     #[test]
     fn checked_backends_start_down_and_drained_ones_stay_out() {
-        let mut model = Model::new(7, 16);
+        let mut model = Model::new(7, 16, Duration::ZERO);
         model
             .update(&config(
                 &[("10.0.0.11", ""), ("10.0.0.12", "state = \"drain\"")],
@@ -338,7 +359,7 @@ mod tests {
 
     #[test]
     fn update_keeps_ids_macs_and_health_of_unchanged_backends() {
-        let mut model = Model::new(7, 16);
+        let mut model = Model::new(7, 16, Duration::ZERO);
         model
             .update(&config(&[("10.0.0.11", ""), ("10.0.0.12", "")], "tcp"))
             .unwrap();
@@ -371,14 +392,41 @@ mod tests {
     }
 
     #[test]
-    fn freed_ids_are_reused_last() {
-        let mut pool = IdPool::new(3);
-        let a = pool.take().unwrap();
-        pool.give_back(a);
+    fn freed_ids_are_reused_last_and_only_after_the_quarantine() {
+        let start = Instant::now();
+        let later = |s| start + Duration::from_secs(s);
+        let mut pool = IdPool::new(2, Duration::from_secs(30));
+        let a = pool.take(start).unwrap();
+        pool.give_back(a, start);
         assert_eq!(
-            pool.take(),
+            pool.take(start),
             Some(1),
             "a freed id waits behind never-used ones"
         );
+        assert_eq!(pool.take(later(29)), None, "id {a} is still in quarantine");
+        assert_eq!(pool.take(later(30)), Some(a));
+    }
+
+    #[test]
+    fn drained_backends_keep_their_flows_but_maint_and_failed_ones_do_not() {
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        let backends = [
+            ("10.0.0.11", "state = \"drain\""),
+            ("10.0.0.12", "state = \"maint\""),
+            ("10.0.0.13", ""),
+        ];
+        model.update(&config(&backends, "tcp")).unwrap();
+        resolve_all(&mut model);
+        for b in model.backends_mut() {
+            b.health = Health::Up;
+        }
+        model.vips[0].backends[2].health = Health::Down;
+        let desired = model.desired();
+        let flags: Vec<u16> = model.vips[0]
+            .backends
+            .iter()
+            .map(|b| desired.backends[&b.id].flags)
+            .collect();
+        assert_eq!(flags, [BACKEND_F_SERVES_FLOWS, 0, 0]);
     }
 }

@@ -80,6 +80,20 @@ impl TableWriter {
                 report.backends_written += 1;
             }
         }
+        // A backend that is gone no longer serves flows: connection-table entries that
+        // still name it are re-hashed by the program.
+        let gone: Vec<u32> = self
+            .backends
+            .keys()
+            .filter(|id| !desired.backends.contains_key(id))
+            .copied()
+            .collect();
+        for id in gone {
+            let mut info = self.backends.remove(&id).expect("listed above");
+            info.flags = 0;
+            dataplane.set_backend(id, &info)?;
+            report.backends_written += 1;
+        }
 
         for vip in &desired.vips {
             assert_eq!(
@@ -168,7 +182,7 @@ mod tests {
                 *id,
                 BackendInfo {
                     mac: [2, 0, 0, 0, 0, *id as u8],
-                    _pad: [0; 2],
+                    flags: lb_common::BACKEND_F_SERVES_FLOWS,
                 },
             );
         }
@@ -267,6 +281,21 @@ mod tests {
         assert_eq!(report.slots_written, 1);
         assert_eq!(lookup(&dp, &key(100), 5), 1);
         assert_eq!(lookup(&dp, &key(100), 6), 2);
+    }
+
+    #[test]
+    fn removed_backends_stop_serving_flows() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        writer
+            .apply(&mut dp, &desired([1, 2, 1, 2, 1, 2, 1]))
+            .unwrap();
+        writer.apply(&mut dp, &desired([1; 7])).unwrap();
+        assert_eq!(
+            dp.backends[&2].flags, 0,
+            "entries naming backend 2 must be re-hashed"
+        );
+        assert_eq!(dp.backends[&1].flags, lb_common::BACKEND_F_SERVES_FLOWS);
     }
 
     #[test]

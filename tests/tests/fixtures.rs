@@ -7,11 +7,12 @@
 use std::sync::Mutex;
 
 use aya::programs::{TestRun, TestRunOptions};
-use lb_common::{ADDR_FAMILY_V4, FlowTuple, flow_hash, maglev_slot, stat};
+use lb_common::stat;
 use lb_userspace::{
     EBPF_OBJECT,
     config::Config,
     dataplane::{AyaDataplane, Dataplane, LoadOptions, vip_capacity},
+    explain::{self, ExplainRequest, VipTarget},
     model::Model,
     tables::TableWriter,
 };
@@ -19,7 +20,6 @@ use lb_userspace::{
 const IFACE_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x02];
 const CLIENT_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x01];
 const BACKEND_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x0b];
-const TABLE_SIZE: u32 = 251;
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
@@ -32,6 +32,7 @@ const CONFIG: &str = r#"
 [dataplane]
 interface = "lo"
 maglev_table_size = 251
+conntrack_entries = 4096
 
 [[vip]]
 name = "web"
@@ -257,6 +258,62 @@ fn forwarded(frame: &[u8]) -> Vec<u8> {
 struct Fixture {
     dataplane: AyaDataplane,
     model: Model,
+    writer: TableWriter,
+    config: Config,
+}
+
+impl Fixture {
+    /// A program instance of its own, its maps written by the agent's code from `text`.
+    fn load(text: &str) -> Fixture {
+        let config = Config::from_toml(text).expect("fixture config");
+        let dataplane =
+            AyaDataplane::load(EBPF_OBJECT, LoadOptions::from_config(&config, IFACE_MAC))
+                .expect("load the XDP program");
+        let model = Model::new(
+            config.dataplane.maglev_table_size,
+            vip_capacity(config.vips.len()),
+            config.dataplane.flow_idle_timeout,
+        );
+        let writer = TableWriter::new(config.dataplane.maglev_table_size);
+        let mut fixture = Fixture {
+            dataplane,
+            model,
+            writer,
+            config,
+        };
+        fixture.reconfigure(text);
+        fixture
+    }
+
+    /// Follows a new configuration, as a reload does.
+    fn reconfigure(&mut self, text: &str) {
+        self.config = Config::from_toml(text).expect("fixture config");
+        self.model.update(&self.config).expect("model");
+        self.sync();
+    }
+
+    /// Writes the model's tables.
+    fn sync(&mut self) {
+        self.writer
+            .apply(&mut self.dataplane, &self.model.desired())
+            .expect("write tables");
+    }
+}
+
+/// Root and a built object, or a loud skip.
+fn can_run(test: &str) -> bool {
+    if !nix_is_root() {
+        lb_tests::skip(test, "BPF_PROG_TEST_RUN needs root");
+        return false;
+    }
+    if EBPF_OBJECT.is_empty() {
+        lb_tests::skip(
+            test,
+            "the eBPF object is empty (built with AYA_BUILD_SKIP=1)",
+        );
+        return false;
+    }
+    true
 }
 
 // One program instance for all cases; BPF_PROG_TEST_RUN calls are serialized by the lock
@@ -264,36 +321,11 @@ struct Fixture {
 static FIXTURE: Mutex<Option<Fixture>> = Mutex::new(None);
 
 fn with_fixture<T>(test: &str, body: impl FnOnce(&mut Fixture) -> T) -> Option<T> {
-    if !nix_is_root() {
-        lb_tests::skip(test, "BPF_PROG_TEST_RUN needs root");
-        return None;
-    }
-    if EBPF_OBJECT.is_empty() {
-        lb_tests::skip(
-            test,
-            "the eBPF object is empty (built with AYA_BUILD_SKIP=1)",
-        );
+    if !can_run(test) {
         return None;
     }
     let mut guard = FIXTURE.lock().unwrap_or_else(|e| e.into_inner());
-    let fixture = guard.get_or_insert_with(|| {
-        let config = Config::from_toml(CONFIG).expect("fixture config");
-        let mut dataplane = AyaDataplane::load(
-            EBPF_OBJECT,
-            LoadOptions {
-                maglev_table_size: TABLE_SIZE,
-                vip_capacity: vip_capacity(config.vips.len()),
-                iface_mac: IFACE_MAC,
-            },
-        )
-        .expect("load the XDP program");
-        let mut model = Model::new(TABLE_SIZE, vip_capacity(config.vips.len()));
-        model.update(&config).expect("model");
-        TableWriter::new(TABLE_SIZE)
-            .apply(&mut dataplane, &model.desired())
-            .expect("write tables");
-        Fixture { dataplane, model }
-    });
+    let fixture = guard.get_or_insert_with(|| Fixture::load(CONFIG));
     Some(body(fixture))
 }
 
@@ -652,37 +684,27 @@ fn syn_counts_a_new_flow_for_the_vip_and_backend() {
     });
 }
 
-/// The kernel and userspace pick the same backend for many random flows: userspace's
-/// prediction is `lb-common`'s hash and the agent's desired table.
+/// `lb explain` over the fixture's model, tables and connection table.
+fn explain_flow(fixture: &Fixture, request: &ExplainRequest) -> explain::Explanation {
+    let desired = fixture.model.desired();
+    let view = explain::View {
+        model: &fixture.model,
+        desired: &desired,
+        dataplane: &fixture.dataplane,
+        flow_idle: fixture.config.dataplane.flow_idle_timeout,
+    };
+    explain::explain(&view, request, explain::monotonic_ns()).expect("explain")
+}
+
+/// The kernel and `lb explain` pick the same backend for many random flows: explain is
+/// `lb-common`'s hash over the agent's table plus the connection-table lookup.
 #[test]
-fn kernel_and_userspace_agree_on_random_flows() {
-    with_fixture("kernel_and_userspace_agree_on_random_flows", |fixture| {
-        let desired = fixture.model.desired();
-        let vip = fixture
-            .model
-            .vips
-            .iter()
-            .find(|v| v.config.name == "three")
-            .unwrap()
-            .clone();
-        let table = &desired
-            .vips
-            .iter()
-            .find(|d| d.vip_id == vip.id)
-            .unwrap()
-            .table;
-        let mac_of = |id: u32| {
-            vip.backends
-                .iter()
-                .find(|b| b.id == id)
-                .unwrap()
-                .mac
-                .unwrap()
-                .0
-        };
+fn kernel_and_explain_agree_on_random_flows() {
+    with_fixture("kernel_and_explain_agree_on_random_flows", |fixture| {
+        let vip: VipTarget = "10.0.0.100:8080/tcp".parse().unwrap();
         let mut seen = std::collections::HashSet::new();
         let mut state = 0x2545_f491_4f6c_dd1du64;
-        for _ in 0..500 {
+        for i in 0..500 {
             // xorshift: reproducible pseudo-random flows without a dependency.
             state ^= state << 13;
             state ^= state >> 7;
@@ -694,33 +716,305 @@ fn kernel_and_userspace_agree_on_random_flows() {
                 (state >> 24) as u8,
             ];
             let port = (state >> 32) as u16 | 1024;
+            let source = std::net::SocketAddr::from((src, port));
+            let request = ExplainRequest { vip, source };
+            let before = explain_flow(fixture, &request);
+            // Half the flows start with a SYN, half mid-connection (no entry yet).
+            let flags = if i % 2 == 0 { TCP_SYN } else { TCP_ACK };
             let mut frame = ipv4(
                 VIP,
                 L4::Tcp {
                     src: port,
                     dst: 8080,
-                    flags: TCP_SYN,
+                    flags,
                 },
             );
             frame[14 + 12..14 + 16].copy_from_slice(&src);
             let result = run(fixture, &frame);
             assert_eq!(result.action, XDP_TX);
-            let flow = FlowTuple {
-                src: [u32::from_be_bytes(src), 0, 0, 0],
-                dst: [u32::from_be_bytes(VIP), 0, 0, 0],
-                src_port: port,
-                dst_port: 8080,
-                proto: 6,
-                family: ADDR_FAMILY_V4,
+            let predicted = before.table_backend.expect("three backends");
+            let mac_of = |address: &str| {
+                let vip = fixture
+                    .model
+                    .vips
+                    .iter()
+                    .find(|v| v.config.name == "three")
+                    .unwrap();
+                vip.backends
+                    .iter()
+                    .find(|b| b.config.address.to_string() == address)
+                    .unwrap()
+                    .mac
+                    .unwrap()
+                    .0
             };
-            let predicted = table[maglev_slot(flow_hash(&flow, false), TABLE_SIZE) as usize];
             assert_eq!(
                 result.output[0..6],
-                mac_of(predicted),
-                "flow {src:?}:{port}: kernel and userspace disagree"
+                mac_of(&predicted),
+                "{source}: kernel and explain disagree"
+            );
+            let after = explain_flow(fixture, &request);
+            assert_eq!(
+                after.conntrack_backend.as_deref(),
+                Some(predicted.as_str()),
+                "{source}: entry"
             );
             seen.insert(predicted);
         }
         assert_eq!(seen.len(), 3, "500 flows should reach all three backends");
     });
+}
+
+// ---- connection table -------------------------------------------------------------
+
+/// Two TCP and one UDP VIP for the connection-table cases, each test on its own program.
+fn sticky_config(backends: &[(&str, u32)], insert_limit: u64) -> String {
+    let mut text = format!(
+        "[dataplane]\ninterface = \"lo\"\nmaglev_table_size = 251\nconntrack_entries = 4096\n\
+         conntrack_insert_limit = {insert_limit}\n"
+    );
+    for (name, port, proto) in [("tcp", 80, "tcp"), ("udp", 53, "udp")] {
+        text += &format!(
+            "[[vip]]\nname = \"{name}\"\naddress = \"10.0.0.100\"\nport = {port}\nprotocol = \"{proto}\"\n\
+             [vip.health]\nkind = \"none\"\n"
+        );
+        for (address, weight) in backends {
+            let last: u8 = address.rsplit('.').next().unwrap().parse().unwrap();
+            text += &format!(
+                "[[vip.backend]]\naddress = \"{address}\"\nweight = {weight}\nmac = \"02:00:00:00:00:{last:02x}\"\n"
+            );
+        }
+    }
+    text
+}
+
+fn tcp(src_port: u16, flags: u8) -> Vec<u8> {
+    ipv4(
+        VIP,
+        L4::Tcp {
+            src: src_port,
+            dst: 80,
+            flags,
+        },
+    )
+}
+
+/// The last octet of the backend a forwarded frame was sent to (its MAC's last byte).
+fn backend_of(result: &RunResult) -> u8 {
+    assert_eq!(result.action, XDP_TX, "not forwarded: {:?}", result.counted);
+    result.output[5]
+}
+
+fn counted(result: &RunResult, name: &str) -> u64 {
+    result
+        .counted
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(0, |(_, v)| *v)
+}
+
+const TCP_RST: u8 = 0x04;
+
+#[test]
+fn established_flows_stay_on_their_backend_while_the_set_changes() {
+    if !can_run("established_flows_stay_on_their_backend_while_the_set_changes") {
+        return;
+    }
+    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let ports: Vec<u16> = (41000..41200).collect();
+    let before: Vec<u8> = ports
+        .iter()
+        .map(|&p| backend_of(&run(&mut fixture, &tcp(p, TCP_SYN))))
+        .collect();
+
+    // Add a backend and change weights: the table now sends many of these flows elsewhere.
+    fixture.reconfigure(&sticky_config(
+        &[("10.0.0.41", 5), ("10.0.0.42", 1), ("10.0.0.43", 3)],
+        0,
+    ));
+    let moved_by_table = ports
+        .iter()
+        .zip(&before)
+        .filter(|(p, b)| explained(&fixture, "tcp", **p).0 != **b)
+        .count();
+    assert!(
+        moved_by_table > 20,
+        "the new table should move some flows ({moved_by_table})"
+    );
+
+    for (port, backend) in ports.iter().zip(&before) {
+        let result = run(&mut fixture, &tcp(*port, TCP_ACK));
+        assert_eq!(backend_of(&result), *backend, "flow from port {port} moved");
+        assert_eq!(counted(&result, "ct_hit"), 1);
+        assert_eq!(counted(&result, "ct_miss_non_syn"), 0);
+    }
+}
+
+/// What `lb explain` says of the flow from 10.0.0.1:`port` to the TCP VIP: the last
+/// octets of the table's backend and of the backend the next packet goes to.
+fn explained(fixture: &Fixture, proto: &str, port: u16) -> (u8, Option<u8>) {
+    let vip_port = if proto == "udp" { 53 } else { 80 };
+    let request = ExplainRequest {
+        vip: format!("10.0.0.100:{vip_port}/{proto}")
+            .parse::<VipTarget>()
+            .unwrap(),
+        source: format!("10.0.0.1:{port}").parse().unwrap(),
+    };
+    let e = explain_flow(fixture, &request);
+    let last = |a: String| a.rsplit('.').next().unwrap().parse::<u8>().unwrap();
+    (
+        last(e.table_backend.unwrap()),
+        e.next_packet_backend.map(last),
+    )
+}
+
+fn backend_named(fixture: &Fixture, vip: &str, last_octet: u8) -> u32 {
+    let vip = fixture
+        .model
+        .vips
+        .iter()
+        .find(|v| v.config.name == vip)
+        .unwrap();
+    vip.backends
+        .iter()
+        .find(|b| {
+            b.config
+                .address
+                .to_string()
+                .ends_with(&format!(".{last_octet}"))
+        })
+        .unwrap()
+        .id
+}
+
+#[test]
+fn a_failed_backends_flows_are_rehashed_and_the_others_stay() {
+    if !can_run("a_failed_backends_flows_are_rehashed_and_the_others_stay") {
+        return;
+    }
+    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let ports: Vec<u16> = (42000..42100).collect();
+    let before: Vec<u8> = ports
+        .iter()
+        .map(|&p| backend_of(&run(&mut fixture, &tcp(p, TCP_SYN))))
+        .collect();
+    assert!(before.contains(&41) && before.contains(&42));
+    for b in fixture.model.backends_mut() {
+        if b.config.address.to_string() == "10.0.0.41" {
+            b.health = lb_userspace::model::Health::Down;
+        }
+    }
+    fixture.sync();
+    for (port, backend) in ports.iter().zip(&before) {
+        let result = run(&mut fixture, &tcp(*port, TCP_ACK));
+        assert_eq!(
+            backend_of(&result),
+            42,
+            "every flow now goes to the live backend"
+        );
+        let expected_rehash = u64::from(*backend == 41);
+        assert_eq!(
+            counted(&result, "ct_rehash"),
+            expected_rehash,
+            "port {port}"
+        );
+        assert_eq!(explained(&fixture, "tcp", *port).1, Some(42));
+    }
+}
+
+#[test]
+fn rst_never_creates_an_entry_and_a_lone_ack_is_a_non_syn_miss() {
+    if !can_run("rst_never_creates_an_entry_and_a_lone_ack_is_a_non_syn_miss") {
+        return;
+    }
+    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+    let key = |port: u16| explain::flow_key(&vip, format!("10.0.0.1:{port}").parse().unwrap());
+
+    let result = run(&mut fixture, &tcp(43000, TCP_RST));
+    assert_eq!(result.action, XDP_TX, "a RST is still forwarded");
+    assert_eq!(counted(&result, "ct_created"), 0);
+    assert_eq!(fixture.dataplane.flow(&key(43000)).unwrap(), None);
+
+    let result = run(&mut fixture, &tcp(43001, TCP_ACK));
+    assert_eq!(counted(&result, "ct_miss_non_syn"), 1);
+    assert_eq!(counted(&result, "ct_created"), 1);
+    let entry = fixture
+        .dataplane
+        .flow(&key(43001))
+        .unwrap()
+        .expect("entry created");
+    assert_eq!(
+        entry.backend_id,
+        backend_named(&fixture, "tcp", backend_of(&result))
+    );
+    let result = run(&mut fixture, &tcp(43001, TCP_ACK));
+    assert_eq!(counted(&result, "ct_hit"), 1);
+}
+
+#[test]
+fn udp_entries_hold_until_idle_then_expire() {
+    if !can_run("udp_entries_hold_until_idle_then_expire") {
+        return;
+    }
+    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let vip: VipTarget = "10.0.0.100:53/udp".parse().unwrap();
+    let port = 44000;
+    let key = explain::flow_key(&vip, format!("10.0.0.1:{port}").parse().unwrap());
+    let frame = ipv4(VIP, L4::Udp { src: port, dst: 53 });
+    let first = run(&mut fixture, &frame);
+    assert_eq!(counted(&first, "ct_miss_udp"), 1);
+    let table_choice = backend_of(&first);
+    let other = if table_choice == 41 { 42 } else { 41 };
+
+    // An entry for the other backend, seen just now: the flow follows it.
+    let now = explain::monotonic_ns();
+    let entry = lb_common::FlowEntry {
+        backend_id: backend_named(&fixture, "udp", other),
+        _pad: 0,
+        last_seen_ns: now,
+    };
+    fixture.dataplane.insert_flow(&key, &entry).unwrap();
+    let result = run(&mut fixture, &frame);
+    assert_eq!(
+        (backend_of(&result), counted(&result, "ct_hit")),
+        (other, 1)
+    );
+    assert_eq!(explained(&fixture, "udp", port).1, Some(other));
+
+    // The same entry idle for longer than flow_idle_timeout (30 s): balanced afresh.
+    let idle = fixture.config.dataplane.flow_idle_timeout.as_nanos() as u64;
+    let stale = lb_common::FlowEntry {
+        last_seen_ns: now - idle - 1_000_000_000,
+        ..entry
+    };
+    fixture.dataplane.insert_flow(&key, &stale).unwrap();
+    assert_eq!(explained(&fixture, "udp", port).1, Some(table_choice));
+    let result = run(&mut fixture, &frame);
+    assert_eq!(
+        (backend_of(&result), counted(&result, "ct_miss_udp")),
+        (table_choice, 1)
+    );
+}
+
+#[test]
+fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
+    if !can_run("the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance") {
+        return;
+    }
+    // One CPU, so all inserts fall in one per-CPU window.
+    let mut cpus = nix::sched::CpuSet::new();
+    cpus.set(0).unwrap();
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
+    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 3));
+    let mut created = 0;
+    let mut skipped = 0;
+    for port in 45000..45005 {
+        let result = run(&mut fixture, &tcp(port, TCP_SYN));
+        assert_eq!(result.action, XDP_TX);
+        created += counted(&result, "ct_created");
+        skipped += counted(&result, "ct_insert_skipped");
+    }
+    // Five SYNs well within one second: three entries, two balanced without one.
+    assert_eq!((created, skipped), (3, 2));
 }

@@ -1,0 +1,287 @@
+//! `lb explain`: which backend a flow goes to, computed with the kernel's own hash
+//! (`lb-common`) over the agent's current table, and what the connection table holds.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
+
+use lb_common::{
+    ADDR_FAMILY_V4, ADDR_FAMILY_V6, BACKEND_NONE, FlowKey, FlowTuple, flow_hash, maglev_slot,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    agent::Shared,
+    config::{HashMode, Protocol},
+    dataplane::Dataplane,
+    model::{Model, VipState},
+    tables::Desired,
+};
+
+/// `VIP:PORT/PROTO`, as `lb explain` and `lb drain` take it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VipTarget {
+    pub address: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+impl std::str::FromStr for VipTarget {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let (socket, protocol) = text
+            .rsplit_once('/')
+            .ok_or_else(|| format!("{text:?}: expected VIP:PORT/PROTO, e.g. 10.0.0.100:80/tcp"))?;
+        let protocol = match protocol {
+            "tcp" => Protocol::Tcp,
+            "udp" => Protocol::Udp,
+            other => {
+                return Err(format!(
+                    "{text:?}: protocol {other:?} is neither tcp nor udp"
+                ));
+            }
+        };
+        let socket: SocketAddr = socket.parse().map_err(|_| {
+            format!("{text:?}: {socket:?} is not ADDRESS:PORT (IPv6: [ADDRESS]:PORT)")
+        })?;
+        Ok(Self {
+            address: socket.ip(),
+            port: socket.port(),
+            protocol,
+        })
+    }
+}
+
+impl std::fmt::Display for VipTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{}",
+            SocketAddr::new(self.address, self.port),
+            self.protocol
+        )
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExplainRequest {
+    pub vip: VipTarget,
+    pub source: SocketAddr,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Explanation {
+    pub vip: String,
+    pub hash: u32,
+    pub slot: u32,
+    /// The backend the Maglev table gives the flow (what a SYN gets); None: no backend.
+    pub table_backend: Option<String>,
+    /// The backend the connection table holds for the flow, if it has an entry.
+    pub conntrack_backend: Option<String>,
+    /// Seconds since the entry last saw a packet.
+    pub conntrack_idle_seconds: Option<f64>,
+    /// Where the flow's next non-SYN packet goes.
+    pub next_packet_backend: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExplainError {
+    #[error("no VIP {0} is configured")]
+    UnknownVip(VipTarget),
+    #[error("the client {client} and the VIP {vip} are of different address families")]
+    FamilyMismatch { client: SocketAddr, vip: VipTarget },
+    #[error("reading the connection table")]
+    Dataplane(#[from] crate::dataplane::DataplaneError),
+}
+
+/// The 5-tuple of a flow from `source` to the VIP, as the program hashes it.
+pub fn flow_tuple(vip: &VipTarget, source: SocketAddr) -> FlowTuple {
+    let (src, family) = words(source.ip());
+    let (dst, _) = words(vip.address);
+    FlowTuple {
+        src,
+        dst,
+        src_port: source.port(),
+        dst_port: vip.port,
+        proto: vip.protocol.number(),
+        family,
+    }
+}
+
+fn words(address: IpAddr) -> ([u32; 4], u8) {
+    match address {
+        IpAddr::V4(a) => ([u32::from(a), 0, 0, 0], ADDR_FAMILY_V4),
+        IpAddr::V6(a) => {
+            let o = a.octets();
+            let w = |i: usize| u32::from_be_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+            ([w(0), w(4), w(8), w(12)], ADDR_FAMILY_V6)
+        }
+    }
+}
+
+/// The connection-table key of a flow from `source` to the VIP.
+pub fn flow_key(vip: &VipTarget, source: SocketAddr) -> FlowKey {
+    let bytes = |a: IpAddr| {
+        let mut out = [0u8; 16];
+        match a {
+            IpAddr::V4(a) => out[..4].copy_from_slice(&a.octets()),
+            IpAddr::V6(a) => out.copy_from_slice(&a.octets()),
+        }
+        out
+    };
+    FlowKey {
+        src: bytes(source.ip()),
+        dst: bytes(vip.address),
+        src_port: source.port().to_be(),
+        dst_port: vip.port.to_be(),
+        proto: vip.protocol.number(),
+        family: if source.is_ipv4() {
+            ADDR_FAMILY_V4
+        } else {
+            ADDR_FAMILY_V6
+        },
+        _pad: [0; 2],
+    }
+}
+
+/// The backend id the table gives a flow (`BACKEND_NONE` when none).
+pub fn table_choice(vip: &VipState, table: &[u32], source: SocketAddr) -> (u32, u32, u32) {
+    let target = VipTarget {
+        address: vip.config.address,
+        port: vip.config.port,
+        protocol: vip.config.protocol,
+    };
+    let tuple = flow_tuple(&target, source);
+    let hash = flow_hash(&tuple, vip.config.hash == HashMode::SrcIp);
+    let slot = maglev_slot(hash, table.len() as u32);
+    (hash, slot, table[slot as usize])
+}
+
+/// The state `explain` reads: the agent's model and tables, and the data path's
+/// connection table.
+pub struct View<'a> {
+    pub model: &'a Model,
+    pub desired: &'a Desired,
+    pub dataplane: &'a dyn Dataplane,
+    pub flow_idle: Duration,
+}
+
+impl<'a> View<'a> {
+    pub fn of(shared: &'a Shared) -> Self {
+        Self {
+            model: &shared.model,
+            desired: &shared.desired,
+            dataplane: shared.dataplane.as_ref(),
+            flow_idle: shared.config.dataplane.flow_idle_timeout,
+        }
+    }
+}
+
+pub fn explain(
+    view: &View<'_>,
+    request: &ExplainRequest,
+    now_ns: u64,
+) -> Result<Explanation, ExplainError> {
+    let target = request.vip;
+    let vip = view
+        .model
+        .vips
+        .iter()
+        .find(|v| {
+            v.config.address == target.address
+                && v.config.port == target.port
+                && v.config.protocol == target.protocol
+        })
+        .ok_or(ExplainError::UnknownVip(target))?;
+    if request.source.is_ipv4() != target.address.is_ipv4() {
+        return Err(ExplainError::FamilyMismatch {
+            client: request.source,
+            vip: target,
+        });
+    }
+    let table = view
+        .desired
+        .vips
+        .iter()
+        .find(|d| d.vip_id == vip.id)
+        .map(|d| d.table.as_slice())
+        .unwrap_or_default();
+    let name = |id: u32| {
+        vip.backends
+            .iter()
+            .find(|b| b.id == id)
+            .map(|b| b.config.address.to_string())
+    };
+    let (hash, slot, table_id) = if table.is_empty() {
+        (0, 0, BACKEND_NONE)
+    } else {
+        table_choice(vip, table, request.source)
+    };
+    let entry = view.dataplane.flow(&flow_key(&target, request.source))?;
+    let idle_ns = entry.map(|e| now_ns.saturating_sub(e.last_seen_ns));
+    // What the program does with the next non-SYN packet: follow a live entry whose
+    // backend still serves flows, else the table.
+    let follows_entry = entry.is_some_and(|e| {
+        let serving = vip
+            .backends
+            .iter()
+            .any(|b| b.id == e.backend_id && b.serves_flows());
+        let expired = target.protocol == Protocol::Udp
+            && idle_ns.unwrap_or(0) > view.flow_idle.as_nanos() as u64;
+        serving && !expired
+    });
+    let next = match entry {
+        Some(e) if follows_entry => name(e.backend_id),
+        _ => name(table_id),
+    };
+    Ok(Explanation {
+        vip: vip.config.name.clone(),
+        hash,
+        slot,
+        table_backend: name(table_id),
+        conntrack_backend: entry.and_then(|e| {
+            name(e.backend_id).or(Some(format!("backend id {} (gone)", e.backend_id)))
+        }),
+        conntrack_idle_seconds: idle_ns.map(|ns| ns as f64 / 1e9),
+        next_packet_backend: next,
+    })
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
+pub fn monotonic_ns() -> u64 {
+    let now =
+        nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
+    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vip_targets_parse_and_print() {
+        let v4: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+        assert_eq!(v4.to_string(), "10.0.0.100:80/tcp");
+        let v6: VipTarget = "[fd00::100]:53/udp".parse().unwrap();
+        assert_eq!((v6.port, v6.protocol), (53, Protocol::Udp));
+        for bad in [
+            "10.0.0.100:80",
+            "10.0.0.100/tcp",
+            "10.0.0.100:80/sctp",
+            "fd00::1:80/tcp",
+        ] {
+            assert!(bad.parse::<VipTarget>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn flow_key_is_in_network_order() {
+        let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+        let key = flow_key(&vip, "10.0.0.1:40000".parse().unwrap());
+        assert_eq!(&key.src[..4], &[10, 0, 0, 1]);
+        assert_eq!(key.dst_port.to_ne_bytes(), 80u16.to_be_bytes());
+        assert_eq!(key.src_port.to_ne_bytes(), 40000u16.to_be_bytes());
+    }
+}
