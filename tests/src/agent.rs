@@ -1,0 +1,235 @@
+//! A guard for one running `lb run` inside a namespace.
+
+use std::fs::File;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::Netns;
+use crate::netns::run_cmd;
+
+/// How long `lb run` may take to print its `serving` line.
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long it may take to exit after SIGTERM before it gets SIGKILL.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `ip netns exec NS lb run --config FILE`, stdout and stderr to a log file. Dropping it
+/// sends SIGTERM, waits up to [`STOP_TIMEOUT`], then SIGKILL.
+pub struct Agent {
+    child: Option<Child>,
+    lb_bin: PathBuf,
+    socket: PathBuf,
+    log_path: PathBuf,
+    exit: Option<ExitStatus>,
+    /// No warning on drop (the failure was reported another way).
+    quiet: bool,
+}
+
+impl Agent {
+    /// Starts the agent and waits (up to [`START_TIMEOUT`]) for its `serving` line; fails
+    /// with the log when it exits first or takes too long.
+    pub fn start(
+        lb_bin: &Path,
+        ns: &Netns,
+        config: &Path,
+        socket: &Path,
+        log_path: &Path,
+    ) -> Result<Agent> {
+        Agent::start_cancellable(lb_bin, ns, config, socket, log_path, &|| false)
+    }
+
+    /// [`Agent::start`] that gives up (and stops the agent) as soon as `cancelled()`.
+    pub fn start_cancellable(
+        lb_bin: &Path,
+        ns: &Netns,
+        config: &Path,
+        socket: &Path,
+        log_path: &Path,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Agent> {
+        let log =
+            File::create(log_path).with_context(|| format!("create {}", log_path.display()))?;
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns.name()])
+            .arg(lb_bin)
+            .arg("run")
+            .arg("--config")
+            .arg(config)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            // Its own process group: a Ctrl-C in the terminal reaches the lab, which then
+            // stops the agent in order, instead of reaching both at once.
+            .process_group(0);
+        // SAFETY: prctl is async-signal-safe. If the test process dies without running
+        // Drop, the agent gets SIGTERM instead of living on (and keeping the namespace).
+        // `ip netns exec` execs the agent in place, so the setting reaches it.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawn {}", lb_bin.display()))?;
+        let mut agent = Agent {
+            child: Some(child),
+            lb_bin: lb_bin.into(),
+            socket: socket.into(),
+            log_path: log_path.into(),
+            exit: None,
+            quiet: false,
+        };
+        if let Err(e) = agent.wait_serving(START_TIMEOUT, cancelled) {
+            // The error carries the log already: stop it without a second report.
+            agent.quiet = true;
+            return Err(e);
+        }
+        Ok(agent)
+    }
+
+    fn wait_serving(&mut self, timeout: Duration, cancelled: &dyn Fn() -> bool) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            if self.log().lines().any(is_serving_line) {
+                return Ok(());
+            }
+            if let Some(status) = self.try_wait()? {
+                bail!(
+                    "lb run exited ({status}) before serving; its log:\n{}",
+                    self.log()
+                );
+            }
+            if cancelled() {
+                bail!("cancelled while waiting for lb run to serve");
+            }
+            if start.elapsed() > timeout {
+                bail!(
+                    "lb run did not print `serving` within {timeout:?}; its log:\n{}",
+                    self.log()
+                );
+            }
+            sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The agent's `serving` line.
+    pub fn serving_line(&self) -> Option<String> {
+        self.log()
+            .lines()
+            .find(|l| is_serving_line(l))
+            .map(str::to_string)
+    }
+
+    /// The agent's pid (that of `ip netns exec`, which execs the agent in place).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// Everything the agent wrote so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_else(|e| format!("(no log: {e})"))
+    }
+
+    /// Its exit status, if it has exited.
+    pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        if let Some(child) = self.child.as_mut()
+            && let Some(status) = child.try_wait()?
+        {
+            self.exit = Some(status);
+            self.child = None;
+        }
+        Ok(self.exit)
+    }
+
+    /// `lb status --socket PATH` (from the root namespace: the socket is a file).
+    pub fn status(&self) -> Result<String> {
+        self.ctl(&["status"])
+    }
+
+    /// `lb status --json`, parsed.
+    pub fn status_json(&self) -> Result<serde_json::Value> {
+        let text = self.ctl(&["status", "--json"])?;
+        serde_json::from_str(&text).with_context(|| format!("lb status --json printed:\n{text}"))
+    }
+
+    /// Any control command: `lb ARGS... --socket PATH`.
+    pub fn ctl(&self, args: &[&str]) -> Result<String> {
+        let socket = self.socket.to_string_lossy();
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(["--socket", &socket]);
+        run_cmd(&self.lb_bin.to_string_lossy(), &all)
+    }
+
+    /// SIGTERM, up to [`STOP_TIMEOUT`], then SIGKILL. Returns how it exited; the caller
+    /// can check that it was cleanly.
+    pub fn stop(mut self) -> Result<ExitStatus> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<ExitStatus> {
+        if let Some(status) = self.try_wait()? {
+            return Ok(status);
+        }
+        let child = self
+            .child
+            .as_mut()
+            .ok_or_else(|| anyhow!("no agent process"))?;
+        let pid = Pid::from_raw(child.id() as i32);
+        let _ = kill(pid, Signal::SIGTERM);
+        let start = Instant::now();
+        while start.elapsed() < STOP_TIMEOUT {
+            if let Some(status) = self.try_wait()? {
+                return Ok(status);
+            }
+            sleep(Duration::from_millis(20));
+        }
+        let child = self
+            .child
+            .as_mut()
+            .ok_or_else(|| anyhow!("no agent process"))?;
+        eprintln!("warning: lb run did not exit within {STOP_TIMEOUT:?} of SIGTERM: SIGKILL");
+        let _ = child.kill();
+        let status = child.wait()?;
+        self.exit = Some(status);
+        self.child = None;
+        Ok(status)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        match self.shutdown() {
+            Ok(_) if self.quiet => {}
+            Ok(status) if status.success() || status.signal() == Some(libc::SIGTERM) => {}
+            Ok(status) => eprintln!(
+                "warning: lb run exited with {status}; log {}",
+                self.log_path.display()
+            ),
+            Err(e) => eprintln!("warning: stopping lb run: {e:#}"),
+        }
+    }
+}
+
+/// A line with the word `serving` in it.
+fn is_serving_line(line: &str) -> bool {
+    line.split(|c: char| !c.is_alphanumeric())
+        .any(|w| w == "serving")
+}

@@ -1,0 +1,332 @@
+//! Client side: single requests and sequential request series that count which backend
+//! answered. Everything runs on a thread inside the client's namespace.
+
+use std::collections::BTreeMap;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+use crate::Netns;
+
+/// Per-request timeout of [`spread`] and [`udp_spread`]: a lost SYN is retransmitted
+/// after 1 s, and that alone must not fail a request.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// A series gives up after this many failed requests: the verdict is known by then, and
+/// a broken balancer must not hold a test for `n` timeouts.
+pub const MAX_FAILURES: usize = 5;
+
+fn in_ns<T: Send>(ns: &Netns, f: impl FnOnce() -> io::Result<T> + Send) -> io::Result<T> {
+    ns.run(f).map_err(io::Error::other)?
+}
+
+/// Connects to `addr` from `ns`, reads the first line (the backend's name), closes.
+pub fn tcp_request(ns: &Netns, addr: SocketAddr, timeout: Duration) -> io::Result<String> {
+    in_ns(ns, || tcp_request_here(addr, timeout))
+}
+
+/// [`tcp_request`] from the calling thread's namespace.
+pub fn tcp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<String> {
+    let stream = TcpStream::connect_timeout(&addr, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line)?;
+    if !line.ends_with('\n') {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("connection closed after {line:?}"),
+        ));
+    }
+    Ok(line.trim_end().to_string())
+}
+
+/// A long-lived connection to a [`crate::TcpServer`] (which echoes), for tests that keep
+/// flows open while something changes. The socket lives in the namespace it was made in;
+/// it can be used from any thread.
+pub struct Conn {
+    stream: TcpStream,
+    reader: BufReader<TcpStream>,
+    backend: String,
+}
+
+impl Conn {
+    /// Connects from `ns` and reads the greeting line (the backend's name).
+    pub fn open(ns: &Netns, addr: SocketAddr, timeout: Duration) -> io::Result<Conn> {
+        in_ns(ns, || {
+            let stream = TcpStream::connect_timeout(&addr, timeout)?;
+            stream.set_read_timeout(Some(timeout))?;
+            stream.set_nodelay(true)?;
+            let mut reader = BufReader::new(stream.try_clone()?);
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            if !line.ends_with('\n') {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("connection closed after {line:?}"),
+                ));
+            }
+            Ok(Conn {
+                stream,
+                reader,
+                backend: line.trim_end().to_string(),
+            })
+        })
+    }
+
+    /// The backend that greeted this connection.
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    /// Sends `data` and checks that the same bytes come back.
+    pub fn echo(&mut self, data: &[u8]) -> io::Result<()> {
+        self.stream.write_all(data)?;
+        let mut back = vec![0u8; data.len()];
+        self.reader.read_exact(&mut back)?;
+        if back != data {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "echo differs from what was sent",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The local address (its source port identifies the flow).
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.stream.local_addr()
+    }
+}
+
+/// Sends one datagram to `addr` from a new ephemeral port and returns the answer. The
+/// socket is connected, so only an answer from `addr` itself counts (a DSR backend must
+/// answer from the VIP).
+pub fn udp_request(ns: &Netns, addr: SocketAddr, timeout: Duration) -> io::Result<String> {
+    in_ns(ns, || udp_request_here(addr, timeout))
+}
+
+/// [`udp_request`] from the calling thread's namespace.
+pub fn udp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<String> {
+    let local: SocketAddr = if addr.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = UdpSocket::bind(local)?;
+    socket.connect(addr)?;
+    socket.set_read_timeout(Some(timeout))?;
+    socket.send(b"ping\n")?;
+    let mut buf = [0u8; 512];
+    let n = socket.recv(&mut buf).map_err(|e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no answer within {timeout:?}"),
+        ),
+        _ => e,
+    })?;
+    Ok(String::from_utf8_lossy(&buf[..n]).trim_end().to_string())
+}
+
+/// How a series of requests spread over the backends.
+#[derive(Clone, Debug, Default)]
+pub struct Spread {
+    /// Answers per backend name.
+    pub counts: BTreeMap<String, usize>,
+    /// Requests that got no answer.
+    pub failures: usize,
+    /// The first few failures, for the test's message.
+    pub errors: Vec<String>,
+    /// Stopped after [`MAX_FAILURES`] failures, before sending all requests.
+    pub gave_up: bool,
+}
+
+impl Spread {
+    /// Requests answered.
+    pub fn answered(&self) -> usize {
+        self.counts.values().sum()
+    }
+
+    /// Requests sent.
+    pub fn total(&self) -> usize {
+        self.answered() + self.failures
+    }
+
+    /// Share of all requests answered by `name` (0.0 when it answered none).
+    pub fn share(&self, name: &str) -> f64 {
+        match self.total() {
+            0 => 0.0,
+            t => *self.counts.get(name).unwrap_or(&0) as f64 / t as f64,
+        }
+    }
+
+    /// A small table: backend, count, share and a bar.
+    pub fn table(&self) -> String {
+        let mut out = format!("{:<14} {:>6} {:>7}\n", "backend", "count", "share");
+        for (name, &count) in &self.counts {
+            let share = self.share(name);
+            let bar = "#".repeat((share * 50.0).round() as usize);
+            out.push_str(&format!(
+                "{name:<14} {count:>6} {:>6.1}% {bar}\n",
+                share * 100.0
+            ));
+        }
+        if self.failures > 0 {
+            out.push_str(&format!("{:<14} {:>6}\n", "(failed)", self.failures));
+        }
+        if self.gave_up {
+            out.push_str(&format!("(gave up after {} failures)\n", self.failures));
+        }
+        out
+    }
+
+    fn record(&mut self, i: usize, r: io::Result<String>) {
+        match r {
+            Ok(name) => *self.counts.entry(name).or_default() += 1,
+            Err(e) => {
+                self.failures += 1;
+                if self.errors.len() < 10 {
+                    self.errors.push(format!("request {i}: {e}"));
+                }
+            }
+        }
+    }
+}
+
+/// `n` TCP requests to `addr`, one after the other, each from a new ephemeral port.
+pub fn spread(ns: &Netns, addr: SocketAddr, n: usize) -> Result<Spread> {
+    spread_with(ns, n, |_| tcp_request_here(addr, REQUEST_TIMEOUT), || false)
+}
+
+/// `n` UDP requests to `addr`, each from a new ephemeral port.
+pub fn udp_spread(ns: &Netns, addr: SocketAddr, n: usize) -> Result<Spread> {
+    spread_with(ns, n, |_| udp_request_here(addr, REQUEST_TIMEOUT), || false)
+}
+
+/// Runs `request(i)` for `i in 0..n` inside `ns`, stopping early when `cancelled()` or
+/// after [`MAX_FAILURES`] failures.
+pub fn spread_with(
+    ns: &Netns,
+    n: usize,
+    request: impl Fn(usize) -> io::Result<String> + Send,
+    cancelled: impl Fn() -> bool + Send,
+) -> Result<Spread> {
+    ns.run(move || {
+        let mut s = Spread::default();
+        for i in 0..n {
+            if cancelled() {
+                break;
+            }
+            s.record(i, request(i));
+            if s.failures >= MAX_FAILURES {
+                s.gave_up = i + 1 < n;
+                break;
+            }
+        }
+        s
+    })
+}
+
+/// One ICMP (or ICMPv6) echo from `ns` to `dst`; returns the round-trip time. Uses a raw
+/// socket (root), since ping sockets are off in new namespaces.
+pub fn ping(ns: &Netns, dst: IpAddr, timeout: Duration) -> io::Result<Duration> {
+    in_ns(ns, || ping_here(dst, timeout))
+}
+
+fn checksum(data: &[u8]) -> u16 {
+    let mut sum: u32 = data
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn ping_here(dst: IpAddr, timeout: Duration) -> io::Result<Duration> {
+    let (family, proto, request_type, reply_type) = match dst {
+        IpAddr::V4(_) => (libc::AF_INET, libc::IPPROTO_ICMP, 8u8, 0u8),
+        IpAddr::V6(_) => (libc::AF_INET6, libc::IPPROTO_ICMPV6, 128u8, 129u8),
+    };
+    // SAFETY: plain socket(2); the fd is owned right away.
+    let fd = unsafe {
+        OwnedFd::from_raw_fd(cvt(libc::socket(
+            family,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            proto,
+        ))?)
+    };
+    let id = (std::process::id() as u16) ^ 0x4c42;
+    let mut msg = vec![request_type, 0, 0, 0];
+    msg.extend_from_slice(&id.to_be_bytes());
+    msg.extend_from_slice(&1u16.to_be_bytes());
+    msg.extend_from_slice(b"lb-tests ping");
+    if dst.is_ipv4() {
+        // The kernel fills the ICMPv6 checksum itself, not the ICMP one.
+        let c = checksum(&msg);
+        msg[2..4].copy_from_slice(&c.to_be_bytes());
+    }
+    let target = nix::sys::socket::SockaddrStorage::from(SocketAddr::new(dst, 0));
+    let start = Instant::now();
+    nix::sys::socket::sendto(
+        fd.as_raw_fd(),
+        &msg,
+        &target,
+        nix::sys::socket::MsgFlags::empty(),
+    )
+    .map_err(io::Error::from)?;
+    let mut buf = [0u8; 1500];
+    loop {
+        let left = timeout.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no echo reply from {dst}"),
+            ));
+        }
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        if cvt(unsafe { libc::poll(&mut pfd, 1, left.as_millis().max(1) as i32) })? == 0 {
+            continue;
+        }
+        let (n, from) = nix::sys::socket::recvfrom::<nix::sys::socket::SockaddrStorage>(
+            fd.as_raw_fd(),
+            &mut buf,
+        )
+        .map_err(io::Error::from)?;
+        let from_ip = from.and_then(|a| {
+            a.as_sockaddr_in()
+                .map(|s| IpAddr::V4(s.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip())))
+        });
+        // An ICMP raw socket gets the IPv4 header too; an ICMPv6 one does not.
+        let icmp = match dst {
+            IpAddr::V4(_) => match buf.get(usize::from(buf[0] & 0x0f) * 4..n) {
+                Some(icmp) => icmp,
+                None => continue,
+            },
+            IpAddr::V6(_) => &buf[..n],
+        };
+        if from_ip == Some(dst)
+            && icmp.len() >= 8
+            && icmp[0] == reply_type
+            && icmp[4..6] == id.to_be_bytes()
+        {
+            return Ok(start.elapsed());
+        }
+    }
+}

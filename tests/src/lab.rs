@@ -1,0 +1,578 @@
+//! The DSR test bed: a switch namespace holding a Linux bridge, and a client, the
+//! balancer and N backends, each in its own namespace with one interface `eth0` whose
+//! veth peer is a port of that bridge.
+//!
+//! ```text
+//!            client 10.99.0.1        lb 10.99.0.2 (XDP lb_xdp on eth0)
+//!            fd00:99::1              fd00:99::2
+//!                 | p-client           | p-lb (xdp_pass: native XDP_TX needs it)
+//!   switch ns:  [============== br0 ==============]
+//!                 | p-b1         | p-b2        | p-b3
+//!            backend-1 .11   backend-2 .12   backend-3 .13   (VIP on lo)
+//! ```
+//!
+//! The client routes the VIP via the balancer; the balancer rewrites the destination
+//! MAC and sends the frame back out of the same port; the backend holds the VIP on `lo`
+//! (`arp_ignore=1`, `arp_announce=2`, so it never claims it on the wire) and answers the
+//! client directly. Addresses are the same in every lab: labs never share a namespace.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+
+use crate::netns::ip;
+use crate::{
+    Agent, AgentConfig, BackendConfig, Health, Netns, Protocol, TcpServer, UdpServer, VipConfig,
+    XdpMode,
+};
+
+/// IPv4 VIP of every lab.
+pub const VIP4: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 100);
+/// IPv6 VIP of every lab.
+pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x99, 0, 0, 0, 0, 0, 0x100);
+/// The balancer's interface inside its namespace (and every host's).
+pub const IFACE: &str = "eth0";
+const BRIDGE: &str = "br0";
+const LB_PORT: &str = "p-lb";
+const CLIENT_PORT: &str = "p-client";
+
+fn host_v4(host: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 99, 0, host)
+}
+
+/// `fd00:99::N` where N has the same digits as the IPv4 host number (`.11` is `::11`).
+fn host_v6(host: u8) -> Ipv6Addr {
+    let same_digits =
+        u16::from_str_radix(&host.to_string(), 16).expect("decimal digits are hex digits");
+    Ipv6Addr::new(0xfd00, 0x99, 0, 0, 0, 0, 0, same_digits)
+}
+
+/// Backend `i` (0-based) is host `.11 + i`: 10.99.0.11, fd00:99::11 for the first.
+fn backend_host(i: usize) -> u8 {
+    11 + i as u8
+}
+
+#[derive(Clone, Debug)]
+pub struct LabOptions {
+    /// Number of backends (1..=80).
+    pub backends: usize,
+    /// Attach `xdp_pass` natively on the bridge port of the balancer: native XDP_TX on a
+    /// veth drops frames unless the peer has an XDP program.
+    pub xdp_pass_on_peer: bool,
+    /// `ethtool -K eth0 tx off` on the client: native XDP_TX on veth loses
+    /// CHECKSUM_PARTIAL, so the client must put full checksums in its frames.
+    pub client_tx_csum_off: bool,
+}
+
+impl Default for LabOptions {
+    fn default() -> Self {
+        LabOptions {
+            backends: 3,
+            xdp_pass_on_peer: true,
+            client_tx_csum_off: true,
+        }
+    }
+}
+
+/// The topology, and whatever runs in it. Dropping it stops the servers, then the agent,
+/// then detaches `xdp_pass`, then deletes the namespaces.
+pub struct Lab {
+    tcp_servers: Vec<TcpServer>,
+    udp_servers: Vec<UdpServer>,
+    agent: Option<Agent>,
+    xdp_pass: Option<XdpPass>,
+    client: Netns,
+    lb: Netns,
+    backends: Vec<Netns>,
+    switch: Netns,
+    // Last: the agent's log and config outlive everything that uses them.
+    dir: tempfile::TempDir,
+}
+
+impl Lab {
+    pub fn new(opts: LabOptions) -> Result<Lab> {
+        ensure!(
+            (1..=80).contains(&opts.backends),
+            "1 to 80 backends, not {}",
+            opts.backends
+        );
+        let dir = tempfile::Builder::new()
+            .prefix("lbt-lab-")
+            .tempdir()
+            .context("tempdir")?;
+        let switch = Netns::new("sw")?;
+        // No IPv6 on the bridge and its ports (no stray router solicitations in captures);
+        // no multicast snooping, so neighbour discovery floods like ARP does.
+        switch.sysctl("net.ipv6.conf.default.disable_ipv6", "1")?;
+        switch.sysctl("net.ipv6.conf.all.disable_ipv6", "1")?;
+        let sw = switch.name();
+        ip(&[
+            "-n",
+            sw,
+            "link",
+            "add",
+            BRIDGE,
+            "type",
+            "bridge",
+            "mcast_snooping",
+            "0",
+        ])?;
+        ip(&["-n", sw, "link", "set", BRIDGE, "up"])?;
+
+        let client = host(&switch, "client", CLIENT_PORT, host_v4(1), host_v6(1))?;
+        let lb = host(&switch, "lb", LB_PORT, host_v4(2), host_v6(2))?;
+        let mut backends = Vec::with_capacity(opts.backends);
+        for i in 0..opts.backends {
+            let h = backend_host(i);
+            let ns = host(
+                &switch,
+                &format!("b{}", i + 1),
+                &format!("p-b{}", i + 1),
+                host_v4(h),
+                host_v6(h),
+            )?;
+            ip(&[
+                "-n",
+                ns.name(),
+                "addr",
+                "add",
+                &format!("{VIP4}/32"),
+                "dev",
+                "lo",
+            ])?;
+            ip(&[
+                "-n",
+                ns.name(),
+                "addr",
+                "add",
+                &format!("{VIP6}/128"),
+                "dev",
+                "lo",
+                "nodad",
+            ])?;
+            for conf in ["all", IFACE] {
+                ns.sysctl(&format!("net.ipv4.conf.{conf}.arp_ignore"), "1")?;
+                ns.sysctl(&format!("net.ipv4.conf.{conf}.arp_announce"), "2")?;
+            }
+            backends.push(ns);
+        }
+
+        let c = client.name();
+        ip(&[
+            "-n",
+            c,
+            "route",
+            "add",
+            &format!("{VIP4}/32"),
+            "via",
+            &host_v4(2).to_string(),
+        ])?;
+        ip(&[
+            "-n",
+            c,
+            "-6",
+            "route",
+            "add",
+            &format!("{VIP6}/128"),
+            "via",
+            &host_v6(2).to_string(),
+        ])?;
+        if opts.client_tx_csum_off {
+            client.exec("ethtool", &["-K", IFACE, "tx", "off"])?;
+        }
+
+        let xdp_pass = if opts.xdp_pass_on_peer {
+            Some(XdpPass::attach(&switch, LB_PORT)?)
+        } else {
+            None
+        };
+
+        Ok(Lab {
+            tcp_servers: Vec::new(),
+            udp_servers: Vec::new(),
+            agent: None,
+            xdp_pass,
+            client,
+            lb,
+            backends,
+            switch,
+            dir,
+        })
+    }
+
+    pub fn client(&self) -> &Netns {
+        &self.client
+    }
+
+    pub fn lb(&self) -> &Netns {
+        &self.lb
+    }
+
+    pub fn switch(&self) -> &Netns {
+        &self.switch
+    }
+
+    pub fn backend(&self, i: usize) -> &Netns {
+        &self.backends[i]
+    }
+
+    pub fn backends(&self) -> &[Netns] {
+        &self.backends
+    }
+
+    /// The name the lab's servers use for backend `i` (0-based): `backend-1`...
+    pub fn backend_name(&self, i: usize) -> String {
+        format!("backend-{}", i + 1)
+    }
+
+    pub fn client_addr(&self, v6: bool) -> IpAddr {
+        if v6 {
+            host_v6(1).into()
+        } else {
+            host_v4(1).into()
+        }
+    }
+
+    pub fn lb_addr(&self, v6: bool) -> IpAddr {
+        if v6 {
+            host_v6(2).into()
+        } else {
+            host_v4(2).into()
+        }
+    }
+
+    pub fn backend_addr(&self, i: usize, v6: bool) -> IpAddr {
+        let h = backend_host(i);
+        if v6 {
+            host_v6(h).into()
+        } else {
+            host_v4(h).into()
+        }
+    }
+
+    pub fn vip4(&self) -> IpAddr {
+        VIP4.into()
+    }
+
+    pub fn vip6(&self) -> IpAddr {
+        VIP6.into()
+    }
+
+    /// The balancer's interface, inside [`Lab::lb`].
+    pub fn lb_iface(&self) -> &'static str {
+        IFACE
+    }
+
+    /// The balancer's bridge port (holds `xdp_pass`), inside [`Lab::switch`].
+    pub fn lb_port(&self) -> &'static str {
+        LB_PORT
+    }
+
+    /// A private directory that lives as long as the lab.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The control socket path the lab's configs use.
+    pub fn socket_path(&self) -> PathBuf {
+        self.dir.path().join("lb.sock")
+    }
+
+    /// Starts a [`TcpServer`] on `[::]:port` (dual-stack) in every backend, named
+    /// `backend-N` (or `backend-N-PORT` with `suffix_port`). The lab owns them.
+    pub fn serve_tcp(&mut self, port: u16, suffix_port: bool) -> Result<()> {
+        for i in 0..self.backends.len() {
+            self.serve_tcp_on(i, port, suffix_port)?;
+        }
+        Ok(())
+    }
+
+    /// Starts (again) backend `i`'s [`TcpServer`] on `[::]:port`, named like
+    /// [`Lab::serve_tcp`] names it.
+    pub fn serve_tcp_on(&mut self, i: usize, port: u16, suffix_port: bool) -> Result<()> {
+        let name = self.server_name(i, port, suffix_port);
+        let addr = SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port);
+        let server = TcpServer::start(&self.backends[i], addr, &name)?;
+        self.tcp_servers.push(server);
+        Ok(())
+    }
+
+    /// Starts a [`UdpServer`] on `0.0.0.0:port` and one on `[::]:port` in every backend.
+    pub fn serve_udp(&mut self, port: u16, suffix_port: bool) -> Result<()> {
+        for i in 0..self.backends.len() {
+            let name = self.server_name(i, port, suffix_port);
+            for any in [
+                IpAddr::from(Ipv4Addr::UNSPECIFIED),
+                IpAddr::from(Ipv6Addr::UNSPECIFIED),
+            ] {
+                let server =
+                    UdpServer::start(&self.backends[i], SocketAddr::new(any, port), &name)?;
+                self.udp_servers.push(server);
+            }
+        }
+        Ok(())
+    }
+
+    fn server_name(&self, i: usize, port: u16, suffix_port: bool) -> String {
+        if suffix_port {
+            format!("{}-{port}", self.backend_name(i))
+        } else {
+            self.backend_name(i)
+        }
+    }
+
+    /// The lab's TCP servers, in start order.
+    pub fn tcp_servers(&self) -> &[TcpServer] {
+        &self.tcp_servers
+    }
+
+    /// Stops backend `i`'s servers (TCP and UDP) on every port.
+    pub fn stop_servers_of(&mut self, i: usize) -> Result<()> {
+        let prefix = self.backend_name(i);
+        let is_of = |name: &str| {
+            name == prefix
+                || name
+                    .strip_prefix(&prefix)
+                    .is_some_and(|r| r.starts_with('-'))
+        };
+        let (stop, keep): (Vec<_>, Vec<_>) =
+            self.tcp_servers.drain(..).partition(|s| is_of(s.name()));
+        self.tcp_servers = keep;
+        for s in stop {
+            s.stop()?;
+        }
+        let (stop, keep): (Vec<_>, Vec<_>) =
+            self.udp_servers.drain(..).partition(|s| is_of(s.name()));
+        self.udp_servers = keep;
+        for s in stop {
+            s.stop()?;
+        }
+        Ok(())
+    }
+
+    /// A VIP on the lab's IPv4 or IPv6 VIP address with every backend (of that family)
+    /// at weight 1 and no MAC (the agent resolves it).
+    pub fn vip(
+        &self,
+        name: &str,
+        v6: bool,
+        port: u16,
+        protocol: Protocol,
+        health: Health,
+    ) -> VipConfig {
+        VipConfig {
+            name: name.into(),
+            address: if v6 { self.vip6() } else { self.vip4() },
+            port,
+            protocol,
+            hash: None,
+            drain_timeout: None,
+            health,
+            backends: (0..self.backends.len())
+                .map(|i| BackendConfig::new(self.backend_addr(i, v6)))
+                .collect(),
+        }
+    }
+
+    /// A config for the lab's balancer: its interface, the lab's socket, no metrics.
+    pub fn agent_config(&self, xdp_mode: XdpMode, vips: Vec<VipConfig>) -> AgentConfig {
+        AgentConfig {
+            interface: IFACE.into(),
+            xdp_mode,
+            maglev_table_size: None,
+            conntrack_entries: None,
+            socket: self.socket_path(),
+            metrics: "off".into(),
+            vips,
+        }
+    }
+
+    /// Writes `config` to the lab's directory and starts `lb run` in the balancer's
+    /// namespace; returns once it serves. The lab owns it.
+    pub fn start_agent(&mut self, lb_bin: &Path, config: &AgentConfig) -> Result<&mut Agent> {
+        self.start_agent_cancellable(lb_bin, config, &|| false)
+    }
+
+    /// [`Lab::start_agent`] that gives up as soon as `cancelled()`.
+    pub fn start_agent_cancellable(
+        &mut self,
+        lb_bin: &Path,
+        config: &AgentConfig,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<&mut Agent> {
+        if self.agent.is_some() {
+            bail!("an agent already runs in this lab");
+        }
+        let path = self.dir.path().join("lb.toml");
+        std::fs::write(&path, config.to_toml())
+            .with_context(|| format!("write {}", path.display()))?;
+        let log = self.dir.path().join("lb.log");
+        let agent =
+            Agent::start_cancellable(lb_bin, &self.lb, &path, &config.socket, &log, cancelled)?;
+        Ok(self.agent.insert(agent))
+    }
+
+    pub fn agent(&self) -> Option<&Agent> {
+        self.agent.as_ref()
+    }
+
+    pub fn agent_mut(&mut self) -> Option<&mut Agent> {
+        self.agent.as_mut()
+    }
+
+    /// Takes the agent out of the lab (to stop it and look at its exit status).
+    pub fn take_agent(&mut self) -> Option<Agent> {
+        self.agent.take()
+    }
+
+    /// The agent's log so far ("" when none ran).
+    pub fn agent_log(&self) -> String {
+        self.agent.as_ref().map(Agent::log).unwrap_or_default()
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        // Server threads sit inside the namespaces: end them first.
+        self.tcp_servers.clear();
+        self.udp_servers.clear();
+        if let Some(agent) = self.agent.take() {
+            if std::thread::panicking() {
+                eprintln!(
+                    "--- lb agent log ({}) ---\n{}--- end of log ---",
+                    agent.log_path().display(),
+                    agent.log()
+                );
+            }
+            drop(agent);
+        }
+        self.xdp_pass.take();
+        // The namespaces go with the fields: the switch last, so no veth end is left
+        // dangling in between.
+    }
+}
+
+/// Creates a host namespace whose `eth0` is the peer of bridge port `port`.
+fn host(switch: &Netns, role: &str, port: &str, a4: Ipv4Addr, a6: Ipv6Addr) -> Result<Netns> {
+    let ns = Netns::new(role)?;
+    // Addresses usable at once: no duplicate address detection (link-local included).
+    ns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
+    ns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
+    let (sw, n) = (switch.name(), ns.name());
+    // Made inside the namespaces, never in the root one (no name clash with the host).
+    ip(&[
+        "-n", sw, "link", "add", port, "type", "veth", "peer", "name", IFACE, "netns", n,
+    ])?;
+    ip(&["-n", sw, "link", "set", port, "master", BRIDGE, "up"])?;
+    ip(&["-n", n, "addr", "add", &format!("{a4}/24"), "dev", IFACE])?;
+    ip(&[
+        "-n",
+        n,
+        "addr",
+        "add",
+        &format!("{a6}/64"),
+        "dev",
+        IFACE,
+        "nodad",
+    ])?;
+    ip(&["-n", n, "link", "set", IFACE, "up"])?;
+    Ok(ns)
+}
+
+/// `xdp_pass` attached natively on an interface, held by a thread inside its namespace
+/// (the `Ebpf` is dropped, and the program detached, in that namespace).
+struct XdpPass {
+    stop: Option<mpsc::Sender<()>>,
+    handle: Option<JoinHandle<Result<()>>>,
+}
+
+impl XdpPass {
+    fn attach(ns: &Netns, ifname: &str) -> Result<XdpPass> {
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
+        let (stop_tx, stop_rx) = mpsc::channel::<()>();
+        let ifname = ifname.to_string();
+        let handle = ns.spawn("xdp-pass", move || {
+            let ebpf = load_xdp_pass(&ifname);
+            let ok = ebpf.is_ok();
+            let _ = ready_tx.send(ebpf.as_ref().map(|_| ()).map_err(|e| anyhow!("{e:#}")));
+            if ok {
+                // Until the sender is used or dropped.
+                let _ = stop_rx.recv();
+            }
+            ebpf.map(drop)
+        })?;
+        let mut pass = XdpPass {
+            stop: Some(stop_tx),
+            handle: Some(handle),
+        };
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(pass),
+            Ok(Err(e)) => {
+                pass.shutdown();
+                Err(e)
+            }
+            Err(_) => {
+                pass.shutdown();
+                Err(anyhow!("xdp_pass thread ended early"))
+            }
+        }
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.take();
+        if let Some(h) = self.handle.take() {
+            match h.join() {
+                Ok(Ok(())) | Ok(Err(_)) => {}
+                Err(_) => eprintln!("warning: xdp_pass thread panicked"),
+            }
+        }
+    }
+}
+
+impl Drop for XdpPass {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn load_xdp_pass(ifname: &str) -> Result<aya::Ebpf> {
+    ensure!(
+        !lb_userspace::EBPF_OBJECT.is_empty(),
+        "the eBPF object is empty (AYA_BUILD_SKIP?)"
+    );
+    // Loading the object creates all its maps; xdp_pass uses none, so the connection
+    // table (a million preallocated entries by default) is made tiny: labs run in
+    // parallel, and each one's agent has a full-size table of its own.
+    let mut ebpf = aya::EbpfLoader::new()
+        .map_max_entries(lb_common::MAP_CONNTRACK, 64)
+        .load(lb_userspace::EBPF_OBJECT)
+        .context("load the eBPF object")?;
+    let program: &mut aya::programs::Xdp = ebpf
+        .program_mut("xdp_pass")
+        .ok_or_else(|| anyhow!("no program xdp_pass in the eBPF object"))?
+        .try_into()
+        .context("xdp_pass is not an XDP program")?;
+    program.load().context("load xdp_pass")?;
+    program
+        .attach(ifname, aya::programs::XdpMode::Driver)
+        .with_context(|| format!("attach xdp_pass (native) to {ifname}"))?;
+    Ok(ebpf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_follow_the_plan() {
+        assert_eq!(host_v4(backend_host(0)).to_string(), "10.99.0.11");
+        assert_eq!(host_v6(backend_host(0)).to_string(), "fd00:99::11");
+        assert_eq!(host_v6(backend_host(2)).to_string(), "fd00:99::13");
+        assert_eq!(host_v6(2).to_string(), "fd00:99::2");
+        assert_eq!(VIP6.to_string(), "fd00:99::100");
+        assert_eq!(host_v6(backend_host(79)).to_string(), "fd00:99::90");
+    }
+}

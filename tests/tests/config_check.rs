@@ -1,0 +1,97 @@
+//! The configs the lab writes are ones the agent accepts (`lb check`), with every option
+//! the lab can set. Needs only a built `lb`, not root. `cargo test -p lb-tests --test
+//! config_check`.
+
+use std::process::Command;
+use std::time::Duration;
+
+use lb_tests::{
+    AgentConfig, BackendConfig, Health, Protocol, VipConfig, XdpMode, find_lb_bin, skip,
+};
+
+fn every_option() -> AgentConfig {
+    let backends = |prefix: &str| -> Vec<BackendConfig> {
+        (11..=13)
+            .map(|h| BackendConfig::new(format!("{prefix}{h}").parse().unwrap()))
+            .collect()
+    };
+    let mut drained = backends("10.99.0.");
+    drained[0].state = Some("drain".into());
+    drained[1].state = Some("maint".into());
+    drained[2].mac = Some("02:00:00:00:00:0d".into());
+    drained[2].weight = 3;
+    AgentConfig {
+        interface: "eth0".into(),
+        xdp_mode: XdpMode::Generic,
+        maglev_table_size: Some(251),
+        conntrack_entries: Some(4096),
+        socket: "/tmp/lb-tests-config-check/lb.sock".into(),
+        metrics: "off".into(),
+        vips: vec![
+            VipConfig {
+                name: "web".into(),
+                address: "10.99.0.100".parse().unwrap(),
+                port: 80,
+                protocol: Protocol::Tcp,
+                hash: Some("src-ip".into()),
+                drain_timeout: Some(Duration::from_secs(2)),
+                health: Health::fast_tcp(),
+                backends: drained,
+            },
+            VipConfig {
+                name: "web6".into(),
+                address: "fd00:99::100".parse().unwrap(),
+                port: 80,
+                protocol: Protocol::Tcp,
+                hash: None,
+                drain_timeout: None,
+                health: Health::Http {
+                    interval: Duration::from_millis(500),
+                    timeout: Duration::from_millis(200),
+                    rise: 1,
+                    fall: 1,
+                    port: Some(8080),
+                    path: "/healthz".into(),
+                    expect_status: 200,
+                },
+                backends: backends("fd00:99::"),
+            },
+            VipConfig {
+                name: "dns".into(),
+                address: "10.99.0.100".parse().unwrap(),
+                port: 53,
+                protocol: Protocol::Udp,
+                hash: None,
+                drain_timeout: None,
+                health: Health::None,
+                backends: backends("10.99.0."),
+            },
+        ],
+    }
+}
+
+#[test]
+fn lb_check_accepts_the_lab_configs() {
+    let bin = match find_lb_bin() {
+        Ok(bin) => bin,
+        Err(why) => return skip("lb_check_accepts_the_lab_configs", &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("lb.toml");
+    let config = every_option();
+    std::fs::write(&path, config.to_toml()).unwrap();
+    let out = Command::new(&bin)
+        .arg("check")
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "lb check rejected the config the lab writes ({}):\n{}{}\n--- config ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        config.to_toml()
+    );
+}
