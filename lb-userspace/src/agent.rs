@@ -3,9 +3,10 @@
 
 use std::{
     collections::{HashMap, HashSet},
+    net::IpAddr,
     path::PathBuf,
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::Context;
@@ -15,9 +16,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     EBPF_OBJECT,
-    config::{AdminState, Config, HashMode},
+    config::{AdminState, BackendConfig, Config, HashMode, VipConfig},
     control::{self, BackendStatus, DataplaneStatus, Status, VipStatus},
     dataplane::{AttachedMode, AyaDataplane, Dataplane, LoadOptions, vip_capacity},
+    explain::VipTarget,
     explain::monotonic_ns,
     health,
     model::{Health, Model},
@@ -48,6 +50,13 @@ pub struct Shared {
     pub active_flows: HashMap<u32, u64>,
     /// Connection-table entries at the last scan.
     pub conntrack_size: u64,
+    /// When `active_flows` was last counted.
+    pub last_scan: Option<Instant>,
+    /// Changes made at runtime (`lb drain`, `lb backend add` ...), which a reload of the
+    /// file undoes: the file is the source of truth.
+    pub runtime_changes: Vec<String>,
+    /// Backends `lb backend remove` drains, to delete once drained: (VIP name, address).
+    pub remove_when_drained: HashSet<(String, IpAddr)>,
 }
 
 impl Shared {
@@ -118,11 +127,158 @@ impl Shared {
         }
         let mut model = self.model.clone();
         model.update(&new).map_err(ReloadError::Model)?;
-        let changes = describe_changes(&self.model, &model);
+        let mut changes: Vec<String> = std::mem::take(&mut self.runtime_changes)
+            .into_iter()
+            .map(|change| format!("undoes runtime change: {change}"))
+            .collect();
+        changes.extend(describe_changes(&self.model, &model));
+        self.remove_when_drained.clear();
         self.model = model;
         self.config = new;
         self.sync().map_err(ReloadError::Write)?;
         Ok(changes)
+    }
+
+    /// Applies a runtime change to the running configuration: validated like a file,
+    /// then applied as a diff.
+    fn change(
+        &mut self,
+        what: String,
+        edit: impl FnOnce(&mut Config) -> Result<(), ControlError>,
+    ) -> Result<String, ControlError> {
+        let mut config = self.config.clone();
+        edit(&mut config)?;
+        config.validate()?;
+        let mut model = self.model.clone();
+        model.update(&config)?;
+        self.model = model;
+        self.config = config;
+        self.sync().map_err(ControlError::Write)?;
+        tracing::info!("runtime change: {what}");
+        self.runtime_changes.push(what.clone());
+        Ok(what)
+    }
+
+    /// `lb drain|ready|maint VIP BACKEND`.
+    pub fn set_admin_state(
+        &mut self,
+        vip: &VipTarget,
+        backend: IpAddr,
+        state: AdminState,
+    ) -> Result<String, ControlError> {
+        let what = format!("{vip} backend {backend} -> {state}");
+        let target = *vip;
+        self.change(what, |config| {
+            find_backend(config, &target, backend)?.state = state;
+            Ok(())
+        })
+    }
+
+    /// `lb backend add VIP BACKEND [--weight N]`: takes traffic once its MAC is known and
+    /// (when checked) its health checks pass.
+    pub fn add_backend(
+        &mut self,
+        vip: &VipTarget,
+        backend: IpAddr,
+        weight: u32,
+    ) -> Result<String, ControlError> {
+        let what = format!("{vip} backend {backend} added (weight {weight})");
+        let target = *vip;
+        self.change(what, |config| {
+            let vip = find_vip(config, &target)?;
+            if vip.backends.iter().any(|b| b.address == backend) {
+                return Err(ControlError::BackendExists(target, backend));
+            }
+            vip.backends.push(BackendConfig {
+                address: backend,
+                weight,
+                mac: None,
+                state: AdminState::Ready,
+            });
+            Ok(())
+        })
+    }
+
+    /// `lb backend remove VIP BACKEND`: drains it, and deletes it once drained.
+    pub fn remove_backend(
+        &mut self,
+        vip: &VipTarget,
+        backend: IpAddr,
+    ) -> Result<String, ControlError> {
+        let name = find_vip(&mut self.config, vip)?.name.clone();
+        let what = self.set_admin_state(vip, backend, AdminState::Drain)?;
+        self.runtime_changes.pop();
+        let what = format!("{what}; removed once drained");
+        self.runtime_changes.push(what.clone());
+        self.remove_when_drained.insert((name, backend));
+        Ok(what)
+    }
+
+    /// Marks draining backends drained once their flows are gone (per the last scan) or
+    /// their VIP's `drain_timeout` passed, and deletes the ones `remove_backend` asked
+    /// for. Rewrites the tables when anything changed.
+    pub fn advance_drains(&mut self, now: Instant) -> anyhow::Result<()> {
+        let last_scan = self.last_scan;
+        let mut changed = false;
+        for vip in &mut self.model.vips {
+            for b in &mut vip.backends {
+                let Some(started) = b.drain_started else {
+                    continue;
+                };
+                if b.drained {
+                    continue;
+                }
+                let flows = self.active_flows.get(&b.id).copied().unwrap_or(0);
+                let counted_since = last_scan.is_some_and(|scan| scan > started);
+                let timed_out = now.duration_since(started) >= vip.config.drain_timeout;
+                if (counted_since && flows == 0) || timed_out {
+                    b.drained = true;
+                    changed = true;
+                    let why = if timed_out && flows > 0 {
+                        format!(
+                            "drain_timeout passed with {flows} flow(s) left; they are re-hashed"
+                        )
+                    } else {
+                        "no active flows left".to_string()
+                    };
+                    tracing::info!(
+                        "backend {} of vip {} drained: {why}",
+                        b.config.address,
+                        vip.config.name
+                    );
+                }
+            }
+        }
+        let removable: Vec<(String, IpAddr)> = self
+            .remove_when_drained
+            .iter()
+            .filter(|(vip, address)| {
+                self.model.vips.iter().any(|v| {
+                    v.config.name == *vip
+                        && v.backends
+                            .iter()
+                            .any(|b| b.config.address == *address && b.drained)
+                })
+            })
+            .cloned()
+            .collect();
+        if !removable.is_empty() {
+            let mut config = self.config.clone();
+            for (vip, address) in &removable {
+                if let Some(v) = config.vips.iter_mut().find(|v| v.name == *vip) {
+                    v.backends.retain(|b| b.address != *address);
+                }
+                self.remove_when_drained.remove(&(vip.clone(), *address));
+                tracing::info!("backend {address} of vip {vip} removed");
+            }
+            self.model.update(&config)?;
+            self.config = config;
+            changed = true;
+        }
+        if changed {
+            self.sync()?;
+        }
+        Ok(())
     }
 
     /// Counts live connection-table entries per backend.
@@ -130,6 +286,7 @@ impl Shared {
         let idle_ns = self.config.dataplane.flow_idle_timeout.as_nanos() as u64;
         let flows = self.dataplane.flows()?;
         self.conntrack_size = flows.len() as u64;
+        self.last_scan = Some(Instant::now());
         self.active_flows.clear();
         for (_, entry) in flows {
             if now_ns.saturating_sub(entry.last_seen_ns) <= idle_ns {
@@ -163,12 +320,7 @@ impl Shared {
                         BackendStatus {
                             address: b.config.address.to_string(),
                             weight: b.config.weight,
-                            state: match b.config.state {
-                                AdminState::Ready => "ready",
-                                AdminState::Drain => "draining",
-                                AdminState::Maint => "maint",
-                            }
-                            .to_string(),
+                            state: b.admin_word().to_string(),
                             health: match b.health {
                                 Health::Up => "up",
                                 Health::Down => "down",
@@ -187,10 +339,11 @@ impl Shared {
                         }
                     })
                     .collect();
+                // Healthy: not failed by its checks, and reachable (its MAC is known).
                 let healthy = vip
                     .backends
                     .iter()
-                    .filter(|b| b.health != Health::Down)
+                    .filter(|b| b.health != Health::Down && b.mac.is_some())
                     .count();
                 VipStatus {
                     name: vip.config.name.clone(),
@@ -268,6 +421,9 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
         mode,
         active_flows: HashMap::new(),
         conntrack_size: 0,
+        last_scan: None,
+        runtime_changes: Vec::new(),
+        remove_when_drained: HashSet::new(),
     }));
     let shutdown = CancellationToken::new();
     let health_tasks = HealthTasks {
@@ -307,6 +463,9 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
                 let mut shared = shared.lock().expect("agent state poisoned");
                 if let Err(error) = shared.scan_flows(monotonic_ns()) {
                     tracing::warn!("connection-table scan: {error:#}");
+                }
+                if let Err(error) = shared.advance_drains(Instant::now()) {
+                    tracing::warn!("draining: {error:#}");
                 }
             }
             _ = refresh.tick() => {
@@ -465,6 +624,48 @@ pub struct HealthTasks {
     pub shutdown: CancellationToken,
 }
 
+/// Why a control command was refused; nothing changed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("no VIP {0} is configured")]
+    UnknownVip(VipTarget),
+    #[error("VIP {0} has no backend {1}")]
+    UnknownBackend(VipTarget, IpAddr),
+    #[error("VIP {0} already has backend {1}")]
+    BackendExists(VipTarget, IpAddr),
+    #[error(transparent)]
+    Invalid(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    #[error("writing the tables")]
+    Write(#[source] anyhow::Error),
+}
+
+fn find_vip<'a>(
+    config: &'a mut Config,
+    target: &VipTarget,
+) -> Result<&'a mut VipConfig, ControlError> {
+    config
+        .vips
+        .iter_mut()
+        .find(|v| {
+            v.address == target.address && v.port == target.port && v.protocol == target.protocol
+        })
+        .ok_or(ControlError::UnknownVip(*target))
+}
+
+fn find_backend<'a>(
+    config: &'a mut Config,
+    target: &VipTarget,
+    backend: IpAddr,
+) -> Result<&'a mut BackendConfig, ControlError> {
+    find_vip(config, target)?
+        .backends
+        .iter_mut()
+        .find(|b| b.address == backend)
+        .ok_or(ControlError::UnknownBackend(*target, backend))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -502,6 +703,9 @@ mod tests {
             mode: AttachedMode::Generic,
             active_flows: HashMap::new(),
             conntrack_size: 0,
+            last_scan: None,
+            runtime_changes: Vec::new(),
+            remove_when_drained: HashSet::new(),
         };
         shared.sync().unwrap();
         shared
@@ -538,5 +742,103 @@ mod tests {
         ));
         assert_eq!(shared.model.vips, before);
         assert_eq!(shared.config.dataplane.interface, "eth0");
+    }
+
+    fn web() -> VipTarget {
+        "10.0.0.100:80/tcp".parse().unwrap()
+    }
+
+    #[test]
+    fn runtime_changes_name_unknown_vips_and_backends() {
+        let mut shared = shared(config("eth0", &["10.0.0.11"]));
+        let other: VipTarget = "10.0.0.100:81/tcp".parse().unwrap();
+        let address: IpAddr = "10.0.0.11".parse().unwrap();
+        assert!(matches!(
+            shared.set_admin_state(&other, address, AdminState::Drain),
+            Err(ControlError::UnknownVip(_))
+        ));
+        assert!(matches!(
+            shared.set_admin_state(&web(), "10.0.0.99".parse().unwrap(), AdminState::Drain),
+            Err(ControlError::UnknownBackend(..))
+        ));
+        assert!(matches!(
+            shared.add_backend(&web(), address, 1),
+            Err(ControlError::BackendExists(..))
+        ));
+        assert!(matches!(
+            shared.add_backend(&web(), "10.0.0.12".parse().unwrap(), 0),
+            Err(ControlError::Invalid(_))
+        ));
+        assert!(
+            shared.runtime_changes.is_empty(),
+            "refused changes leave no trace"
+        );
+    }
+
+    #[test]
+    fn drain_completes_when_flows_end_and_remove_deletes_after_it() {
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let drained: IpAddr = "10.0.0.11".parse().unwrap();
+        let id = shared.model.vips[0].backends[0].id;
+        shared.remove_backend(&web(), drained).unwrap();
+        let b = &shared.model.vips[0].backends[0];
+        assert_eq!(b.admin_word(), "draining");
+        assert!(b.serves_flows(), "a draining backend keeps its flows");
+        assert!(
+            !shared.desired.vips[0].table.contains(&id),
+            "but takes no new ones"
+        );
+
+        // Flows counted after the drain began: still draining.
+        shared.active_flows.insert(id, 2);
+        shared.last_scan = Some(Instant::now());
+        shared.advance_drains(Instant::now()).unwrap();
+        assert_eq!(shared.model.vips[0].backends.len(), 2);
+        // The flows ended: drained, then deleted.
+        shared.active_flows.clear();
+        shared.last_scan = Some(Instant::now());
+        shared.advance_drains(Instant::now()).unwrap();
+        let left: Vec<String> = shared.model.vips[0]
+            .backends
+            .iter()
+            .map(|b| b.config.address.to_string())
+            .collect();
+        assert_eq!(left, ["10.0.0.12"]);
+    }
+
+    #[test]
+    fn drain_timeout_ends_a_drain_with_flows_left() {
+        let mut shared = shared(config("eth0", &["10.0.0.11"]));
+        shared
+            .set_admin_state(&web(), "10.0.0.11".parse().unwrap(), AdminState::Drain)
+            .unwrap();
+        let id = shared.model.vips[0].backends[0].id;
+        shared.active_flows.insert(id, 5);
+        shared.last_scan = Some(Instant::now());
+        let timeout = shared.config.vips[0].drain_timeout;
+        shared.advance_drains(Instant::now() + timeout).unwrap();
+        let b = &shared.model.vips[0].backends[0];
+        assert_eq!(b.admin_word(), "drained");
+        assert!(
+            !b.serves_flows(),
+            "after the timeout its flows are re-hashed"
+        );
+    }
+
+    #[test]
+    fn reload_says_which_runtime_changes_it_undoes() {
+        let mut shared = shared(config("eth0", &["10.0.0.11"]));
+        shared
+            .set_admin_state(&web(), "10.0.0.11".parse().unwrap(), AdminState::Maint)
+            .unwrap();
+        let changes = shared.reload(config("eth0", &["10.0.0.11"])).unwrap();
+        assert_eq!(
+            changes,
+            [
+                "undoes runtime change: 10.0.0.100:80/tcp backend 10.0.0.11 -> maint",
+                "vip web: backend 10.0.0.11 changed"
+            ]
+        );
+        assert_eq!(shared.model.vips[0].backends[0].admin_word(), "ready");
     }
 }

@@ -3,6 +3,7 @@
 
 use std::{
     collections::BTreeMap,
+    net::IpAddr,
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
@@ -21,8 +22,9 @@ use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::agent::{HealthTasks, Shared};
-use crate::explain::{ExplainRequest, Explanation, View, monotonic_ns};
+use crate::agent::{ControlError, HealthTasks, Shared};
+use crate::config::AdminState;
+use crate::explain::{ExplainRequest, Explanation, View, VipTarget, monotonic_ns};
 use crate::model::CheckRecord;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -94,6 +96,9 @@ pub async fn serve(
         .route("/status", get(status))
         .route("/reload", post(reload))
         .route("/explain", post(explain))
+        .route("/backend/state", post(backend_state))
+        .route("/backend/add", post(backend_add))
+        .route("/backend/remove", post(backend_remove))
         .with_state(Api {
             shared,
             health_tasks,
@@ -153,6 +158,78 @@ async fn reload(State(api): State<Api>) -> Result<Json<ReloadAnswer>, (StatusCod
             let message = format!("{:#}", anyhow::Error::from(e));
             (StatusCode::UNPROCESSABLE_ENTITY, message)
         })
+}
+
+/// Body of `POST /backend/state`, `/backend/add` and `/backend/remove`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BackendRequest {
+    pub vip: VipTarget,
+    pub backend: IpAddr,
+    /// `/backend/state`: "ready", "drain" or "maint".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<AdminState>,
+    /// `/backend/add`: the weight (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
+}
+
+/// The answer to a change: what was done.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ChangeAnswer {
+    pub change: String,
+}
+
+fn refused(error: ControlError) -> (StatusCode, String) {
+    let code = match error {
+        ControlError::UnknownVip(..) | ControlError::UnknownBackend(..) => StatusCode::NOT_FOUND,
+        ControlError::BackendExists(..) => StatusCode::CONFLICT,
+        ControlError::Invalid(_) | ControlError::Model(_) => StatusCode::BAD_REQUEST,
+        ControlError::Write(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    (code, format!("{:#}", anyhow::Error::from(error)))
+}
+
+async fn backend_state(
+    State(api): State<Api>,
+    Json(request): Json<BackendRequest>,
+) -> Result<Json<ChangeAnswer>, (StatusCode, String)> {
+    let state = request
+        .state
+        .ok_or((StatusCode::BAD_REQUEST, "missing \"state\"".to_string()))?;
+    let mut shared = api.shared.lock().expect("agent state poisoned");
+    let change = shared
+        .set_admin_state(&request.vip, request.backend, state)
+        .map_err(refused)?;
+    Ok(Json(ChangeAnswer { change }))
+}
+
+async fn backend_add(
+    State(api): State<Api>,
+    Json(request): Json<BackendRequest>,
+) -> Result<Json<ChangeAnswer>, (StatusCode, String)> {
+    let change = {
+        let mut shared = api.shared.lock().expect("agent state poisoned");
+        shared
+            .add_backend(&request.vip, request.backend, request.weight.unwrap_or(1))
+            .map_err(refused)?
+    };
+    crate::health::spawn_checks(
+        &api.shared,
+        &api.health_tasks.running,
+        &api.health_tasks.shutdown,
+    );
+    Ok(Json(ChangeAnswer { change }))
+}
+
+async fn backend_remove(
+    State(api): State<Api>,
+    Json(request): Json<BackendRequest>,
+) -> Result<Json<ChangeAnswer>, (StatusCode, String)> {
+    let mut shared = api.shared.lock().expect("agent state poisoned");
+    let change = shared
+        .remove_backend(&request.vip, request.backend)
+        .map_err(refused)?;
+    Ok(Json(ChangeAnswer { change }))
 }
 
 async fn explain(

@@ -4,12 +4,12 @@ use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use lb_userspace::{
     agent,
-    config::Config,
-    control,
+    config::{AdminState, Config},
+    control::{self, BackendRequest},
     explain::{ExplainRequest, Explanation, VipTarget},
 };
 
@@ -52,6 +52,16 @@ enum Command {
         #[command(flatten)]
         target: Target,
     },
+    /// Drain a backend: no new flows; existing flows continue until they end, go idle
+    /// or the VIP's drain_timeout passes.
+    Drain(BackendArgs),
+    /// Return a backend to service.
+    Ready(BackendArgs),
+    /// Take a backend out at once: no traffic, no checks; its flows move.
+    Maint(BackendArgs),
+    /// Add or remove backends at runtime (a reload of the file undoes it).
+    #[command(subcommand)]
+    Backend(BackendCommand),
     /// Show VIPs, backends, health and counters of the running agent.
     Status {
         #[arg(long)]
@@ -59,6 +69,29 @@ enum Command {
         #[command(flatten)]
         target: Target,
     },
+}
+
+#[derive(clap::Args)]
+struct BackendArgs {
+    /// VIP:PORT/PROTO, e.g. 10.0.0.100:80/tcp
+    vip: VipTarget,
+    /// The backend's address
+    backend: IpAddr,
+    #[command(flatten)]
+    target: Target,
+}
+
+#[derive(Subcommand)]
+enum BackendCommand {
+    /// Add a backend (it takes traffic once resolved and, when checked, healthy).
+    Add {
+        #[command(flatten)]
+        backend: BackendArgs,
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+    },
+    /// Drain a backend, then delete it once drained.
+    Remove(BackendArgs),
 }
 
 /// Where the running agent's control socket is.
@@ -182,6 +215,27 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
                 );
             }
         }
+        Command::Drain(args) => change_state(args, AdminState::Drain).await?,
+        Command::Ready(args) => change_state(args, AdminState::Ready).await?,
+        Command::Maint(args) => change_state(args, AdminState::Maint).await?,
+        Command::Backend(BackendCommand::Add { backend, weight }) => {
+            let body = BackendRequest {
+                vip: backend.vip,
+                backend: backend.backend,
+                state: None,
+                weight: Some(weight),
+            };
+            send_change(&backend.target, "/backend/add", &body).await?
+        }
+        Command::Backend(BackendCommand::Remove(args)) => {
+            let body = BackendRequest {
+                vip: args.vip,
+                backend: args.backend,
+                state: None,
+                weight: None,
+            };
+            send_change(&args.target, "/backend/remove", &body).await?
+        }
         Command::Status { json, target } => {
             let body =
                 control::request(&target.socket()?, hyper::Method::GET, "/status", None).await?;
@@ -194,4 +248,28 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+async fn change_state(args: BackendArgs, state: AdminState) -> anyhow::Result<()> {
+    let body = BackendRequest {
+        vip: args.vip,
+        backend: args.backend,
+        state: Some(state),
+        weight: None,
+    };
+    send_change(&args.target, "/backend/state", &body).await
+}
+
+async fn send_change(target: &Target, path: &str, body: &BackendRequest) -> anyhow::Result<()> {
+    let answer = control::request(
+        &target.socket()?,
+        hyper::Method::POST,
+        path,
+        Some(serde_json::to_vec(body)?),
+    )
+    .await
+    .context("refused")?;
+    let answer: control::ChangeAnswer = serde_json::from_slice(&answer)?;
+    println!("{}", answer.change);
+    Ok(())
 }

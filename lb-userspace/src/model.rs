@@ -44,15 +44,35 @@ pub struct BackendState {
     /// Consecutive results agreeing with each other (rise/fall progress).
     pub streak: u32,
     pub last_check: Option<CheckRecord>,
+    /// When the backend entered `drain`.
+    pub drain_started: Option<Instant>,
+    /// Draining is over: its flows ended, went idle, or `drain_timeout` passed.
+    pub drained: bool,
 }
 
 impl BackendState {
-    /// May new flows go to this backend?
-    /// May flows it already has stay? (Ready, or draining, and not failed.)
+    /// May flows it already has stay? (Ready, or draining and not yet drained; and not
+    /// failed.)
     pub fn serves_flows(&self) -> bool {
-        self.config.state != AdminState::Maint && self.mac.is_some() && self.health != Health::Down
+        let admin = match self.config.state {
+            AdminState::Ready => true,
+            AdminState::Drain => !self.drained,
+            AdminState::Maint => false,
+        };
+        admin && self.mac.is_some() && self.health != Health::Down
     }
 
+    /// The admin state as status shows it: ready, draining, drained or maint.
+    pub fn admin_word(&self) -> &'static str {
+        match (self.config.state, self.drained) {
+            (AdminState::Ready, _) => "ready",
+            (AdminState::Drain, false) => "draining",
+            (AdminState::Drain, true) => "drained",
+            (AdminState::Maint, _) => "maint",
+        }
+    }
+
+    /// May new flows go to this backend?
     pub fn in_table(&self) -> bool {
         self.config.state == AdminState::Ready && self.mac.is_some() && self.health != Health::Down
     }
@@ -188,6 +208,13 @@ impl Model {
                         } else if b.health == Health::Unknown {
                             b.health = Health::Down;
                         }
+                        if backend_config.state != AdminState::Drain {
+                            b.drain_started = None;
+                            b.drained = false;
+                        } else if b.config.state != AdminState::Drain {
+                            b.drain_started = Some(now);
+                            b.drained = false;
+                        }
                         b.config = backend_config.clone();
                         b
                     }
@@ -201,6 +228,8 @@ impl Model {
                         health: initial_health(vip_config),
                         streak: 0,
                         last_check: None,
+                        drain_started: (backend_config.state == AdminState::Drain).then_some(now),
+                        drained: false,
                     },
                 };
                 backends.push(state);
