@@ -36,6 +36,8 @@ pub const MAP_VIP_STATS: &str = "LB_VIP_STATS";
 pub const MAP_BACKEND_STATS: &str = "LB_BE_STATS";
 pub const MAP_CONNTRACK: &str = "LB_CONNTRACK";
 pub const MAP_FLOOD: &str = "LB_FLOOD";
+/// Frames counted by the benchmark sink program (`xdp_bench_sink`).
+pub const MAP_BENCH_SINK: &str = "BENCH_SINK";
 /// Default size of the connection table.
 pub const DEFAULT_CONNTRACK_ENTRIES: u32 = 1 << 20;
 /// Global (read-only data) set at load time: the Maglev table size.
@@ -130,12 +132,17 @@ pub struct FlowKey {
 }
 const _: () = assert!(size_of::<FlowKey>() == 40);
 
+/// `FlowEntry::flags`: the client sent a FIN or RST. The entry stays (late packets
+/// still follow it) but the flow no longer counts as active, so a drain can end.
+pub const FLOW_F_CLOSING: u32 = 1;
+
 /// Value of `LB_CONNTRACK`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct FlowEntry {
     pub backend_id: u32,
-    pub _pad: u32,
+    /// `FLOW_F_*` bits.
+    pub flags: u32,
     /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet, to
     /// `LAST_SEEN_GRANULARITY_NS`.
     pub last_seen_ns: u64,

@@ -13,14 +13,14 @@ mod program {
         bindings::xdp_action, helpers::bpf_ktime_get_ns, macros::xdp, programs::XdpContext,
     };
     use lb_common::{
-        BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, FlowEntry, FlowKey,
+        BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, FLOW_F_CLOSING, FlowEntry, FlowKey,
         LAST_SEEN_GRANULARITY_NS, PROTO_UDP, VIP_F_HASH_SRC_IP, VipInfo, VipKey, flow_hash,
         maglev_slot, stat,
     };
 
     use crate::maps::{
         LB_BACKEND_STATS, LB_BACKENDS, LB_CONNTRACK, LB_FLOOD, LB_MAGLEV, LB_VIP_STATS, LB_VIPS,
-        count, count_traffic,
+        count, count_sink, count_traffic,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -103,6 +103,7 @@ mod program {
             _pad: [0; 2],
         };
         let udp = packet.flow.proto == PROTO_UDP;
+        let closing = packet.fin || packet.rst;
         if !packet.syn
             && let Some(entry) = LB_CONNTRACK.get_ptr_mut(key)
         {
@@ -114,6 +115,9 @@ mod program {
             {
                 if now.saturating_sub(entry.last_seen_ns) > LAST_SEEN_GRANULARITY_NS {
                     entry.last_seen_ns = now;
+                }
+                if closing && entry.flags & FLOW_F_CLOSING == 0 {
+                    entry.flags |= FLOW_F_CLOSING;
                 }
                 count(stat::CT_HIT);
                 return Ok((entry.backend_id, *backend));
@@ -146,7 +150,7 @@ mod program {
         if !packet.rst && may_insert(now) {
             let entry = FlowEntry {
                 backend_id,
-                _pad: 0,
+                flags: if closing { FLOW_F_CLOSING } else { 0 },
                 last_seen_ns: now,
             };
             if LB_CONNTRACK.insert(key, entry, 0).is_ok() {
@@ -191,6 +195,20 @@ mod program {
     #[xdp]
     pub fn xdp_pass(_ctx: XdpContext) -> u32 {
         xdp_action::XDP_PASS
+    }
+
+    /// Benchmark traffic generator: run with BPF_PROG_TEST_RUN live frames, it sends its
+    /// test frame out of the interface given in the context, unchanged.
+    #[xdp]
+    pub fn xdp_bench_tx(_ctx: XdpContext) -> u32 {
+        xdp_action::XDP_TX
+    }
+
+    /// Benchmark sink: counts every frame (`BENCH_SINK`, per CPU) and drops it.
+    #[xdp]
+    pub fn xdp_bench_sink(_ctx: XdpContext) -> u32 {
+        count_sink();
+        xdp_action::XDP_DROP
     }
 
     /// Benchmark baseline: swap the MACs and send the frame back, nothing else.

@@ -52,6 +52,18 @@ pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
 #[map(name = "LB_FLOOD")]
 pub static LB_FLOOD: PerCpuArray<InsertWindow> = PerCpuArray::with_max_entries(1, 0);
 
+/// 0 -> frames the benchmark sink (`xdp_bench_sink`) saw, per CPU. Read by the
+/// benchmark; not used by the balancer.
+#[map(name = "BENCH_SINK")]
+pub static BENCH_SINK: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+#[inline(always)]
+pub fn count_sink() {
+    if let Some(counter) = BENCH_SINK.get_ptr_mut(0) {
+        unsafe { *counter += 1 };
+    }
+}
+
 /// Adds one to an outcome counter.
 #[inline(always)]
 pub fn count(index: u32) {

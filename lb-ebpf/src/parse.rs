@@ -66,6 +66,8 @@ pub struct Packet {
     pub syn: bool,
     /// A TCP RST: never creates a connection-table entry.
     pub rst: bool,
+    /// A TCP FIN: the client is closing.
+    pub fin: bool,
     pub vlan: bool,
     pub ipv4_options: bool,
 }
@@ -205,7 +207,7 @@ fn transport(
     src_addr: [u8; 16],
     dst_addr: [u8; 16],
 ) -> Result<Packet, Verdict> {
-    let (src_port, dst_port, syn, rst) = match proto {
+    let (src_port, dst_port, syn, rst, fin) = match proto {
         PROTO_TCP => {
             let tcp = ptr_at::<TcpHdr>(ctx, offset)?;
             let tcp = unsafe { &*tcp };
@@ -214,12 +216,13 @@ fn transport(
                 tcp.dest,
                 tcp.syn() != 0 && tcp.ack() == 0,
                 tcp.rst() != 0,
+                tcp.fin() != 0,
             )
         }
         PROTO_UDP => {
             let udp = ptr_at::<UdpHdr>(ctx, offset)?;
             let udp = unsafe { &*udp };
-            (udp.src, udp.dst, false, false)
+            (udp.src, udp.dst, false, false, false)
         }
         _ => return Err(Verdict::pass(stat::PASS_OTHER_PROTO)),
     };
@@ -234,6 +237,7 @@ fn transport(
         dst_port_be: u16::from_ne_bytes(dst_port),
         syn,
         rst,
+        fin,
         vlan: false,
         ipv4_options: false,
     })

@@ -289,7 +289,8 @@ impl Shared {
         self.last_scan = Some(Instant::now());
         self.active_flows.clear();
         for (_, entry) in flows {
-            if now_ns.saturating_sub(entry.last_seen_ns) <= idle_ns {
+            let closing = entry.flags & lb_common::FLOW_F_CLOSING != 0;
+            if !closing && now_ns.saturating_sub(entry.last_seen_ns) <= idle_ns {
                 *self.active_flows.entry(entry.backend_id).or_default() += 1;
             }
         }

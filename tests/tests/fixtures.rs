@@ -950,6 +950,25 @@ fn rst_never_creates_an_entry_and_a_lone_ack_is_a_non_syn_miss() {
     );
     let result = run(&mut fixture, &tcp(43001, TCP_ACK));
     assert_eq!(counted(&result, "ct_hit"), 1);
+
+    // The client's FIN marks the entry closing (no longer an active flow); it stays.
+    let closing = |f: &Fixture| {
+        f.dataplane
+            .flow(&key(43001))
+            .unwrap()
+            .expect("entry kept")
+            .flags
+            & lb_common::FLOW_F_CLOSING
+    };
+    assert_eq!(closing(&fixture), 0);
+    run(&mut fixture, &tcp(43001, TCP_ACK | 0x01));
+    assert_eq!(closing(&fixture), lb_common::FLOW_F_CLOSING);
+    let result = run(&mut fixture, &tcp(43001, TCP_ACK));
+    assert_eq!(
+        counted(&result, "ct_hit"),
+        1,
+        "late packets still follow the entry"
+    );
 }
 
 #[test]
@@ -971,7 +990,7 @@ fn udp_entries_hold_until_idle_then_expire() {
     let now = explain::monotonic_ns();
     let entry = lb_common::FlowEntry {
         backend_id: backend_named(&fixture, "udp", other),
-        _pad: 0,
+        flags: 0,
         last_seen_ns: now,
     };
     fixture.dataplane.insert_flow(&key, &entry).unwrap();
