@@ -20,7 +20,7 @@ mod program {
 
     use crate::maps::{
         LB_BACKEND_STATS, LB_BACKENDS, LB_CONNTRACK, LB_FLOOD, LB_MAGLEV, LB_VIP_STATS, LB_VIPS,
-        count, count_sink, count_traffic,
+        count, count_sink, count_traffic, next_sink_sequence,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -198,11 +198,26 @@ mod program {
     }
 
     /// Benchmark traffic generator: run with BPF_PROG_TEST_RUN live frames, it sends its
-    /// test frame out of the interface given in the context, unchanged.
+    /// test frame (untagged IPv4, no options, TCP or UDP) out of the interface given in
+    /// the context, with the source port stepped through `BENCH_PORTS` values so the
+    /// balancer sees many flows.
     #[xdp]
-    pub fn xdp_bench_tx(_ctx: XdpContext) -> u32 {
+    pub fn xdp_bench_tx(ctx: XdpContext) -> u32 {
+        // Ethernet (14) + IPv4 (20): the source port is the first L4 field.
+        const SRC_PORT_AT: usize = 14 + 20;
+        let start = ctx.data();
+        if start + SRC_PORT_AT + 2 > ctx.data_end() {
+            return xdp_action::XDP_DROP;
+        }
+        let port = 1024 + (next_sink_sequence() % BENCH_PORTS) as u16;
+        unsafe {
+            core::ptr::write_unaligned((start + SRC_PORT_AT) as *mut [u8; 2], port.to_be_bytes())
+        };
         xdp_action::XDP_TX
     }
+
+    /// Distinct source ports the generator cycles through.
+    const BENCH_PORTS: u64 = 16384;
 
     /// Benchmark sink: counts every frame (`BENCH_SINK`, per CPU) and drops it.
     #[xdp]

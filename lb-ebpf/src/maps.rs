@@ -52,10 +52,22 @@ pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
 #[map(name = "LB_FLOOD")]
 pub static LB_FLOOD: PerCpuArray<InsertWindow> = PerCpuArray::with_max_entries(1, 0);
 
-/// 0 -> frames the benchmark sink (`xdp_bench_sink`) saw, per CPU. Read by the
-/// benchmark; not used by the balancer.
+/// 0 -> frames the benchmark sink (`xdp_bench_sink`) saw; 1 -> frames the generator
+/// (`xdp_bench_tx`) sent. Per CPU, read by the benchmark; not used by the balancer.
 #[map(name = "BENCH_SINK")]
-pub static BENCH_SINK: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+pub static BENCH_SINK: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+
+/// The generator's per-CPU sequence number (also its sent count).
+#[inline(always)]
+pub fn next_sink_sequence() -> u64 {
+    match BENCH_SINK.get_ptr_mut(1) {
+        Some(counter) => unsafe {
+            *counter += 1;
+            *counter
+        },
+        None => 0,
+    }
+}
 
 #[inline(always)]
 pub fn count_sink() {
