@@ -22,6 +22,7 @@ use crate::{
     explain::VipTarget,
     explain::monotonic_ns,
     health,
+    metrics::{self, Observed},
     model::{Health, Model},
     neighbor::{Interface, Neighbors},
     tables::{Desired, TableWriter},
@@ -57,9 +58,48 @@ pub struct Shared {
     pub runtime_changes: Vec<String>,
     /// Backends `lb backend remove` drains, to delete once drained: (VIP name, address).
     pub remove_when_drained: HashSet<(String, IpAddr)>,
+    /// Health-check durations and transitions, for metrics.
+    pub observed: Observed,
+    /// New flows per second per backend id over the last sample interval.
+    pub new_flow_rates: HashMap<u32, f64>,
+    /// Per VIP id: new flows of the busiest in-table backend over the average, last
+    /// interval (0 when there were none): the hot-spot signal.
+    pub busiest_over_average: HashMap<u32, f64>,
+    /// The previous sample: when, and each backend's new-flow counter then.
+    pub last_sample: Option<(Instant, HashMap<u32, u64>)>,
 }
 
 impl Shared {
+    /// A freshly started agent's state; `sync` writes its tables.
+    pub fn new(
+        config_path: PathBuf,
+        config: Config,
+        model: Model,
+        dataplane: Box<dyn Dataplane + Send>,
+        interface: Interface,
+        mode: AttachedMode,
+    ) -> Self {
+        Self {
+            config_path,
+            writer: TableWriter::new(config.dataplane.maglev_table_size),
+            config,
+            model,
+            dataplane,
+            desired: Desired::default(),
+            interface,
+            mode,
+            active_flows: HashMap::new(),
+            conntrack_size: 0,
+            last_scan: None,
+            runtime_changes: Vec::new(),
+            remove_when_drained: HashSet::new(),
+            observed: Observed::default(),
+            new_flow_rates: HashMap::new(),
+            busiest_over_average: HashMap::new(),
+            last_sample: None,
+        }
+    }
+
     /// Recomputes the tables and writes what changed.
     pub fn sync(&mut self) -> anyhow::Result<()> {
         let desired = self.model.desired();
@@ -297,6 +337,53 @@ impl Shared {
         Ok(())
     }
 
+    /// New flows per second per backend, and each VIP's busiest-over-average ratio, over
+    /// the time since the previous sample.
+    pub fn sample_rates(&mut self, now: Instant) -> anyhow::Result<()> {
+        let ids: Vec<u32> = self
+            .model
+            .vips
+            .iter()
+            .flat_map(|v| v.backends.iter().map(|b| b.id))
+            .collect();
+        let counters = self.dataplane.counters(&[], &ids)?;
+        let current: HashMap<u32, u64> = counters
+            .backends
+            .iter()
+            .map(|(id, c)| (*id, c.new_flows))
+            .collect();
+        if let Some((then, previous)) = &self.last_sample {
+            let seconds = now.duration_since(*then).as_secs_f64().max(1e-3);
+            let delta = |id: &u32| {
+                current
+                    .get(id)
+                    .copied()
+                    .unwrap_or(0)
+                    .saturating_sub(previous.get(id).copied().unwrap_or(0))
+            };
+            self.new_flow_rates = ids
+                .iter()
+                .map(|id| (*id, delta(id) as f64 / seconds))
+                .collect();
+            self.busiest_over_average = self
+                .model
+                .vips
+                .iter()
+                .map(|vip| {
+                    let deltas: Vec<u64> = vip
+                        .backends
+                        .iter()
+                        .filter(|b| b.in_table())
+                        .map(|b| delta(&b.id))
+                        .collect();
+                    (vip.id, busiest_over_average(&deltas))
+                })
+                .collect();
+        }
+        self.last_sample = Some((now, current));
+        Ok(())
+    }
+
     pub fn status(&self) -> anyhow::Result<Status> {
         let vip_ids: Vec<u32> = self.model.vips.iter().map(|v| v.id).collect();
         let backend_ids: Vec<u32> = self
@@ -337,6 +424,11 @@ impl Shared {
                             new_flows: traffic.new_flows,
                             consecutive: b.streak,
                             last_check: b.last_check.clone(),
+                            new_flows_per_second: self
+                                .new_flow_rates
+                                .get(&b.id)
+                                .copied()
+                                .unwrap_or(0.0),
                         }
                     })
                     .collect();
@@ -361,6 +453,11 @@ impl Shared {
                     new_flows: traffic.new_flows,
                     healthy_backends: healthy,
                     unhealthy_backends: vip.backends.len() - healthy,
+                    busiest_over_average: self
+                        .busiest_over_average
+                        .get(&vip.id)
+                        .copied()
+                        .unwrap_or(0.0),
                     backends,
                 }
             })
@@ -411,21 +508,17 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
     writer.apply(&mut dataplane, &desired)?;
     let mode = dataplane.attach(&interface.name, config.dataplane.xdp_mode)?;
 
-    let shared = Arc::new(Mutex::new(Shared {
+    let mut shared = Shared::new(
         config_path,
-        config: config.clone(),
+        config.clone(),
         model,
-        dataplane: Box::new(dataplane),
-        writer,
-        desired,
-        interface: interface.clone(),
+        Box::new(dataplane),
+        interface.clone(),
         mode,
-        active_flows: HashMap::new(),
-        conntrack_size: 0,
-        last_scan: None,
-        runtime_changes: Vec::new(),
-        remove_when_drained: HashSet::new(),
-    }));
+    );
+    shared.writer = writer;
+    shared.desired = desired;
+    let shared = Arc::new(Mutex::new(shared));
     let shutdown = CancellationToken::new();
     let health_tasks = HealthTasks {
         running: Arc::new(Mutex::new(HashSet::new())),
@@ -438,6 +531,10 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
     )
     .await?;
     health::spawn_checks(&shared, &health_tasks.running, &shutdown);
+    let metrics = match config.control.metrics {
+        Some(address) => Some(metrics::serve(address, shared.clone(), shutdown.clone()).await?),
+        None => None,
+    };
 
     println!(
         "serving {} VIP(s) on {} (xdp mode: {mode}); control socket {}",
@@ -465,6 +562,9 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
                 if let Err(error) = shared.scan_flows(monotonic_ns()) {
                     tracing::warn!("connection-table scan: {error:#}");
                 }
+                if let Err(error) = shared.sample_rates(Instant::now()) {
+                    tracing::warn!("sampling counters: {error:#}");
+                }
                 if let Err(error) = shared.advance_drains(Instant::now()) {
                     tracing::warn!("draining: {error:#}");
                 }
@@ -479,6 +579,9 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
     tracing::info!("stopping: detaching from {}", interface.name);
     shutdown.cancel();
     let _ = control.await;
+    if let Some(metrics) = metrics {
+        let _ = metrics.await;
+    }
     // Dropping the data path detaches the program and frees its maps.
     drop(shared);
     Ok(())
@@ -625,6 +728,16 @@ pub struct HealthTasks {
     pub shutdown: CancellationToken,
 }
 
+/// Max over mean of per-backend counts; 0 when all are 0 (nothing to compare).
+pub fn busiest_over_average(counts: &[u64]) -> f64 {
+    let total: u64 = counts.iter().sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let mean = total as f64 / counts.len() as f64;
+    *counts.iter().max().expect("non-empty: total > 0") as f64 / mean
+}
+
 /// Why a control command was refused; nothing changed.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -670,47 +783,7 @@ fn find_backend<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{config::MacAddr, dataplane::MemoryDataplane};
-
-    fn config(interface: &str, backends: &[&str]) -> Config {
-        let mut text = format!(
-            "[dataplane]\ninterface = \"{interface}\"\nmaglev_table_size = 7\n\
-             [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
-             [vip.health]\nkind = \"none\"\n"
-        );
-        for (i, address) in backends.iter().enumerate() {
-            text += &format!(
-                "[[vip.backend]]\naddress = \"{address}\"\nmac = \"02:00:00:00:00:{i:02x}\"\n"
-            );
-        }
-        Config::from_toml(&text).unwrap()
-    }
-
-    fn shared(config: Config) -> Shared {
-        let mut model = Model::new(7, 16, Duration::ZERO);
-        model.update(&config).unwrap();
-        let mut shared = Shared {
-            config_path: PathBuf::from("/nonexistent"),
-            config,
-            model,
-            dataplane: Box::new(MemoryDataplane::default()),
-            writer: TableWriter::new(7),
-            desired: Desired::default(),
-            interface: Interface {
-                name: "eth0".into(),
-                index: 1,
-                mac: MacAddr([2, 0, 0, 0, 0, 1]),
-            },
-            mode: AttachedMode::Generic,
-            active_flows: HashMap::new(),
-            conntrack_size: 0,
-            last_scan: None,
-            runtime_changes: Vec::new(),
-            remove_when_drained: HashSet::new(),
-        };
-        shared.sync().unwrap();
-        shared
-    }
+    use test_support::{config, shared};
 
     #[test]
     fn reload_applies_a_backend_diff() {
@@ -841,5 +914,48 @@ mod tests {
             ]
         );
         assert_eq!(shared.model.vips[0].backends[0].admin_word(), "ready");
+    }
+}
+
+/// A `Shared` over an in-memory data path, for unit tests of this crate.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+    use crate::{config::MacAddr, dataplane::MemoryDataplane};
+
+    /// One VIP "web" 10.0.0.100:80/tcp, unchecked, with these backends (MACs given).
+    pub fn config(interface: &str, backends: &[&str]) -> Config {
+        let mut text = format!(
+            "[dataplane]\ninterface = \"{interface}\"\nmaglev_table_size = 7\n\
+             [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+             [vip.health]\nkind = \"none\"\n"
+        );
+        for (i, address) in backends.iter().enumerate() {
+            text += &format!(
+                "[[vip.backend]]\naddress = \"{address}\"\nmac = \"02:00:00:00:00:{i:02x}\"\n"
+            );
+        }
+        Config::from_toml(&text).unwrap()
+    }
+
+    pub fn shared(config: Config) -> Shared {
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        model.update(&config).unwrap();
+        let interface = Interface {
+            name: "eth0".into(),
+            index: 1,
+            mac: MacAddr([2, 0, 0, 0, 0, 1]),
+        };
+        let dataplane = Box::new(MemoryDataplane::default());
+        let mut shared = Shared::new(
+            PathBuf::from("/nonexistent"),
+            config,
+            model,
+            dataplane,
+            interface,
+            AttachedMode::Generic,
+        );
+        shared.sync().unwrap();
+        shared
     }
 }

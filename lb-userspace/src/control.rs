@@ -58,6 +58,9 @@ pub struct VipStatus {
     pub new_flows: u64,
     pub healthy_backends: usize,
     pub unhealthy_backends: usize,
+    /// New flows of the busiest in-table backend over the average, over the last sample
+    /// interval (2 s); 0 when there were none. 1.0 is perfectly even.
+    pub busiest_over_average: f64,
     pub backends: Vec<BackendStatus>,
 }
 
@@ -82,6 +85,8 @@ pub struct BackendStatus {
     /// Consecutive check results agreeing with the last one.
     pub consecutive: u32,
     pub last_check: Option<CheckRecord>,
+    /// New flows per second over the last sample interval.
+    pub new_flows_per_second: f64,
 }
 
 /// Binds the socket (0600, parent created 0700 if missing) and serves until `shutdown`.

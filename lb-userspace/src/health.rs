@@ -217,11 +217,19 @@ async fn check_loop(
         backend.health = state.health;
         backend.streak = state.streak;
         let address = backend.config.address;
+        let seconds = record.latency_ms / 1000.0;
         let reason = record
             .error
             .clone()
             .unwrap_or_else(|| format!("{:.1}ms", record.latency_ms));
         backend.last_check = Some(record);
+        crate::metrics::observe_check(
+            &shared.observed,
+            &vip,
+            &address.to_string(),
+            seconds,
+            changed,
+        );
         if let Some(health) = changed {
             let (word, threshold) = match health {
                 Health::Up => ("UP", "successes"),

@@ -6,6 +6,7 @@ pub mod control;
 pub mod dataplane;
 pub mod explain;
 pub mod health;
+pub mod metrics;
 pub mod model;
 pub mod neighbor;
 pub mod tables;
