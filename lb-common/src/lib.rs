@@ -36,6 +36,12 @@ pub const MAP_VIP_STATS: &str = "LB_VIP_STATS";
 pub const MAP_BACKEND_STATS: &str = "LB_BE_STATS";
 pub const MAP_CONNTRACK: &str = "LB_CONNTRACK";
 pub const MAP_FLOOD: &str = "LB_FLOOD";
+/// Written by the agent only, read back by a restarted agent: what the pinned maps hold.
+pub const MAP_META: &str = "LB_META";
+pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
+/// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
+/// maps only of its own layout (and sizes), and otherwise replaces them.
+pub const LAYOUT_VERSION: u64 = 1;
 /// Frames counted by the benchmark sink program (`xdp_bench_sink`).
 pub const MAP_BENCH_SINK: &str = "BENCH_SINK";
 /// Default size of the connection table.
@@ -114,6 +120,34 @@ pub struct BackendInfo {
     pub flags: u16,
 }
 const _: () = assert!(size_of::<BackendInfo>() == 8);
+
+/// Indices of `LB_META` (u64 values).
+pub mod meta {
+    pub const LAYOUT: u32 = 0;
+    pub const MAGLEV_SIZE: u32 = 1;
+    pub const VIP_CAPACITY: u32 = 2;
+    pub const CONNTRACK_ENTRIES: u32 = 3;
+    /// `MODE_NATIVE` or `MODE_GENERIC`: how the pinned link was attached.
+    pub const XDP_MODE: u32 = 4;
+    pub const COUNT: u32 = 8;
+    pub const MODE_NATIVE: u64 = 1;
+    pub const MODE_GENERIC: u64 = 2;
+}
+
+/// Value of `LB_BACKEND_IDS`, indexed by backend id: which backend an id names, so a
+/// restarted agent gives every backend the id its connection-table entries use.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct BackendIdentity {
+    /// IPv4: the first 4 bytes. Network order.
+    pub addr: [u8; 16],
+    pub vip_id: u32,
+    pub family: u8,
+    /// 1 while the id is assigned.
+    pub in_use: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(size_of::<BackendIdentity>() == 24);
 
 /// Key of `LB_CONNTRACK`: one flow, as it arrives (client to VIP).
 #[repr(C)]
@@ -251,6 +285,7 @@ mod aya_pod {
     unsafe impl aya::Pod for super::VipKey {}
     unsafe impl aya::Pod for super::VipInfo {}
     unsafe impl aya::Pod for super::BackendInfo {}
+    unsafe impl aya::Pod for super::BackendIdentity {}
     unsafe impl aya::Pod for super::TrafficCounters {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}

@@ -6,7 +6,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use lb_common::{
-    BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS, TrafficCounters,
+    BackendIdentity, BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS, TrafficCounters,
     VipInfo, VipKey, stat,
 };
 
@@ -51,6 +51,16 @@ pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
 /// 0 -> this CPU's inserts in the current second (flood guard). Program only.
 #[map(name = "LB_FLOOD")]
 pub static LB_FLOOD: PerCpuArray<InsertWindow> = PerCpuArray::with_max_entries(1, 0);
+
+/// index -> u64 (`lb_common::meta`): layout version and sizes of the pinned maps.
+/// Written and read by the agent only (restart adoption); 8 entries.
+#[map(name = "LB_META")]
+pub static LB_META: Array<u64> = Array::with_max_entries(lb_common::meta::COUNT, 0);
+
+/// backend id -> BackendIdentity (address, VIP). Written and read by the agent only
+/// (restart adoption); MAX_BACKENDS entries.
+#[map(name = "LB_BACKEND_IDS")]
+pub static LB_BACKEND_IDS: Array<BackendIdentity> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// 0 -> frames the benchmark sink (`xdp_bench_sink`) saw; 1 -> frames the generator
 /// (`xdp_bench_tx`) sent. Per CPU, read by the benchmark; not used by the balancer.

@@ -18,7 +18,9 @@ use crate::{
     EBPF_OBJECT,
     config::{AdminState, BackendConfig, Config, HashMode, VipConfig},
     control::{self, BackendStatus, DataplaneStatus, Status, VipStatus},
-    dataplane::{AttachedMode, AyaDataplane, Dataplane, LoadOptions, vip_capacity},
+    dataplane::{
+        AttachedMode, AyaDataplane, Dataplane, Found, LoadOptions, remove_pins, vip_capacity,
+    },
     explain::VipTarget,
     explain::monotonic_ns,
     health,
@@ -67,6 +69,8 @@ pub struct Shared {
     pub busiest_over_average: HashMap<u32, f64>,
     /// The previous sample: when, and each backend's new-flow counter then.
     pub last_sample: Option<(Instant, HashMap<u32, u64>)>,
+    /// How this agent found the data path: "fresh", "adopted", or "replaced (why)".
+    pub start: String,
 }
 
 impl Shared {
@@ -97,6 +101,7 @@ impl Shared {
             new_flow_rates: HashMap::new(),
             busiest_over_average: HashMap::new(),
             last_sample: None,
+            start: "fresh".to_string(),
         }
     }
 
@@ -474,6 +479,7 @@ impl Shared {
                 xdp_mode: self.mode.to_string(),
                 maglev_table_size: self.model.table_size,
                 conntrack_entries: self.conntrack_size,
+                start: self.start.clone(),
             },
             vips,
             counters,
@@ -482,7 +488,17 @@ impl Shared {
 }
 
 /// Runs the agent until SIGINT or SIGTERM.
-pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
+/// What `lb run` does when it stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnExit {
+    /// The program stays attached with its last tables (the default): a restarted agent
+    /// adopts it without dropping a packet.
+    StayAttached,
+    /// Remove the pins: the program detaches and its maps are freed.
+    Detach,
+}
+
+pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     let config = Config::load(&config_path)?;
     let neighbors = Neighbors::open(&config.dataplane.interface)
         .await
@@ -495,18 +511,55 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
         config.dataplane.flow_idle_timeout,
     );
     model.update(&config)?;
-    resolve_first_macs(&neighbors, &mut model).await;
 
-    let mut dataplane = AyaDataplane::load(
-        EBPF_OBJECT,
-        LoadOptions::from_config(&config, interface.mac.0),
-    )
-    .context("loading the XDP program")?;
-    // Tables first, then attach: the program never runs on empty maps.
+    let options = LoadOptions::from_config(&config, interface.mac.0);
+    let pin_dir = config.dataplane.pin_dir();
+    ensure_bpffs(&pin_dir)?;
+    let (mut dataplane, found) = AyaDataplane::load_pinned(EBPF_OBJECT, options, &pin_dir)
+        .with_context(|| format!("loading the XDP program (pins in {})", pin_dir.display()))?;
     let mut writer = TableWriter::new(config.dataplane.maglev_table_size);
+    let start = match &found {
+        Found::Nothing => "fresh".to_string(),
+        Found::Compatible(_) => {
+            let adopted = dataplane.adopted(config.dataplane.maglev_table_size)?;
+            tracing::info!(
+                "adopting the pinned data path in {}: {} VIP(s), {} backend(s); flows continue",
+                pin_dir.display(),
+                adopted.vips.len(),
+                adopted.backends.len()
+            );
+            writer.adopt(&adopted);
+            let mut fresh = Model::new(
+                config.dataplane.maglev_table_size,
+                vip_capacity(config.vips.len()),
+                config.dataplane.flow_idle_timeout,
+            );
+            fresh.adopt(&adopted);
+            fresh.update(&config)?;
+            model = fresh;
+            "adopted".to_string()
+        }
+        Found::Incompatible(why) => {
+            tracing::warn!(
+                "replacing the pinned data path in {}: {why}; its connection table is lost",
+                pin_dir.display()
+            );
+            format!("replaced ({why}); connection table lost")
+        }
+    };
+    resolve_first_macs(&neighbors, &mut model).await;
+    // Tables first, then attach (or swap the program on the pinned link): the program
+    // never runs on empty maps.
     let desired = model.desired();
-    writer.apply(&mut dataplane, &desired)?;
-    let mode = dataplane.attach(&interface.name, config.dataplane.xdp_mode)?;
+    let report = writer.apply(&mut dataplane, &desired)?;
+    tracing::info!(
+        "tables written: {} slots, {} table switches, {} backends",
+        report.slots_written,
+        report.tables_switched,
+        report.backends_written
+    );
+    let mode =
+        dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode, &found, &options)?;
 
     let mut shared = Shared::new(
         config_path,
@@ -518,6 +571,7 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
     );
     shared.writer = writer;
     shared.desired = desired;
+    shared.start = start;
     let shared = Arc::new(Mutex::new(shared));
     let shutdown = CancellationToken::new();
     let health_tasks = HealthTasks {
@@ -576,14 +630,69 @@ pub async fn run(config_path: PathBuf) -> anyhow::Result<()> {
             }
         }
     }
-    tracing::info!("stopping: detaching from {}", interface.name);
     shutdown.cancel();
     let _ = control.await;
     if let Some(metrics) = metrics {
         let _ = metrics.await;
     }
-    // Dropping the data path detaches the program and frees its maps.
+    match on_exit {
+        OnExit::StayAttached => tracing::info!(
+            "stopping; the program stays attached to {} with its last tables (pins in {}; \
+             `lb detach --config FILE` removes it)",
+            interface.name,
+            pin_dir.display()
+        ),
+        OnExit::Detach => {
+            tracing::info!("stopping: detaching from {}", interface.name);
+            remove_pins(&pin_dir)?;
+        }
+    }
     drop(shared);
+    Ok(())
+}
+
+/// Makes sure `pin_dir` lies on a bpf filesystem: mounts one at /sys/fs/bpf when the
+/// directory is under it and none is mounted (a fresh machine has none); refuses a
+/// directory elsewhere that is not on one.
+///
+/// Under `ip netns exec` the agent gets a mount namespace of its own with a fresh /sys,
+/// so a bpffs it mounts there vanishes with it: pins then do not outlive the agent. Set
+/// `pin_path` to a bpffs mounted outside /sys (as the test lab does) to keep them.
+pub fn ensure_bpffs(pin_dir: &std::path::Path) -> anyhow::Result<()> {
+    const BPF_FS: &str = "/sys/fs/bpf";
+    if !pin_dir.starts_with(BPF_FS) {
+        let existing = pin_dir
+            .ancestors()
+            .find(|p| p.exists())
+            .unwrap_or(std::path::Path::new("/"));
+        let on_bpffs = nix::sys::statfs::statfs(existing)
+            .is_ok_and(|s| s.filesystem_type().0 as u64 == 0xcafe_4a11);
+        anyhow::ensure!(
+            on_bpffs,
+            "pin_path {} is not on a bpf filesystem (mount one: mount -t bpf bpf {})",
+            pin_dir.display(),
+            existing.display()
+        );
+        return Ok(());
+    }
+    let mounted = std::fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .any(|line| {
+            line.split_whitespace().nth(1) == Some(BPF_FS)
+                && line.split_whitespace().nth(2) == Some("bpf")
+        });
+    if !mounted {
+        tracing::info!("mounting a bpf filesystem at {BPF_FS}");
+        nix::mount::mount(
+            Some("bpf"),
+            BPF_FS,
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .with_context(|| format!("mounting bpffs at {BPF_FS}"))?;
+    }
     Ok(())
 }
 

@@ -82,6 +82,34 @@ pub struct DataplaneConfig {
     /// cannot evict established flows.
     #[serde(default = "default_conntrack_insert_limit")]
     pub conntrack_insert_limit: u64,
+    /// Directory (on a bpffs) where the program's link and maps are pinned, so they
+    /// outlive the agent and a restarted agent adopts them. Default: see `pin_dir`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pin_path: Option<PathBuf>,
+}
+
+impl DataplaneConfig {
+    /// `pin_path`, else `/sys/fs/bpf/lb/<interface>` (with `-ns<inode>` appended when the
+    /// agent runs in a network namespace other than the initial one, so agents in
+    /// different namespaces never share pins).
+    pub fn pin_dir(&self) -> PathBuf {
+        if let Some(path) = &self.pin_path {
+            return path.clone();
+        }
+        let inode = |path: &str| {
+            std::fs::metadata(path)
+                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+                .ok()
+        };
+        let ours = inode("/proc/self/ns/net");
+        let name = match ours {
+            Some(ours) if ours != inode("/proc/1/ns/net").unwrap_or(ours) => {
+                format!("{}-ns{ours}", self.interface)
+            }
+            _ => self.interface.clone(),
+        };
+        PathBuf::from("/sys/fs/bpf/lb").join(name)
+    }
 }
 
 fn default_flow_idle_timeout() -> Duration {
@@ -560,6 +588,14 @@ impl DataplaneConfig {
                 format!("{size} is not a prime (65537 is the usual choice)"),
             ));
         }
+        if let Some(path) = &self.pin_path
+            && !path.is_absolute()
+        {
+            return Err(invalid(
+                "dataplane.pin_path",
+                format!("{} is not an absolute path", path.display()),
+            ));
+        }
         if self.flow_idle_timeout.is_zero() {
             return Err(invalid(
                 "dataplane.flow_idle_timeout",
@@ -862,6 +898,7 @@ address = "10.0.0.11"
                 conntrack_entries: 1_048_576,
                 flow_idle_timeout: Duration::from_secs(30),
                 conntrack_insert_limit: 100_000,
+                pin_path: None,
             }
         );
         assert_eq!(config.control.socket, PathBuf::from("/run/lb/lb.sock"));

@@ -44,6 +44,9 @@ pub struct DataplaneStatus {
     pub maglev_table_size: u32,
     /// Connection-table entries at the agent's last scan.
     pub conntrack_entries: u64,
+    /// How the agent found the data path at start: "fresh", "adopted" (a previous
+    /// agent's pinned program and maps, flows kept) or "replaced (why)".
+    pub start: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -2,18 +2,27 @@
 //! (`AyaDataplane`) and in memory (`MemoryDataplane`, for unit tests of what is written
 //! and in which order).
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray},
-    programs::{Xdp, XdpMode},
+    programs::{
+        Xdp, XdpMode,
+        links::{FdLink, PinnedLink},
+        xdp::{XdpLink, XdpLinkId},
+    },
 };
 use lb_common::{
-    BackendInfo, FlowEntry, FlowKey, GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE,
-    GLOBAL_UDP_IDLE_NS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CONNTRACK, MAP_MAGLEV, MAP_STATS,
-    MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS, TABLE_GENERATIONS, TrafficCounters, VipInfo,
-    VipKey, stat,
+    BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC,
+    GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, LAYOUT_VERSION, MAP_BACKEND_IDS, MAP_BACKEND_STATS,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_FLOOD, MAP_MAGLEV, MAP_META, MAP_STATS, MAP_VIP_STATS,
+    MAP_VIPS, MAX_BACKENDS, MAX_VIPS, TABLE_GENERATIONS, TrafficCounters, VipInfo, VipKey, meta,
+    stat,
 };
 
 use crate::config::{Config, XdpModeSetting};
@@ -42,6 +51,21 @@ pub enum DataplaneError {
     },
     #[error("map {map} missing from the eBPF object")]
     MissingMap { map: &'static str },
+    #[error("pin directory {path}")]
+    Pin {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("pinned link {path}")]
+    Link {
+        path: PathBuf,
+        source: aya::programs::links::LinkError,
+    },
+    #[error("pinning the link at {path}")]
+    PinLink {
+        path: PathBuf,
+        source: aya::pin::PinError,
+    },
 }
 
 /// Summed (over CPUs) counters of the data path.
@@ -59,7 +83,13 @@ pub trait Dataplane {
     fn write_slots(&mut self, slots: &[(u32, u32)]) -> Result<(), DataplaneError>;
     fn set_vip(&mut self, key: &VipKey, info: &VipInfo) -> Result<(), DataplaneError>;
     fn remove_vip(&mut self, key: &VipKey) -> Result<(), DataplaneError>;
-    fn set_backend(&mut self, id: u32, info: &BackendInfo) -> Result<(), DataplaneError>;
+    /// Writes a backend's data-path entry and, for restarts, which backend the id names.
+    fn set_backend(
+        &mut self,
+        id: u32,
+        info: &BackendInfo,
+        identity: &BackendIdentity,
+    ) -> Result<(), DataplaneError>;
     /// Counters of the given VIP and backend ids.
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError>;
     /// The connection-table entry of one flow.
@@ -130,17 +160,90 @@ pub struct AyaDataplane {
     vip_stats: PerCpuArray<MapData, TrafficCounters>,
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
     conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    identities: Array<MapData, BackendIdentity>,
+    meta: Array<MapData, u64>,
+    /// Where the maps and the link are pinned, if they are.
+    pin_dir: Option<PathBuf>,
 }
 
+/// What a pinned load found in its pin directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Found {
+    /// Nothing pinned: a first start.
+    Nothing,
+    /// Maps of this layout and these sizes, attached in this mode: adopted.
+    Compatible(AttachedMode),
+    /// Pinned state of another layout or other sizes: replaced (the connection table is
+    /// lost).
+    Incompatible(String),
+}
+
+/// What the data path holds, read back from adopted maps.
+#[derive(Clone, Debug, Default)]
+pub struct Adopted {
+    pub vips: Vec<(VipKey, VipInfo)>,
+    /// By backend id, the ids in use.
+    pub backends: Vec<(u32, BackendInfo, BackendIdentity)>,
+    /// By vip id, the slots of the table the VIP points at.
+    pub tables: Vec<(u32, Vec<u32>)>,
+}
+
+/// The name the link is pinned under, next to the maps.
+const LINK_PIN: &str = "link";
+/// Maps pinned (shared with a restarted agent); the rest are per program instance.
+const PINNED_MAPS: [&str; 10] = [
+    MAP_VIPS,
+    MAP_MAGLEV,
+    MAP_BACKENDS,
+    MAP_STATS,
+    MAP_VIP_STATS,
+    MAP_BACKEND_STATS,
+    MAP_CONNTRACK,
+    MAP_FLOOD,
+    MAP_BACKEND_IDS,
+    MAP_META,
+];
+
 impl AyaDataplane {
-    /// Loads (not attaches) the `lb_xdp` program from `object`.
+    /// Loads (not attaches) the `lb_xdp` program from `object`, with maps of its own.
     pub fn load(object: &[u8], options: LoadOptions) -> Result<Self, DataplaneError> {
+        Self::load_with(object, options, None)
+    }
+
+    /// Loads the program with its maps pinned in `dir`, adopting what a previous agent
+    /// left there when it is of this layout and these sizes, and replacing it otherwise.
+    pub fn load_pinned(
+        object: &[u8],
+        options: LoadOptions,
+        dir: &Path,
+    ) -> Result<(Self, Found), DataplaneError> {
+        let found = inspect_pins(dir, &options);
+        if let Found::Incompatible(_) = found {
+            remove_pins(dir)?;
+        }
+        std::fs::create_dir_all(dir).map_err(|source| DataplaneError::Pin {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let mut dataplane = Self::load_with(object, options, Some(dir))?;
+        if !matches!(found, Found::Compatible(_)) {
+            dataplane.write_meta(&options, None)?;
+        }
+        Ok((dataplane, found))
+    }
+
+    fn load_with(
+        object: &[u8],
+        options: LoadOptions,
+        pins: Option<&Path>,
+    ) -> Result<Self, DataplaneError> {
         if object.is_empty() {
             return Err(DataplaneError::NoObject);
         }
         let maglev_entries = options.vip_capacity * TABLE_GENERATIONS * options.maglev_table_size;
         let udp_idle_ns = options.flow_idle.as_nanos().min(u64::MAX as u128) as u64;
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        loader
             .override_global(GLOBAL_MAGLEV_SIZE, &options.maglev_table_size, true)
             .override_global(GLOBAL_IFACE_MAC, &options.iface_mac, true)
             .override_global(GLOBAL_UDP_IDLE_NS, &udp_idle_ns, true)
@@ -150,8 +253,13 @@ impl AyaDataplane {
                 true,
             )
             .map_max_entries(MAP_MAGLEV, maglev_entries)
-            .map_max_entries(MAP_CONNTRACK, options.conntrack_entries)
-            .load(object)?;
+            .map_max_entries(MAP_CONNTRACK, options.conntrack_entries);
+        if let Some(dir) = pins {
+            for name in PINNED_MAPS {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
+        let mut ebpf = loader.load(object)?;
         let program: &mut Xdp = program(&mut ebpf)?;
         program.load().map_err(|source| DataplaneError::Program {
             program: "lb_xdp",
@@ -165,16 +273,162 @@ impl AyaDataplane {
             vip_stats: take_map(&mut ebpf, MAP_VIP_STATS)?,
             backend_stats: take_map(&mut ebpf, MAP_BACKEND_STATS)?,
             conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
+            identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
+            meta: take_map(&mut ebpf, MAP_META)?,
+            pin_dir: pins.map(Path::to_path_buf),
             ebpf,
         })
     }
 
-    /// Attaches to `interface`. `Auto` tries native (driver) mode, then generic.
+    fn write_meta(
+        &mut self,
+        options: &LoadOptions,
+        mode: Option<AttachedMode>,
+    ) -> Result<(), DataplaneError> {
+        let mut values = vec![
+            (meta::LAYOUT, LAYOUT_VERSION),
+            (meta::MAGLEV_SIZE, options.maglev_table_size as u64),
+            (meta::VIP_CAPACITY, options.vip_capacity as u64),
+            (meta::CONNTRACK_ENTRIES, options.conntrack_entries as u64),
+        ];
+        if let Some(mode) = mode {
+            values.push((meta::XDP_MODE, mode_code(mode)));
+        }
+        for (index, value) in values {
+            self.meta
+                .set(index, value, 0)
+                .map_err(|source| DataplaneError::Map {
+                    map: MAP_META,
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Reads back what adopted maps hold: VIPs, backends in use and each VIP's live table.
+    pub fn adopted(&self, table_size: u32) -> Result<Adopted, DataplaneError> {
+        let map_error = |map| move |source| DataplaneError::Map { map, source };
+        let mut adopted = Adopted::default();
+        for item in self.vips.iter() {
+            adopted.vips.push(item.map_err(map_error(MAP_VIPS))?);
+        }
+        for id in 0..MAX_BACKENDS {
+            let identity = self
+                .identities
+                .get(&id, 0)
+                .map_err(map_error(MAP_BACKEND_IDS))?;
+            if identity.in_use == 1 {
+                let info = self.backends.get(&id, 0).map_err(map_error(MAP_BACKENDS))?;
+                adopted.backends.push((id, info, identity));
+            }
+        }
+        for (_, info) in &adopted.vips {
+            let table = (info.table_base..info.table_base + table_size)
+                .map(|slot| self.maglev.get(&slot, 0).map_err(map_error(MAP_MAGLEV)))
+                .collect::<Result<Vec<u32>, _>>()?;
+            adopted.tables.push((info.vip_id, table));
+        }
+        Ok(adopted)
+    }
+
+    /// Attaches to `interface` and pins the link next to the maps, so the program stays
+    /// attached after this process exits. When `found` is a compatible pinned state, the
+    /// new program replaces the old one on its link in one step: no packet sees no
+    /// program.
+    pub fn attach_pinned(
+        &mut self,
+        interface: &str,
+        mode: XdpModeSetting,
+        found: &Found,
+        options: &LoadOptions,
+    ) -> Result<AttachedMode, DataplaneError> {
+        let dir = self
+            .pin_dir
+            .clone()
+            .expect("attach_pinned after load_pinned");
+        let link_path = dir.join(LINK_PIN);
+        if let Found::Compatible(mode) = found
+            && link_path.exists()
+        {
+            let pinned =
+                PinnedLink::from_pin(&link_path).map_err(|source| DataplaneError::Link {
+                    path: link_path.clone(),
+                    source,
+                })?;
+            let link =
+                XdpLink::try_from(FdLink::from(pinned)).map_err(|source| DataplaneError::Link {
+                    path: link_path.clone(),
+                    source,
+                })?;
+            let program = program(&mut self.ebpf)?;
+            let id = program
+                .attach_to_link(link)
+                .map_err(|source| DataplaneError::Program {
+                    program: "lb_xdp",
+                    source,
+                })?;
+            // The link stays pinned; our handle to it must not detach it on exit.
+            let link = program
+                .take_link(id)
+                .map_err(|source| DataplaneError::Program {
+                    program: "lb_xdp",
+                    source,
+                })?;
+            std::mem::forget(link);
+            return Ok(*mode);
+        }
+        if link_path.exists() {
+            std::fs::remove_file(&link_path).map_err(|source| DataplaneError::Pin {
+                path: link_path.clone(),
+                source,
+            })?;
+        }
+        let (attached, id) = self.attach_link(interface, mode)?;
+        let link =
+            program(&mut self.ebpf)?
+                .take_link(id)
+                .map_err(|source| DataplaneError::Program {
+                    program: "lb_xdp",
+                    source,
+                })?;
+        let fd_link = FdLink::try_from(link).map_err(|source| DataplaneError::Link {
+            path: link_path.clone(),
+            source,
+        })?;
+        fd_link
+            .pin(&link_path)
+            .map_err(|source| DataplaneError::PinLink {
+                path: link_path.clone(),
+                source,
+            })?;
+        self.write_meta(options, Some(attached))?;
+        Ok(attached)
+    }
+
+    /// Removes the pins (the program detaches once this process exits too).
+    pub fn unpin(&self) -> Result<(), DataplaneError> {
+        match &self.pin_dir {
+            Some(dir) => remove_pins(dir),
+            None => Ok(()),
+        }
+    }
+
+    /// Attaches to `interface` for as long as this value lives. `Auto` tries native
+    /// (driver) mode, then generic.
     pub fn attach(
         &mut self,
         interface: &str,
         mode: XdpModeSetting,
     ) -> Result<AttachedMode, DataplaneError> {
+        self.attach_link(interface, mode)
+            .map(|(attached, _)| attached)
+    }
+
+    fn attach_link(
+        &mut self,
+        interface: &str,
+        mode: XdpModeSetting,
+    ) -> Result<(AttachedMode, XdpLinkId), DataplaneError> {
         let program = program(&mut self.ebpf)?;
         let mut try_attach = |attached: AttachedMode| {
             let (xdp_mode, name) = match attached {
@@ -183,7 +437,7 @@ impl AyaDataplane {
             };
             program
                 .attach(interface, xdp_mode)
-                .map(|_| attached)
+                .map(|id| (attached, id))
                 .map_err(|source| DataplaneError::Attach {
                     interface: interface.to_string(),
                     mode: name,
@@ -301,8 +555,19 @@ impl Dataplane for AyaDataplane {
         })
     }
 
-    fn set_backend(&mut self, id: u32, info: &BackendInfo) -> Result<(), DataplaneError> {
+    fn set_backend(
+        &mut self,
+        id: u32,
+        info: &BackendInfo,
+        identity: &BackendIdentity,
+    ) -> Result<(), DataplaneError> {
         debug_assert!(id < MAX_BACKENDS);
+        self.identities
+            .set(id, identity, 0)
+            .map_err(|source| DataplaneError::Map {
+                map: MAP_BACKEND_IDS,
+                source,
+            })?;
         self.backends
             .set(id, info, 0)
             .map_err(|source| DataplaneError::Map {
@@ -368,7 +633,7 @@ pub enum Write {
     Slots(Vec<(u32, u32)>),
     Vip(VipKey, VipInfo),
     RemoveVip(VipKey),
-    Backend(u32, BackendInfo),
+    Backend(u32, BackendInfo, BackendIdentity),
 }
 
 /// An in-memory data path that does what the kernel's maps do and records every write.
@@ -400,9 +665,14 @@ impl Dataplane for MemoryDataplane {
         Ok(())
     }
 
-    fn set_backend(&mut self, id: u32, info: &BackendInfo) -> Result<(), DataplaneError> {
+    fn set_backend(
+        &mut self,
+        id: u32,
+        info: &BackendInfo,
+        identity: &BackendIdentity,
+    ) -> Result<(), DataplaneError> {
         self.backends.insert(id, *info);
-        self.log.push(Write::Backend(id, *info));
+        self.log.push(Write::Backend(id, *info, *identity));
         Ok(())
     }
 
@@ -420,4 +690,79 @@ impl Dataplane for MemoryDataplane {
     fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
         Ok(self.flows.iter().map(|(k, v)| (*k, *v)).collect())
     }
+}
+
+fn mode_code(mode: AttachedMode) -> u64 {
+    match mode {
+        AttachedMode::Native => meta::MODE_NATIVE,
+        AttachedMode::Generic => meta::MODE_GENERIC,
+    }
+}
+
+/// What is pinned in `dir`, compared with what `options` ask for.
+fn inspect_pins(dir: &Path, options: &LoadOptions) -> Found {
+    let meta_path = dir.join(MAP_META);
+    if !meta_path.exists() {
+        return Found::Nothing;
+    }
+    let read = || -> Result<Vec<u64>, String> {
+        let map = MapData::from_pin(&meta_path).map_err(|e| e.to_string())?;
+        let array: Array<MapData, u64> =
+            Array::try_from(aya::maps::Map::Array(map)).map_err(|e| e.to_string())?;
+        (0..meta::COUNT)
+            .map(|i| array.get(&i, 0).map_err(|e| e.to_string()))
+            .collect()
+    };
+    let values = match read() {
+        Ok(values) => values,
+        Err(error) => {
+            return Found::Incompatible(format!("unreadable {}: {error}", meta_path.display()));
+        }
+    };
+    let expected = [
+        ("layout version", meta::LAYOUT, LAYOUT_VERSION),
+        (
+            "maglev_table_size",
+            meta::MAGLEV_SIZE,
+            options.maglev_table_size as u64,
+        ),
+        (
+            "VIP capacity",
+            meta::VIP_CAPACITY,
+            options.vip_capacity as u64,
+        ),
+        (
+            "conntrack_entries",
+            meta::CONNTRACK_ENTRIES,
+            options.conntrack_entries as u64,
+        ),
+    ];
+    for (what, index, want) in expected {
+        let have = values[index as usize];
+        if have != want {
+            return Found::Incompatible(format!(
+                "pinned {what} is {have}, this agent needs {want}"
+            ));
+        }
+    }
+    match values[meta::XDP_MODE as usize] {
+        meta::MODE_NATIVE => Found::Compatible(AttachedMode::Native),
+        meta::MODE_GENERIC => Found::Compatible(AttachedMode::Generic),
+        // Maps were pinned but the program never attached: adopt the maps.
+        _ => Found::Compatible(AttachedMode::Generic),
+    }
+}
+
+/// Removes everything lb pinned in `dir` (the link first: that detaches the program).
+pub fn remove_pins(dir: &Path) -> Result<(), DataplaneError> {
+    for name in std::iter::once(LINK_PIN).chain(PINNED_MAPS) {
+        let path = dir.join(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(DataplaneError::Pin { path, source }),
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+    Ok(())
 }

@@ -30,6 +30,15 @@ enum Command {
     Run {
         #[arg(long)]
         config: PathBuf,
+        /// Detach the program when the agent stops (default: it stays attached with its
+        /// last tables, and a restarted agent adopts it).
+        #[arg(long)]
+        detach_on_exit: bool,
+    },
+    /// Detach the program a stopped agent left attached, and remove its pins.
+    Detach {
+        #[arg(long)]
+        config: PathBuf,
     },
     /// Validate a configuration file: exit 0, or exit 2 naming the field and why.
     Check {
@@ -154,7 +163,32 @@ fn main() -> ExitCode {
 
 async fn execute(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run { config } => agent::run(config).await?,
+        Command::Run {
+            config,
+            detach_on_exit,
+        } => {
+            let on_exit = if detach_on_exit {
+                agent::OnExit::Detach
+            } else {
+                agent::OnExit::StayAttached
+            };
+            agent::run(config, on_exit).await?
+        }
+        Command::Detach { config } => {
+            let config = Config::load(&config)?;
+            let dir = config.dataplane.pin_dir();
+            if control::request(&config.control.socket, hyper::Method::GET, "/status", None)
+                .await
+                .is_ok()
+            {
+                anyhow::bail!(
+                    "an agent is running on {}: stop it first (or run it with --detach-on-exit)",
+                    config.control.socket.display()
+                );
+            }
+            lb_userspace::dataplane::remove_pins(&dir)?;
+            println!("detached: removed the pins in {}", dir.display());
+        }
         Command::Check { config } => {
             let parsed = Config::load(&config)?;
             let backends: usize = parsed.vips.iter().map(|v| v.backends.len()).sum();

@@ -1,19 +1,20 @@
 //! The agent's view of its VIPs and backends, and the pure step from it to the tables
 //! the data path should hold (`Model::desired`).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use lb_common::{
-    ADDR_FAMILY_V4, ADDR_FAMILY_V6, BACKEND_F_SERVES_FLOWS, BackendInfo, MAX_BACKENDS, MAX_VIPS,
-    VIP_F_HASH_SRC_IP, VipKey,
+    ADDR_FAMILY_V4, ADDR_FAMILY_V6, BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo,
+    MAX_BACKENDS, MAX_VIPS, VIP_F_HASH_SRC_IP, VipKey,
     maglev::{MaglevBackend, build_table},
 };
 use serde::{Deserialize, Serialize};
 
 use crate::config::{AdminState, BackendConfig, Config, HashMode, HealthKind, MacAddr, VipConfig};
-use crate::tables::{Desired, DesiredVip};
+use crate::dataplane::Adopted;
+use crate::tables::{Desired, DesiredBackend, DesiredVip};
 
 /// What the health checks say of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -142,6 +143,14 @@ impl IdPool {
         }
     }
 
+    /// Takes `id` out of the free list; false when it is not free.
+    pub fn take_specific(&mut self, id: u32) -> bool {
+        match self.free.iter().position(|(free, _)| *free == id) {
+            Some(i) => self.free.remove(i).is_some(),
+            None => false,
+        }
+    }
+
     pub fn give_back(&mut self, id: u32, now: Instant) {
         self.free.push_back((id, Some(now)));
     }
@@ -160,6 +169,10 @@ pub struct Model {
     pub vips: Vec<VipState>,
     vip_ids: IdPool,
     backend_ids: IdPool,
+    /// Ids a previous agent gave (adopted pinned maps): VIPs by key, backends by VIP id
+    /// and address. Used by the next `update`, then released.
+    reserved_vips: HashMap<VipKey, u32>,
+    reserved_backends: HashMap<(u32, [u8; 16]), (u32, BackendInfo)>,
 }
 
 impl Model {
@@ -171,6 +184,25 @@ impl Model {
             vips: Vec::new(),
             vip_ids: IdPool::new(vip_capacity.min(MAX_VIPS), Duration::ZERO),
             backend_ids: IdPool::new(MAX_BACKENDS, flow_idle),
+            reserved_vips: HashMap::new(),
+            reserved_backends: HashMap::new(),
+        }
+    }
+
+    /// Takes over the ids, MACs and serving state a previous agent left in adopted maps,
+    /// so connection-table entries keep naming the same backends and the tables do not
+    /// empty while health checks start again: a backend that was serving starts up.
+    pub fn adopt(&mut self, adopted: &Adopted) {
+        for (key, info) in &adopted.vips {
+            if self.vip_ids.take_specific(info.vip_id) {
+                self.reserved_vips.insert(*key, info.vip_id);
+            }
+        }
+        for (id, info, identity) in &adopted.backends {
+            if self.backend_ids.take_specific(*id) {
+                self.reserved_backends
+                    .insert((identity.vip_id, identity.addr), (*id, *info));
+            }
         }
     }
 
@@ -187,10 +219,18 @@ impl Model {
                 .map(|i| old.swap_remove(i));
             let (id, mut old_backends) = match previous {
                 Some(v) => (v.id, v.backends),
-                None => (
-                    self.vip_ids.take(now).ok_or(ModelError::Exhausted("VIP"))?,
-                    Vec::new(),
-                ),
+                None => {
+                    let key = vip_key(
+                        vip_config.address,
+                        vip_config.port,
+                        vip_config.protocol.number(),
+                    );
+                    let id = match self.reserved_vips.remove(&key) {
+                        Some(id) => id,
+                        None => self.vip_ids.take(now).ok_or(ModelError::Exhausted("VIP"))?,
+                    };
+                    (id, Vec::new())
+                }
             };
             let mut backends = Vec::with_capacity(vip_config.backends.len());
             for backend_config in &vip_config.backends {
@@ -218,19 +258,43 @@ impl Model {
                         b.config = backend_config.clone();
                         b
                     }
-                    None => BackendState {
-                        id: self
-                            .backend_ids
-                            .take(now)
-                            .ok_or(ModelError::Exhausted("backend"))?,
-                        config: backend_config.clone(),
-                        mac: backend_config.mac,
-                        health: initial_health(vip_config),
-                        streak: 0,
-                        last_check: None,
-                        drain_started: (backend_config.state == AdminState::Drain).then_some(now),
-                        drained: false,
-                    },
+                    None => {
+                        let reserved = self
+                            .reserved_backends
+                            .remove(&(id, identity(backend_config.address, id).addr));
+                        let (backend_id, mac, health) = match reserved {
+                            Some((backend_id, info)) => {
+                                let serving = info.flags & BACKEND_F_SERVES_FLOWS != 0;
+                                let health = match initial_health(vip_config) {
+                                    Health::Down if serving => Health::Up,
+                                    other => other,
+                                };
+                                (
+                                    backend_id,
+                                    Some(backend_config.mac.unwrap_or(MacAddr(info.mac))),
+                                    health,
+                                )
+                            }
+                            None => (
+                                self.backend_ids
+                                    .take(now)
+                                    .ok_or(ModelError::Exhausted("backend"))?,
+                                backend_config.mac,
+                                initial_health(vip_config),
+                            ),
+                        };
+                        BackendState {
+                            id: backend_id,
+                            config: backend_config.clone(),
+                            mac,
+                            health,
+                            streak: 0,
+                            last_check: None,
+                            drain_started: (backend_config.state == AdminState::Drain)
+                                .then_some(now),
+                            drained: false,
+                        }
+                    }
                 };
                 backends.push(state);
             }
@@ -248,6 +312,13 @@ impl Model {
             for b in gone.backends {
                 self.backend_ids.give_back(b.id, now);
             }
+        }
+        // Adopted ids the configuration no longer names: free, after the quarantine.
+        for (_, id) in self.reserved_vips.drain() {
+            self.vip_ids.give_back(id, now);
+        }
+        for (_, (id, _)) in self.reserved_backends.drain() {
+            self.backend_ids.give_back(id, now);
         }
         Ok(())
     }
@@ -273,9 +344,11 @@ impl Model {
                     } else {
                         0
                     };
+                    let info = BackendInfo { mac: mac.0, flags };
+                    let identity = identity(b.config.address, vip.id);
                     desired
                         .backends
-                        .insert(b.id, BackendInfo { mac: mac.0, flags });
+                        .insert(b.id, DesiredBackend { info, identity });
                 }
             }
             desired.vips.push(DesiredVip {
@@ -305,6 +378,18 @@ impl Model {
             }
         }
         counts
+    }
+}
+
+/// What `LB_BACKEND_IDS` records for a backend id.
+pub fn identity(address: IpAddr, vip_id: u32) -> BackendIdentity {
+    let key = vip_key(address, 0, 0);
+    BackendIdentity {
+        addr: key.addr,
+        vip_id,
+        family: key.family,
+        in_use: 1,
+        _pad: [0; 2],
     }
 }
 
@@ -454,7 +539,7 @@ mod tests {
         let flags: Vec<u16> = model.vips[0]
             .backends
             .iter()
-            .map(|b| desired.backends[&b.id].flags)
+            .map(|b| desired.backends[&b.id].info.flags)
             .collect();
         assert_eq!(flags, [BACKEND_F_SERVES_FLOWS, 0, 0]);
     }

@@ -7,9 +7,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use lb_common::{BackendInfo, TABLE_GENERATIONS, VipInfo, VipKey};
+use lb_common::{BackendIdentity, BackendInfo, TABLE_GENERATIONS, VipInfo, VipKey};
 
-use crate::dataplane::{Dataplane, DataplaneError};
+use crate::dataplane::{Adopted, Dataplane, DataplaneError};
 
 /// One VIP as the data path should have it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -21,11 +21,18 @@ pub struct DesiredVip {
     pub table: Vec<u32>,
 }
 
+/// One backend as the data path should have it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DesiredBackend {
+    pub info: BackendInfo,
+    pub identity: BackendIdentity,
+}
+
 /// The whole data path as it should be.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Desired {
     pub vips: Vec<DesiredVip>,
-    pub backends: BTreeMap<u32, BackendInfo>,
+    pub backends: BTreeMap<u32, DesiredBackend>,
 }
 
 /// What one `apply` wrote.
@@ -52,7 +59,7 @@ pub struct TableWriter {
     /// By vip id: kept after a VIP is removed, so a reused id knows its slots' contents.
     tables: HashMap<u32, VipTables>,
     vips: HashMap<VipKey, VipInfo>,
-    backends: HashMap<u32, BackendInfo>,
+    backends: HashMap<u32, DesiredBackend>,
 }
 
 impl TableWriter {
@@ -65,6 +72,29 @@ impl TableWriter {
         }
     }
 
+    /// Starts from what a previous agent left in adopted maps, so the first `apply`
+    /// writes only differences.
+    pub fn adopt(&mut self, adopted: &Adopted) {
+        for (key, info) in &adopted.vips {
+            let generation = (info.table_base / self.table_size) % TABLE_GENERATIONS;
+            let tables = self.tables.entry(info.vip_id).or_default();
+            tables.active = Some(generation);
+            if let Some((_, table)) = adopted.tables.iter().find(|(id, _)| *id == info.vip_id) {
+                tables.contents[generation as usize] = Some(table.clone());
+            }
+            self.vips.insert(*key, *info);
+        }
+        for (id, info, identity) in &adopted.backends {
+            self.backends.insert(
+                *id,
+                DesiredBackend {
+                    info: *info,
+                    identity: *identity,
+                },
+            );
+        }
+    }
+
     pub fn apply<D: Dataplane + ?Sized>(
         &mut self,
         dataplane: &mut D,
@@ -73,10 +103,10 @@ impl TableWriter {
         let mut report = ApplyReport::default();
 
         // Backends before the tables that name them.
-        for (&id, info) in &desired.backends {
-            if self.backends.get(&id) != Some(info) {
-                dataplane.set_backend(id, info)?;
-                self.backends.insert(id, *info);
+        for (&id, backend) in &desired.backends {
+            if self.backends.get(&id) != Some(backend) {
+                dataplane.set_backend(id, &backend.info, &backend.identity)?;
+                self.backends.insert(id, *backend);
                 report.backends_written += 1;
             }
         }
@@ -89,9 +119,10 @@ impl TableWriter {
             .copied()
             .collect();
         for id in gone {
-            let mut info = self.backends.remove(&id).expect("listed above");
-            info.flags = 0;
-            dataplane.set_backend(id, &info)?;
+            let mut gone = self.backends.remove(&id).expect("listed above");
+            gone.info.flags = 0;
+            gone.identity.in_use = 0;
+            dataplane.set_backend(id, &gone.info, &gone.identity)?;
             report.backends_written += 1;
         }
 
@@ -178,13 +209,18 @@ mod tests {
     fn desired(table: [u32; 7]) -> Desired {
         let mut backends = BTreeMap::new();
         for id in table.iter().filter(|&&id| id != BACKEND_NONE) {
-            backends.insert(
-                *id,
-                BackendInfo {
-                    mac: [2, 0, 0, 0, 0, *id as u8],
-                    flags: lb_common::BACKEND_F_SERVES_FLOWS,
-                },
-            );
+            let info = BackendInfo {
+                mac: [2, 0, 0, 0, 0, *id as u8],
+                flags: lb_common::BACKEND_F_SERVES_FLOWS,
+            };
+            let identity = BackendIdentity {
+                addr: [10, 0, 0, *id as u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                vip_id: 3,
+                family: 4,
+                in_use: 1,
+                _pad: [0; 2],
+            };
+            backends.insert(*id, DesiredBackend { info, identity });
         }
         Desired {
             vips: vec![DesiredVip {
