@@ -1,0 +1,315 @@
+//! End to end: the agent is killed with SIGKILL and started again while a client keeps
+//! sending; the pinned program keeps forwarding with the last tables, and the new agent
+//! adopts the pinned program and maps (connection table included).
+//!
+//! The pins live on a bpffs mounted at `PIN_FS` (outside /sys): the agent runs under
+//! `ip netns exec`, which gives it a fresh /sys, so a bpffs it mounted there would vanish
+//! with it. `cargo test -p lb-tests --test restart`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use lb_tests::{Agent, Conn, Health, Lab, LabOptions, Protocol, XdpMode, require_e2e, tcp_request};
+
+const PIN_FS: &str = "/run/lb-tests/bpf";
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A bpffs at `PIN_FS` (mounted once, kept: later runs reuse it) and a pin directory on
+/// it that is removed, detaching whatever is pinned there, when the guard drops.
+struct PinDir(PathBuf);
+
+impl PinDir {
+    fn new(name: &str) -> PinDir {
+        static MOUNT: Mutex<()> = Mutex::new(());
+        let _guard = MOUNT.lock().unwrap_or_else(|e| e.into_inner());
+        std::fs::create_dir_all(PIN_FS).expect("create the bpffs mount point");
+        let is_bpffs = |p: &str| {
+            nix::sys::statfs::statfs(p).is_ok_and(|s| s.filesystem_type().0 as u64 == 0xcafe_4a11)
+        };
+        if !is_bpffs(PIN_FS) {
+            let status = std::process::Command::new("mount")
+                .args(["-t", "bpf", "bpf", PIN_FS])
+                .status()
+                .expect("run mount");
+            assert!(
+                status.success() && is_bpffs(PIN_FS),
+                "mounting a bpffs at {PIN_FS}"
+            );
+        }
+        PinDir(Path::new(PIN_FS).join(name))
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        if let Err(error) = lb_userspace::dataplane::remove_pins(&self.0) {
+            eprintln!("removing {}: {error}", self.0.display());
+        }
+    }
+}
+
+/// The lab's agent config with checked backends and the pins in `pins`.
+fn write_config(lab: &Lab, pins: &Path, weights: &[u32]) -> PathBuf {
+    let mut vip = lab.vip("web", false, 80, Protocol::Tcp, Health::fast_tcp());
+    for (backend, weight) in vip.backends.iter_mut().zip(weights) {
+        backend.weight = *weight;
+    }
+    let text = lab
+        .agent_config(XdpMode::Native, vec![vip])
+        .to_toml()
+        .replacen(
+            "[dataplane]\n",
+            &format!("[dataplane]\npin_path = \"{}\"\n", pins.display()),
+            1,
+        );
+    let path = lab.dir().join("lb.toml");
+    std::fs::write(&path, text).expect("write the config");
+    path
+}
+
+fn start(lab: &Lab, bin: &Path, config: &Path, run: u32) -> Agent {
+    let log = lab.dir().join(format!("lb-{run}.log"));
+    Agent::start(bin, lab.lb(), config, &lab.socket_path(), &log).expect("start the agent")
+}
+
+fn sigkill(agent: &Agent) {
+    let pid = agent.pid().expect("the agent runs");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::SIGKILL,
+    )
+    .expect("SIGKILL the agent");
+}
+
+fn status_field(agent: &Agent, field: &str) -> String {
+    let status = agent.status_json().expect("lb status --json");
+    status["dataplane"][field]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Waits until every backend is up (checked backends start down).
+fn wait_all_up(agent: &Agent, backends: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = agent.status_json().expect("lb status --json");
+        let up = status["vips"][0]["backends"]
+            .as_array()
+            .map_or(0, |b| b.iter().filter(|b| b["health"] == "up").count());
+        if up == backends {
+            return;
+        }
+        assert!(Instant::now() < deadline, "backends not up: {status}");
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Sends `n` requests, one new connection each, `gap` apart; returns the failures
+/// (with when they happened).
+fn request_loop(lab: &Lab, n: usize, gap: Duration) -> Vec<String> {
+    let vip = SocketAddr::new(lab.vip4(), 80);
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    for i in 0..n {
+        if let Err(error) = tcp_request(lab.client(), vip, TIMEOUT) {
+            failures.push(format!("request {i} at {:?}: {error}", started.elapsed()));
+        }
+        thread::sleep(gap);
+    }
+    failures
+}
+
+#[test]
+fn sigkill_and_restart_lose_no_request_and_no_connection() {
+    let Some(bin) = require_e2e("sigkill_and_restart_lose_no_request_and_no_connection") else {
+        return;
+    };
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(80, false).expect("backend servers");
+    let pins = PinDir::new(&format!("restart-{}", lab.lb().name()));
+    let config = write_config(&lab, &pins.0, &[1, 1, 1]);
+    let first = start(&lab, &bin, &config, 1);
+    wait_all_up(&first, 3);
+    assert_eq!(status_field(&first, "start"), "fresh");
+
+    let vip = SocketAddr::new(lab.vip4(), 80);
+    let mut long_lived = Conn::open(lab.client(), vip, TIMEOUT).expect("long-lived connection");
+    long_lived.echo(b"before").expect("echo before the restart");
+
+    // 200 requests at 20 ms (about 5 s with the requests themselves), across the kill
+    // and the restart.
+    let (failures, second) = thread::scope(|scope| {
+        let requests = scope.spawn(|| request_loop(&lab, 200, Duration::from_millis(20)));
+        thread::sleep(Duration::from_millis(800));
+        sigkill(&first);
+        long_lived
+            .echo(b"while no agent runs")
+            .expect("echo with the agent dead");
+        thread::sleep(Duration::from_millis(500));
+        let second = start(&lab, &bin, &config, 2);
+        (requests.join().expect("request thread"), second)
+    });
+    assert_eq!(
+        status_field(&second, "start"),
+        "adopted",
+        "log:\n{}",
+        second.log()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} requests failed: {failures:#?}",
+        failures.len()
+    );
+    long_lived
+        .echo(b"after the restart")
+        .expect("echo after the restart");
+
+    // The new agent runs health checks again and keeps every backend in the table.
+    wait_all_up(&second, 3);
+    let status = second.status_json().unwrap();
+    assert_eq!(
+        status["counters"]["ct_miss_non_syn"], 0,
+        "flows were broken: {status}"
+    );
+    long_lived.close().expect("orderly close");
+    drop(second);
+    drop(first);
+}
+
+#[test]
+fn restart_with_a_changed_config_keeps_flows_of_unchanged_backends() {
+    let Some(bin) = require_e2e("restart_with_a_changed_config_keeps_flows_of_unchanged_backends")
+    else {
+        return;
+    };
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(80, false).expect("backend servers");
+    let pins = PinDir::new(&format!("change-{}", lab.lb().name()));
+    let config = write_config(&lab, &pins.0, &[1, 1, 1]);
+    let first = start(&lab, &bin, &config, 1);
+    wait_all_up(&first, 3);
+
+    // Connections to every backend; the new config changes backend-3's weight only.
+    let vip = SocketAddr::new(lab.vip4(), 80);
+    let mut conns = Vec::new();
+    for _ in 0..30 {
+        conns.push(Conn::open(lab.client(), vip, TIMEOUT).expect("connection"));
+    }
+    let backends: Vec<String> = conns.iter().map(|c| c.backend().to_string()).collect();
+    sigkill(&first);
+    let config = write_config(&lab, &pins.0, &[1, 1, 5]);
+    let second = start(&lab, &bin, &config, 2);
+    assert_eq!(
+        status_field(&second, "start"),
+        "adopted",
+        "log:\n{}",
+        second.log()
+    );
+    let status = second.status_json().unwrap();
+    assert_eq!(
+        status["vips"][0]["backends"][2]["weight"], 5,
+        "the change applied: {status}"
+    );
+    for (i, conn) in conns.iter_mut().enumerate() {
+        conn.echo(format!("data {i}").as_bytes())
+            .unwrap_or_else(|e| panic!("connection {i} to {} broke: {e}", backends[i]));
+    }
+    for conn in conns {
+        conn.close().expect("orderly close");
+    }
+    let status = second.status_json().unwrap();
+    assert_eq!(
+        status["counters"]["ct_miss_non_syn"], 0,
+        "flows were broken: {status}"
+    );
+}
+
+#[test]
+fn detach_on_exit_removes_the_program_and_its_pins() {
+    let Some(bin) = require_e2e("detach_on_exit_removes_the_program_and_its_pins") else {
+        return;
+    };
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(80, false).expect("backend servers");
+    let pins = PinDir::new(&format!("detach-{}", lab.lb().name()));
+    let config = write_config(&lab, &pins.0, &[1, 1, 1]);
+    let agent = start(&lab, &bin, &config, 1);
+    wait_all_up(&agent, 3);
+    assert!(pins.0.join("link").exists(), "the link is pinned");
+    drop(agent); // SIGTERM: the default keeps the program attached.
+    assert!(
+        pins.0.join("link").exists(),
+        "a plain stop leaves the program attached"
+    );
+    let vip = SocketAddr::new(lab.vip4(), 80);
+    tcp_request(lab.client(), vip, TIMEOUT).expect("still balanced with no agent");
+
+    // `lb detach` removes it; the VIP is then no longer balanced.
+    let out =
+        lb_tests::agent::run_lb(&bin, &["detach", "--config", config.to_str().unwrap()]).unwrap();
+    assert!(out.success(), "lb detach: {}", out.stderr);
+    assert!(!pins.0.exists(), "pins removed");
+    let unbalanced = tcp_request(lab.client(), vip, Duration::from_millis(500));
+    assert!(unbalanced.is_err(), "the VIP still answers after detach");
+}
+
+#[test]
+fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
+    use lb_userspace::dataplane::{AyaDataplane, Dataplane, Found, LoadOptions};
+    if require_e2e("pinned_maps_are_adopted_when_compatible_and_replaced_otherwise").is_none() {
+        return;
+    }
+    let pins = PinDir::new(&format!("layout-{}", std::process::id()));
+    let options = |table_size| LoadOptions {
+        maglev_table_size: table_size,
+        vip_capacity: 16,
+        iface_mac: [2, 0, 0, 0, 0, 1],
+        conntrack_entries: 1024,
+        flow_idle: Duration::from_secs(30),
+        conntrack_insert_limit: 0,
+    };
+    let key = lb_common::FlowKey {
+        src: [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        dst: [10, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        src_port: 40000u16.to_be(),
+        dst_port: 80u16.to_be(),
+        proto: 6,
+        family: 4,
+        _pad: [0; 2],
+    };
+    let entry = lb_common::FlowEntry {
+        backend_id: 7,
+        flags: 0,
+        last_seen_ns: 1,
+    };
+    let object = lb_userspace::EBPF_OBJECT;
+
+    let (mut first, found) = AyaDataplane::load_pinned(object, options(251), &pins.0).unwrap();
+    assert_eq!(found, Found::Nothing);
+    first.insert_flow(&key, &entry).unwrap();
+    drop(first);
+
+    let (second, found) = AyaDataplane::load_pinned(object, options(251), &pins.0).unwrap();
+    assert!(matches!(found, Found::Compatible(_)), "{found:?}");
+    assert_eq!(
+        second.flow(&key).unwrap(),
+        Some(entry),
+        "the connection table was adopted"
+    );
+    drop(second);
+
+    let (third, found) = AyaDataplane::load_pinned(object, options(257), &pins.0).unwrap();
+    assert_eq!(
+        found,
+        Found::Incompatible("pinned maglev_table_size is 251, this agent needs 257".into())
+    );
+    assert_eq!(
+        third.flow(&key).unwrap(),
+        None,
+        "replaced: the old table is gone"
+    );
+}
