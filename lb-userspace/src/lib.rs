@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod model;
 pub mod neighbor;
 pub mod tables;
+pub mod top;
 
 /// The compiled XDP object (`lb-ebpf`), embedded at build time. Empty when built with
 /// `AYA_BUILD_SKIP=1`.

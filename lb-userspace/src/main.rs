@@ -71,6 +71,21 @@ enum Command {
     /// Add or remove backends at runtime (a reload of the file undoes it).
     #[command(subcommand)]
     Backend(BackendCommand),
+    /// A live view: packets and new flows per second per backend, shares, health, hot
+    /// spots. Refreshes every second until Ctrl-C.
+    Top {
+        /// Seconds between refreshes.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Stop after this many refreshes.
+        #[arg(long)]
+        count: Option<u64>,
+        /// Highlight a VIP whose busiest backend gets more than this times the average.
+        #[arg(long, default_value_t = 1.5)]
+        hot: f64,
+        #[command(flatten)]
+        target: Target,
+    },
     /// Show VIPs, backends, health and counters of the running agent.
     Status {
         #[arg(long)]
@@ -269,6 +284,20 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
                 weight: None,
             };
             send_change(&args.target, "/backend/remove", &body).await?
+        }
+        Command::Top {
+            interval,
+            count,
+            hot,
+            target,
+        } => {
+            anyhow::ensure!(interval > 0.0, "--interval must be positive");
+            let options = lb_userspace::top::TopOptions {
+                interval: std::time::Duration::from_secs_f64(interval),
+                count,
+                hot,
+            };
+            lb_userspace::top::run(&target.socket()?, options).await?
         }
         Command::Status { json, target } => {
             let body =
