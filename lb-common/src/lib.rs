@@ -36,6 +36,9 @@ pub const MAP_VIP_STATS: &str = "LB_VIP_STATS";
 pub const MAP_BACKEND_STATS: &str = "LB_BE_STATS";
 pub const MAP_CONNTRACK: &str = "LB_CONNTRACK";
 pub const MAP_FLOOD: &str = "LB_FLOOD";
+pub const MAP_SOURCES: &str = "LB_SOURCES";
+/// Client sources tracked for heavy-hitter reports (LRU: the busiest stay).
+pub const SOURCE_ENTRIES: u32 = 16384;
 /// Written by the agent only, read back by a restarted agent: what the pinned maps hold.
 pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
@@ -121,6 +124,19 @@ pub struct BackendInfo {
 }
 const _: () = assert!(size_of::<BackendInfo>() == 8);
 
+/// Key of `LB_SOURCES`: a client address of a VIP; its value counts the new flows it
+/// opened (per CPU), so the agent can name the heavy hitters.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct SourceKey {
+    /// IPv4: the first 4 bytes. Network order.
+    pub addr: [u8; 16],
+    pub vip_id: u32,
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(size_of::<SourceKey>() == 24);
+
 /// Indices of `LB_META` (u64 values).
 pub mod meta {
     pub const LAYOUT: u32 = 0;
@@ -198,7 +214,8 @@ const _: () = assert!(size_of::<InsertWindow>() == 16);
 pub struct TrafficCounters {
     pub packets: u64,
     pub bytes: u64,
-    /// TCP SYNs (without ACK) forwarded: connection attempts.
+    /// New flows forwarded: TCP SYNs (without ACK), and UDP packets without a live
+    /// connection-table entry.
     pub new_flows: u64,
     pub _reserved: u64,
 }
@@ -286,6 +303,7 @@ mod aya_pod {
     unsafe impl aya::Pod for super::VipInfo {}
     unsafe impl aya::Pod for super::BackendInfo {}
     unsafe impl aya::Pod for super::BackendIdentity {}
+    unsafe impl aya::Pod for super::SourceKey {}
     unsafe impl aya::Pod for super::TrafficCounters {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}

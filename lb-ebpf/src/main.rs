@@ -20,7 +20,7 @@ mod program {
 
     use crate::maps::{
         LB_BACKEND_STATS, LB_BACKENDS, LB_CONNTRACK, LB_FLOOD, LB_MAGLEV, LB_VIP_STATS, LB_VIPS,
-        count, count_sink, count_traffic, next_sink_sequence,
+        count, count_sink, count_source, count_traffic, next_sink_sequence,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -64,7 +64,7 @@ mod program {
         let Some(vip) = (unsafe { LB_VIPS.get(vip_key) }) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
-        let (backend_id, backend) = choose_backend(&packet, vip)?;
+        let (backend_id, backend, new_flow) = choose_backend(&packet, vip)?;
 
         let eth = ethernet(ctx)?;
         unsafe {
@@ -73,8 +73,11 @@ mod program {
         }
 
         let bytes = (ctx.data_end() - ctx.data()) as u64;
-        count_traffic(&LB_VIP_STATS, vip.vip_id, bytes, packet.syn);
-        count_traffic(&LB_BACKEND_STATS, backend_id, bytes, packet.syn);
+        count_traffic(&LB_VIP_STATS, vip.vip_id, bytes, new_flow);
+        count_traffic(&LB_BACKEND_STATS, backend_id, bytes, new_flow);
+        if new_flow {
+            count_source(vip.vip_id, packet.src_addr, packet.flow.family);
+        }
         if packet.vlan {
             count(stat::SEEN_VLAN);
         }
@@ -91,7 +94,9 @@ mod program {
     /// entry); other packets follow their connection-table entry while its backend still
     /// serves flows (and, for UDP, while it is not idle-expired), else take the table.
     #[inline(always)]
-    fn choose_backend(packet: &Packet, vip: &VipInfo) -> Result<(u32, BackendInfo), Verdict> {
+    /// Returns the backend's id and entry, and whether this packet starts a new flow (a
+    /// SYN, or a UDP packet without a live entry).
+    fn choose_backend(packet: &Packet, vip: &VipInfo) -> Result<(u32, BackendInfo, bool), Verdict> {
         let now = unsafe { bpf_ktime_get_ns() };
         let key = FlowKey {
             src: packet.src_addr,
@@ -104,6 +109,7 @@ mod program {
         };
         let udp = packet.flow.proto == PROTO_UDP;
         let closing = packet.fin || packet.rst;
+        let new_flow;
         if !packet.syn
             && let Some(entry) = LB_CONNTRACK.get_ptr_mut(key)
         {
@@ -120,14 +126,16 @@ mod program {
                     entry.flags |= FLOW_F_CLOSING;
                 }
                 count(stat::CT_HIT);
-                return Ok((entry.backend_id, *backend));
+                return Ok((entry.backend_id, *backend, false));
             }
             count(if idle_expired {
                 stat::CT_MISS_UDP
             } else {
                 stat::CT_REHASH
             });
+            new_flow = idle_expired;
         } else {
+            new_flow = packet.syn || udp;
             count(if packet.syn {
                 stat::CT_MISS_SYN
             } else if udp {
@@ -157,7 +165,7 @@ mod program {
                 count(stat::CT_CREATED);
             }
         }
-        Ok((backend_id, *backend))
+        Ok((backend_id, *backend, new_flow))
     }
 
     /// The flood guard: at most `CT_INSERT_LIMIT` inserts per second on this CPU, so a

@@ -3,11 +3,11 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS, TrafficCounters,
-    VipInfo, VipKey, stat,
+    BackendIdentity, BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS,
+    SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -47,6 +47,30 @@ pub static LB_BACKEND_STATS: PerCpuArray<TrafficCounters> =
 #[map(name = "LB_CONNTRACK")]
 pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
     LruHashMap::with_max_entries(1 << 20, BPF_F_NO_COMMON_LRU);
+
+/// SourceKey (VIP, client address) -> new flows it opened, per CPU: the heavy hitters.
+/// Written by the program on each new flow; read (and diffed) by the agent. LRU, so
+/// memory stays bounded and the active sources stay.
+#[map(name = "LB_SOURCES")]
+pub static LB_SOURCES: LruPerCpuHashMap<SourceKey, u64> =
+    LruPerCpuHashMap::with_max_entries(SOURCE_ENTRIES, 0);
+
+/// Counts a new flow from `addr` to VIP `vip_id`.
+#[inline(always)]
+pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8) {
+    let key = SourceKey {
+        addr,
+        vip_id,
+        family,
+        _pad: [0; 3],
+    };
+    match LB_SOURCES.get_ptr_mut(key) {
+        Some(count) => unsafe { *count += 1 },
+        None => {
+            let _ = LB_SOURCES.insert(key, 1u64, 0);
+        }
+    }
+}
 
 /// 0 -> this CPU's inserts in the current second (flood guard). Program only.
 #[map(name = "LB_FLOOD")]

@@ -10,14 +10,14 @@ use std::{
 };
 
 use anyhow::Context;
-use lb_common::stat;
+use lb_common::{SourceKey, stat};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     EBPF_OBJECT,
     config::{AdminState, BackendConfig, Config, HashMode, VipConfig},
-    control::{self, BackendStatus, DataplaneStatus, Status, VipStatus},
+    control::{self, BackendStatus, DataplaneStatus, SourceRate, Status, TOP_SOURCES, VipStatus},
     dataplane::{
         AttachedMode, AyaDataplane, Dataplane, Found, LoadOptions, remove_pins, vip_capacity,
     },
@@ -69,6 +69,10 @@ pub struct Shared {
     pub busiest_over_average: HashMap<u32, f64>,
     /// The previous sample: when, and each backend's new-flow counter then.
     pub last_sample: Option<(Instant, HashMap<u32, u64>)>,
+    /// Per VIP id: the heavy hitters of the last interval.
+    pub top_sources: HashMap<u32, Vec<SourceRate>>,
+    /// Each source's new-flow count at the previous sample.
+    last_sources: HashMap<SourceKey, u64>,
     /// How this agent found the data path: "fresh", "adopted", or "replaced (why)".
     pub start: String,
 }
@@ -101,6 +105,8 @@ impl Shared {
             new_flow_rates: HashMap::new(),
             busiest_over_average: HashMap::new(),
             last_sample: None,
+            top_sources: HashMap::new(),
+            last_sources: HashMap::new(),
             start: "fresh".to_string(),
         }
     }
@@ -385,6 +391,12 @@ impl Shared {
                 })
                 .collect();
         }
+        let sources = self.dataplane.sources()?;
+        if let Some((then, _)) = &self.last_sample {
+            let seconds = now.duration_since(*then).as_secs_f64().max(1e-3);
+            self.top_sources = heavy_hitters(&sources, &self.last_sources, seconds);
+        }
+        self.last_sources = sources.into_iter().collect();
         self.last_sample = Some((now, current));
         Ok(())
     }
@@ -458,6 +470,7 @@ impl Shared {
                     new_flows: traffic.new_flows,
                     healthy_backends: healthy,
                     unhealthy_backends: vip.backends.len() - healthy,
+                    top_sources: self.top_sources.get(&vip.id).cloned().unwrap_or_default(),
                     busiest_over_average: self
                         .busiest_over_average
                         .get(&vip.id)
@@ -837,6 +850,52 @@ pub struct HealthTasks {
     pub shutdown: CancellationToken,
 }
 
+/// Per VIP id, the sources with the most new flows since `previous`, busiest first.
+pub fn heavy_hitters(
+    sources: &[(SourceKey, u64)],
+    previous: &HashMap<SourceKey, u64>,
+    seconds: f64,
+) -> HashMap<u32, Vec<SourceRate>> {
+    let mut by_vip: HashMap<u32, Vec<(u64, &SourceKey)>> = HashMap::new();
+    for (key, count) in sources {
+        // A source the LRU evicted and re-inserted restarts from 0: count what it has.
+        let before = previous
+            .get(key)
+            .copied()
+            .filter(|b| b <= count)
+            .unwrap_or(0);
+        if *count > before {
+            by_vip
+                .entry(key.vip_id)
+                .or_default()
+                .push((count - before, key));
+        }
+    }
+    by_vip
+        .into_iter()
+        .map(|(vip, mut counts)| {
+            counts.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.addr.cmp(&b.1.addr)));
+            let top = counts
+                .into_iter()
+                .take(TOP_SOURCES)
+                .map(|(delta, key)| SourceRate {
+                    address: source_address(key).to_string(),
+                    new_flows_per_second: delta as f64 / seconds,
+                })
+                .collect();
+            (vip, top)
+        })
+        .collect()
+}
+
+fn source_address(key: &SourceKey) -> IpAddr {
+    if key.family == lb_common::ADDR_FAMILY_V4 {
+        IpAddr::from([key.addr[0], key.addr[1], key.addr[2], key.addr[3]])
+    } else {
+        IpAddr::from(key.addr)
+    }
+}
+
 /// Max over mean of per-backend counts; 0 when all are 0 (nothing to compare).
 pub fn busiest_over_average(counts: &[u64]) -> f64 {
     let total: u64 = counts.iter().sum();
@@ -1023,6 +1082,33 @@ mod tests {
             ]
         );
         assert_eq!(shared.model.vips[0].backends[0].admin_word(), "ready");
+    }
+
+    #[test]
+    fn heavy_hitters_are_the_busiest_sources_of_the_interval_per_vip() {
+        let key = |last: u8, vip_id: u32| SourceKey {
+            addr: [10, 0, 0, last, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            vip_id,
+            family: lb_common::ADDR_FAMILY_V4,
+            _pad: [0; 3],
+        };
+        let previous: HashMap<SourceKey, u64> = [(key(1, 0), 100), (key(2, 0), 5)].into();
+        let now = [
+            (key(1, 0), 110),
+            (key(2, 0), 45),
+            (key(3, 0), 2),
+            (key(9, 1), 7),
+        ];
+        let top = heavy_hitters(&now, &previous, 2.0);
+        let vip0: Vec<(&str, f64)> = top[&0]
+            .iter()
+            .map(|s| (s.address.as_str(), s.new_flows_per_second))
+            .collect();
+        assert_eq!(
+            vip0,
+            [("10.0.0.2", 20.0), ("10.0.0.1", 5.0), ("10.0.0.3", 1.0)]
+        );
+        assert_eq!(top[&1][0].address, "10.0.0.9");
     }
 }
 

@@ -64,7 +64,19 @@ pub struct VipStatus {
     /// New flows of the busiest in-table backend over the average, over the last sample
     /// interval (2 s); 0 when there were none. 1.0 is perfectly even.
     pub busiest_over_average: f64,
+    /// The client sources that opened the most new flows over the last sample interval
+    /// (heavy hitters), busiest first, at most `TOP_SOURCES`.
+    pub top_sources: Vec<SourceRate>,
     pub backends: Vec<BackendStatus>,
+}
+
+/// How many heavy hitters status reports per VIP.
+pub const TOP_SOURCES: usize = 10;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SourceRate {
+    pub address: String,
+    pub new_flows_per_second: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -10,7 +10,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray},
+    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap},
     programs::{
         Xdp, XdpMode,
         links::{FdLink, PinnedLink},
@@ -20,9 +20,9 @@ use aya::{
 use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC,
     GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, LAYOUT_VERSION, MAP_BACKEND_IDS, MAP_BACKEND_STATS,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_FLOOD, MAP_MAGLEV, MAP_META, MAP_STATS, MAP_VIP_STATS,
-    MAP_VIPS, MAX_BACKENDS, MAX_VIPS, TABLE_GENERATIONS, TrafficCounters, VipInfo, VipKey, meta,
-    stat,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_FLOOD, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS,
+    MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS, SourceKey, TABLE_GENERATIONS, TrafficCounters,
+    VipInfo, VipKey, meta, stat,
 };
 
 use crate::config::{Config, XdpModeSetting};
@@ -96,6 +96,8 @@ pub trait Dataplane {
     fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError>;
     /// Every connection-table entry (a syscall or two per entry: call it off the hot path).
     fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError>;
+    /// New flows per client source and VIP (summed over CPUs) since the program loaded.
+    fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError>;
 }
 
 /// The XDP mode that was actually attached.
@@ -160,6 +162,7 @@ pub struct AyaDataplane {
     vip_stats: PerCpuArray<MapData, TrafficCounters>,
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
     conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    sources: PerCpuHashMap<MapData, SourceKey, u64>,
     identities: Array<MapData, BackendIdentity>,
     meta: Array<MapData, u64>,
     /// Where the maps and the link are pinned, if they are.
@@ -273,6 +276,7 @@ impl AyaDataplane {
             vip_stats: take_map(&mut ebpf, MAP_VIP_STATS)?,
             backend_stats: take_map(&mut ebpf, MAP_BACKEND_STATS)?,
             conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
+            sources: take_map(&mut ebpf, MAP_SOURCES)?,
             identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
             meta: take_map(&mut ebpf, MAP_META)?,
             pin_dir: pins.map(Path::to_path_buf),
@@ -608,6 +612,23 @@ impl Dataplane for AyaDataplane {
         }
     }
 
+    fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
+        let mut sources = Vec::new();
+        for item in self.sources.iter() {
+            match item {
+                Ok((key, per_cpu)) => sources.push((key, per_cpu.iter().sum())),
+                Err(aya::maps::MapError::KeyNotFound) => continue,
+                Err(source) => {
+                    return Err(DataplaneError::Map {
+                        map: MAP_SOURCES,
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(sources)
+    }
+
     fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
         let mut flows = Vec::new();
         for item in self.conntrack.iter() {
@@ -643,6 +664,7 @@ pub struct MemoryDataplane {
     pub maglev: HashMap<u32, u32>,
     pub backends: HashMap<u32, BackendInfo>,
     pub flows: HashMap<FlowKey, FlowEntry>,
+    pub sources: HashMap<SourceKey, u64>,
     pub log: Vec<Write>,
 }
 
@@ -689,6 +711,10 @@ impl Dataplane for MemoryDataplane {
 
     fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
         Ok(self.flows.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
+        Ok(self.sources.iter().map(|(k, v)| (*k, *v)).collect())
     }
 }
 

@@ -115,6 +115,15 @@ pub fn render(status: &Status, rates: Option<(f64, &Previous)>, hot: f64, color:
             "\n{} {}:{}/{}  {:.0} pkt/s  {:.1} new flows/s  {}",
             vip.name, vip.address, vip.port, vip.protocol, vip_pps, vip_nfs, ratio
         );
+        if !vip.top_sources.is_empty() {
+            let top: Vec<String> = vip
+                .top_sources
+                .iter()
+                .take(3)
+                .map(|s| format!("{} {:.1}/s", s.address, s.new_flows_per_second))
+                .collect();
+            let _ = writeln!(out, "  top sources by new flows: {}", top.join(", "));
+        }
         let _ = writeln!(
             out,
             "  {:<39} {:<9} {:<7} {:>9} {:>10} {:>7}  share",
@@ -155,6 +164,10 @@ mod tests {
         status.vips[0].backends[1].packets += 100;
         status.vips[0].backends[0].new_flows += 20;
         status.vips[0].busiest_over_average = 1.5;
+        status.vips[0].top_sources = vec![crate::control::SourceRate {
+            address: "10.0.0.1".into(),
+            new_flows_per_second: 9.5,
+        }];
         let screen = render(&status, Some((2.0, &before)), 1.3, false);
         assert!(screen.contains("200 pkt/s"), "{screen}");
         assert!(screen.contains("10.0 new flows/s"), "{screen}");
@@ -163,5 +176,9 @@ mod tests {
             "{screen}"
         );
         assert!(screen.contains("busiest/average 1.50 HOT"), "{screen}");
+        assert!(
+            screen.contains("top sources by new flows: 10.0.0.1 9.5/s"),
+            "{screen}"
+        );
     }
 }

@@ -1037,3 +1037,50 @@ fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
     // Five SYNs well within one second: three entries, two balanced without one.
     assert_eq!((created, skipped), (3, 2));
 }
+
+#[test]
+fn new_flows_are_counted_per_client_source() {
+    if !can_run("new_flows_are_counted_per_client_source") {
+        return;
+    }
+    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    // Three TCP connections and an established packet from 10.0.0.1; two UDP flows from
+    // 10.0.0.7 (a UDP packet without an entry is a new flow).
+    for port in [46000, 46001, 46002] {
+        run(&mut fixture, &tcp(port, TCP_SYN));
+    }
+    run(&mut fixture, &tcp(46000, TCP_ACK));
+    for port in [5000, 5001] {
+        let mut frame = ipv4(VIP, L4::Udp { src: port, dst: 53 });
+        frame[14 + 12..14 + 16].copy_from_slice(&[10, 0, 0, 7]);
+        let result = run(&mut fixture, &frame);
+        assert_eq!(counted(&result, "ct_miss_udp"), 1);
+    }
+    let mut sources: Vec<([u8; 4], String, u64)> = fixture
+        .dataplane
+        .sources()
+        .unwrap()
+        .into_iter()
+        .map(|(key, count)| {
+            let vip = fixture
+                .model
+                .vips
+                .iter()
+                .find(|v| v.id == key.vip_id)
+                .unwrap();
+            (
+                [key.addr[0], key.addr[1], key.addr[2], key.addr[3]],
+                vip.config.name.clone(),
+                count,
+            )
+        })
+        .collect();
+    sources.sort();
+    assert_eq!(
+        sources,
+        [
+            ([10, 0, 0, 1], "tcp".to_string(), 3),
+            ([10, 0, 0, 7], "udp".to_string(), 2)
+        ]
+    );
+}
