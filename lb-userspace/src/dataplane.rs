@@ -299,36 +299,30 @@ impl AyaDataplane {
             values.push((meta::XDP_MODE, mode_code(mode)));
         }
         for (index, value) in values {
-            self.meta
-                .set(index, value, 0)
-                .map_err(|source| DataplaneError::Map {
-                    map: MAP_META,
-                    source,
-                })?;
+            self.meta.set(index, value, 0).map_err(in_map(MAP_META))?;
         }
         Ok(())
     }
 
     /// Reads back what adopted maps hold: VIPs, backends in use and each VIP's live table.
     pub fn adopted(&self, table_size: u32) -> Result<Adopted, DataplaneError> {
-        let map_error = |map| move |source| DataplaneError::Map { map, source };
         let mut adopted = Adopted::default();
         for item in self.vips.iter() {
-            adopted.vips.push(item.map_err(map_error(MAP_VIPS))?);
+            adopted.vips.push(item.map_err(in_map(MAP_VIPS))?);
         }
         for id in 0..MAX_BACKENDS {
             let identity = self
                 .identities
                 .get(&id, 0)
-                .map_err(map_error(MAP_BACKEND_IDS))?;
+                .map_err(in_map(MAP_BACKEND_IDS))?;
             if identity.in_use == 1 {
-                let info = self.backends.get(&id, 0).map_err(map_error(MAP_BACKENDS))?;
+                let info = self.backends.get(&id, 0).map_err(in_map(MAP_BACKENDS))?;
                 adopted.backends.push((id, info, identity));
             }
         }
         for (_, info) in &adopted.vips {
             let table = (info.table_base..info.table_base + table_size)
-                .map(|slot| self.maglev.get(&slot, 0).map_err(map_error(MAP_MAGLEV)))
+                .map(|slot| self.maglev.get(&slot, 0).map_err(in_map(MAP_MAGLEV)))
                 .collect::<Result<Vec<u32>, _>>()?;
             adopted.tables.push((info.vip_id, table));
         }
@@ -466,10 +460,7 @@ impl AyaDataplane {
     pub fn insert_flow(&mut self, key: &FlowKey, entry: &FlowEntry) -> Result<(), DataplaneError> {
         self.conntrack
             .insert(key, entry, 0)
-            .map_err(|source| DataplaneError::Map {
-                map: MAP_CONNTRACK,
-                source,
-            })
+            .map_err(in_map(MAP_CONNTRACK))
     }
 
     /// The XDP_TX counter: how many packets were forwarded so far.
@@ -478,13 +469,7 @@ impl AyaDataplane {
     }
 
     fn outcome(&self, index: u32) -> Result<u64, DataplaneError> {
-        let values = self
-            .stats
-            .get(&index, 0)
-            .map_err(|source| DataplaneError::Map {
-                map: MAP_STATS,
-                source,
-            })?;
+        let values = self.stats.get(&index, 0).map_err(in_map(MAP_STATS))?;
         Ok(values.iter().sum())
     }
 }
@@ -509,7 +494,12 @@ where
     let map = ebpf
         .take_map(name)
         .ok_or(DataplaneError::MissingMap { map: name })?;
-    T::try_from(map).map_err(|source| DataplaneError::Map { map: name, source })
+    T::try_from(map).map_err(in_map(name))
+}
+
+/// Names the map a map operation failed on.
+fn in_map(map: &'static str) -> impl Fn(aya::maps::MapError) -> DataplaneError {
+    move |source| DataplaneError::Map { map, source }
 }
 
 fn sum_per_cpu(
@@ -517,9 +507,7 @@ fn sum_per_cpu(
     name: &'static str,
     index: u32,
 ) -> Result<TrafficCounters, DataplaneError> {
-    let values = map
-        .get(&index, 0)
-        .map_err(|source| DataplaneError::Map { map: name, source })?;
+    let values = map.get(&index, 0).map_err(in_map(name))?;
     Ok(values
         .iter()
         .fold(TrafficCounters::default(), |sum, c| TrafficCounters {
@@ -533,30 +521,17 @@ fn sum_per_cpu(
 impl Dataplane for AyaDataplane {
     fn write_slots(&mut self, slots: &[(u32, u32)]) -> Result<(), DataplaneError> {
         for &(slot, id) in slots {
-            self.maglev
-                .set(slot, id, 0)
-                .map_err(|source| DataplaneError::Map {
-                    map: MAP_MAGLEV,
-                    source,
-                })?;
+            self.maglev.set(slot, id, 0).map_err(in_map(MAP_MAGLEV))?;
         }
         Ok(())
     }
 
     fn set_vip(&mut self, key: &VipKey, info: &VipInfo) -> Result<(), DataplaneError> {
-        self.vips
-            .insert(key, info, 0)
-            .map_err(|source| DataplaneError::Map {
-                map: MAP_VIPS,
-                source,
-            })
+        self.vips.insert(key, info, 0).map_err(in_map(MAP_VIPS))
     }
 
     fn remove_vip(&mut self, key: &VipKey) -> Result<(), DataplaneError> {
-        self.vips.remove(key).map_err(|source| DataplaneError::Map {
-            map: MAP_VIPS,
-            source,
-        })
+        self.vips.remove(key).map_err(in_map(MAP_VIPS))
     }
 
     fn set_backend(
@@ -568,16 +543,8 @@ impl Dataplane for AyaDataplane {
         debug_assert!(id < MAX_BACKENDS);
         self.identities
             .set(id, identity, 0)
-            .map_err(|source| DataplaneError::Map {
-                map: MAP_BACKEND_IDS,
-                source,
-            })?;
-        self.backends
-            .set(id, info, 0)
-            .map_err(|source| DataplaneError::Map {
-                map: MAP_BACKENDS,
-                source,
-            })
+            .map_err(in_map(MAP_BACKEND_IDS))?;
+        self.backends.set(id, info, 0).map_err(in_map(MAP_BACKENDS))
     }
 
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError> {
