@@ -72,15 +72,91 @@ pub enum Health {
     },
 }
 
+/// The timing of a check: `interval`, `timeout`, `rise`, `fall`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckTiming {
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub rise: u32,
+    pub fall: u32,
+}
+
+impl CheckTiming {
+    /// The agent's default `fast_interval`: a quarter of the interval.
+    pub fn fast_interval(&self) -> Duration {
+        self.interval / 4
+    }
+}
+
 impl Health {
     /// A TCP check fast enough for tests: every 200ms, 100ms timeout, rise 2, fall 2.
     pub fn fast_tcp() -> Health {
-        Health::Tcp {
+        Health::tcp(CheckTiming {
             interval: Duration::from_millis(200),
             timeout: Duration::from_millis(100),
             rise: 2,
             fall: 2,
+        })
+    }
+
+    /// The lab's TCP check: every second, 500ms timeout, rise 2, fall 2.
+    pub fn lab_tcp() -> Health {
+        Health::tcp(CheckTiming {
+            interval: Duration::from_secs(1),
+            timeout: Duration::from_millis(500),
+            rise: 2,
+            fall: 2,
+        })
+    }
+
+    /// A TCP check of the VIP's port (on the backend's own address).
+    pub fn tcp(t: CheckTiming) -> Health {
+        Health::Tcp {
+            interval: t.interval,
+            timeout: t.timeout,
+            rise: t.rise,
+            fall: t.fall,
             port: None,
+        }
+    }
+
+    /// An HTTP check of `GET path` on `port` (`None`: the VIP's port), wanting
+    /// `expect_status`.
+    pub fn http(t: CheckTiming, port: Option<u16>, path: &str, expect_status: u16) -> Health {
+        Health::Http {
+            interval: t.interval,
+            timeout: t.timeout,
+            rise: t.rise,
+            fall: t.fall,
+            port,
+            path: path.into(),
+            expect_status,
+        }
+    }
+
+    /// The timing of a check (`None` for kind none).
+    pub fn timing(&self) -> Option<CheckTiming> {
+        match *self {
+            Health::None => None,
+            Health::Tcp {
+                interval,
+                timeout,
+                rise,
+                fall,
+                ..
+            }
+            | Health::Http {
+                interval,
+                timeout,
+                rise,
+                fall,
+                ..
+            } => Some(CheckTiming {
+                interval,
+                timeout,
+                rise,
+                fall,
+            }),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The namespace test bed for `lb`: a DSR topology in network namespaces (a client, the
 //! balancer, N backends, all on one bridge), backend servers, client helpers, a guard
-//! for the `lb` agent and a packet sniffer. Used by the end-to-end tests
-//! (`tests/e2e.rs`) and by the `lab` binary behind `cargo xtask run`.
+//! for the `lb` agent, a packet sniffer, and a reader of `lb status --json` for health
+//! states. Used by the end-to-end tests (`tests/e2e.rs`, `tests/health.rs`...) and by
+//! the `lab` binary behind `cargo xtask run`.
 //!
 //! Everything here needs root, `ip` and `ethtool`; tests call [`require_e2e`] (or
 //! [`require_root_tools`]) first, which skips loudly when the machine cannot run them,
@@ -18,17 +19,191 @@ pub mod netns;
 pub mod server;
 pub mod sniff;
 
+/// What `lb status --json` says of a VIP's backends and their health, and a wait for
+/// them to come up.
+pub mod status {
+    use std::net::IpAddr;
+    use std::time::{Duration, Instant};
+
+    use anyhow::{Context, Result, anyhow};
+    use serde_json::Value;
+
+    use crate::Agent;
+
+    /// One backend of `lb status --json` (the fields health checks change).
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct BackendView {
+        pub address: IpAddr,
+        /// Admin state: ready, draining, drained, maint.
+        pub state: String,
+        /// up, down or unknown.
+        pub health: String,
+        pub in_table: bool,
+        pub slots: u64,
+        /// Consecutive check results agreeing with the last one.
+        pub consecutive: u64,
+        /// The last check's outcome (`None`: no check yet).
+        pub last_ok: Option<bool>,
+        pub last_error: Option<String>,
+        pub last_latency_ms: Option<f64>,
+        pub new_flows: u64,
+    }
+
+    impl BackendView {
+        /// Health up and in the table.
+        pub fn is_up(&self) -> bool {
+            self.health == "up" && self.in_table
+        }
+
+        /// Health down, out of the table, no slot.
+        pub fn is_out(&self) -> bool {
+            self.health == "down" && !self.in_table && self.slots == 0
+        }
+
+        /// `10.99.0.11 up in_table 21845 slots (2 consecutive, last ok 0.3ms)`.
+        pub fn summary(&self) -> String {
+            let last = match (self.last_ok, &self.last_error) {
+                (None, _) => "no check yet".to_string(),
+                (Some(true), _) => format!("last ok {:.1}ms", self.last_latency_ms.unwrap_or(0.0)),
+                (Some(false), e) => format!("last failed: {}", e.as_deref().unwrap_or("?")),
+            };
+            format!(
+                "{} {}{} {} slots ({} consecutive, {last})",
+                self.address,
+                self.health,
+                if self.in_table { " in_table" } else { "" },
+                self.slots,
+                self.consecutive
+            )
+        }
+    }
+
+    /// One VIP of `lb status --json`.
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct VipView {
+        pub name: String,
+        pub healthy_backends: u64,
+        pub unhealthy_backends: u64,
+        pub backends: Vec<BackendView>,
+    }
+
+    impl VipView {
+        /// The VIP named `vip` in a parsed `lb status --json`.
+        pub fn parse(status: &Value, vip: &str) -> Result<VipView> {
+            let v = status["vips"]
+                .as_array()
+                .and_then(|vips| vips.iter().find(|v| v["name"] == vip))
+                .ok_or_else(|| anyhow!("no VIP {vip:?} in lb status --json:\n{status:#}"))?;
+            let backends = v["backends"]
+                .as_array()
+                .ok_or_else(|| anyhow!("VIP {vip:?} has no backends array:\n{v:#}"))?
+                .iter()
+                .map(parse_backend)
+                .collect::<Result<Vec<_>>>()
+                .with_context(|| format!("VIP {vip:?} in lb status --json"))?;
+            let count = |field: &str| {
+                v[field]
+                    .as_u64()
+                    .ok_or_else(|| anyhow!("VIP {vip:?} has no {field}:\n{v:#}"))
+            };
+            Ok(VipView {
+                name: vip.into(),
+                healthy_backends: count("healthy_backends")?,
+                unhealthy_backends: count("unhealthy_backends")?,
+                backends,
+            })
+        }
+
+        /// `lb status --json` of `agent`, VIP `vip`.
+        pub fn fetch(agent: &Agent, vip: &str) -> Result<VipView> {
+            VipView::parse(&agent.status_json()?, vip)
+        }
+
+        pub fn backend(&self, address: IpAddr) -> Option<&BackendView> {
+            self.backends.iter().find(|b| b.address == address)
+        }
+
+        /// Backends up and in the table.
+        pub fn up(&self) -> usize {
+            self.backends.iter().filter(|b| b.is_up()).count()
+        }
+
+        /// One line per backend.
+        pub fn summary(&self) -> String {
+            let mut out = format!(
+                "vip {}: {} healthy, {} unhealthy\n",
+                self.name, self.healthy_backends, self.unhealthy_backends
+            );
+            for b in &self.backends {
+                out.push_str(&format!("  {}\n", b.summary()));
+            }
+            out
+        }
+    }
+
+    fn parse_backend(b: &Value) -> Result<BackendView> {
+        let text = |field: &str| {
+            b[field]
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| anyhow!("backend without {field}: {b}"))
+        };
+        let number = |field: &str| {
+            b[field]
+                .as_u64()
+                .ok_or_else(|| anyhow!("backend without {field}: {b}"))
+        };
+        let last = &b["last_check"];
+        Ok(BackendView {
+            address: text("address")?
+                .parse()
+                .with_context(|| format!("backend address in {b}"))?,
+            state: text("state")?,
+            health: text("health")?,
+            in_table: b["in_table"]
+                .as_bool()
+                .ok_or_else(|| anyhow!("backend without in_table: {b}"))?,
+            slots: number("slots")?,
+            consecutive: number("consecutive")?,
+            last_ok: last["ok"].as_bool(),
+            last_error: last["error"].as_str().map(str::to_string),
+            last_latency_ms: last["latency_ms"].as_f64(),
+            new_flows: number("new_flows")?,
+        })
+    }
+
+    /// Asks `lb status --json` every 50 ms until every backend of `vip` is up and in
+    /// the table, or `timeout` passes, or `cancelled()`. Returns the last view and the
+    /// time waited; the caller compares [`VipView::up`] with the number of backends.
+    pub fn wait_backends_up(
+        agent: &Agent,
+        vip: &str,
+        timeout: Duration,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<(VipView, Duration)> {
+        let start = Instant::now();
+        loop {
+            let view = VipView::fetch(agent, vip)?;
+            if view.up() == view.backends.len() || start.elapsed() >= timeout || cancelled() {
+                return Ok((view, start.elapsed()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 pub use agent::Agent;
 pub use client::{Conn, Spread, ping, spread, tcp_request, udp_request, udp_spread};
-pub use config::{AgentConfig, BackendConfig, Health, Protocol, VipConfig, XdpMode};
+pub use config::{AgentConfig, BackendConfig, CheckTiming, Health, Protocol, VipConfig, XdpMode};
 pub use lab::{Lab, LabOptions};
 pub use netns::Netns;
-pub use server::{TcpServer, UdpServer};
+pub use server::{HttpAnswer, HttpBehaviour, HttpControl, HttpServer, TcpServer, UdpServer};
 pub use sniff::{Sniffer, ip_src_is};
+pub use status::{BackendView, VipView, wait_backends_up};
 
 /// Env var that turns every skip into a failure (CI sets it).
 pub const REQUIRE_ALL_ENV: &str = "LB_REQUIRE_ALL_TESTS";

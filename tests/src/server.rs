@@ -1,18 +1,21 @@
 //! Backend servers that run on threads inside a namespace and stop when told to (a thread
 //! stuck in `accept` would keep its namespace alive after `ip netns del`).
 
+use std::fs::File;
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Arc;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
+use nix::sched::CloneFlags;
 use nix::sys::socket::{
-    AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
+    AddressFamily, Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
     SockaddrStorage, recvmsg, sendmsg, setsockopt, sockopt,
 };
 
@@ -52,7 +55,11 @@ impl TcpServer {
                         return Err(e);
                     }
                 };
-                accept_loop(listener, &name, &stop, &accepted)
+                let serve = {
+                    let stop = stop.clone();
+                    move |stream| serve_conn(stream, &name, &stop)
+                };
+                accept_loop(listener, &stop, &accepted, serve)
             })?
         };
         let ready = ready_rx
@@ -106,8 +113,23 @@ impl Drop for TcpServer {
     }
 }
 
+/// A non-blocking listener with SO_REUSEADDR, so that a server restarted on the same
+/// port binds again at once although connections of its predecessor are in TIME_WAIT.
 fn bind_tcp(addr: SocketAddr) -> Result<TcpListener> {
-    let listener = TcpListener::bind(addr).with_context(|| format!("bind tcp {addr}"))?;
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd: OwnedFd =
+        nix::sys::socket::socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)
+            .context("tcp socket")?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true).context("SO_REUSEADDR")?;
+    nix::sys::socket::bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
+        .with_context(|| format!("bind tcp {addr}"))?;
+    nix::sys::socket::listen(&fd, Backlog::new(128).context("listen backlog")?)
+        .with_context(|| format!("listen on {addr}"))?;
+    let listener = TcpListener::from(fd);
     listener.set_nonblocking(true)?;
     Ok(listener)
 }
@@ -124,11 +146,13 @@ fn poll_readable(fd: i32) -> bool {
     n > 0
 }
 
+/// Accepts until `stop`, serving each connection on a thread of its own with `serve`;
+/// joins those threads (which must watch `stop` too) before closing the listener.
 fn accept_loop(
     listener: TcpListener,
-    name: &str,
     stop: &Arc<AtomicBool>,
     accepted: &AtomicUsize,
+    serve: impl Fn(TcpStream) + Clone + Send + 'static,
 ) -> Result<()> {
     let mut conns: Vec<JoinHandle<()>> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
@@ -138,9 +162,9 @@ fn accept_loop(
         match listener.accept() {
             Ok((stream, _peer)) => {
                 accepted.fetch_add(1, Ordering::Relaxed);
-                let (stop, name) = (stop.clone(), name.to_string());
+                let serve = serve.clone();
                 conns.retain(|h| !h.is_finished());
-                conns.push(std::thread::spawn(move || serve_conn(stream, &name, &stop)));
+                conns.push(std::thread::spawn(move || serve(stream)));
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
             // A connection reset before accept: not the server's problem.
@@ -179,6 +203,375 @@ fn serve_conn(mut stream: TcpStream, name: &str, stop: &AtomicBool) {
             Err(_) => return,
         }
     }
+}
+
+/// What an [`HttpServer`] does with `GET <its path>`; any other request gets a 404.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HttpBehaviour {
+    /// `200 OK` with a small body.
+    Ok,
+    /// This status with a small body.
+    Status(u16),
+    /// Reads the request, sends headers announcing a 100-byte body (`Content-Length`)
+    /// and a few bytes of it, then nothing more until the client leaves or the server
+    /// stops: an application that answers and then hangs.
+    Hang,
+    /// Reads the request and sends nothing until the client leaves or the server stops.
+    Silent,
+    /// `503`, `200`, `503`, `200`... per request, starting with `503` after each switch
+    /// to it: a checker never sees two equal results in a row, so with rise and fall of
+    /// 2 or more a backend must never change state.
+    Alternate,
+}
+
+/// One request to an [`HttpServer`]'s path and what it got: the status, or `None` for
+/// [`HttpBehaviour::Hang`] and [`HttpBehaviour::Silent`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpAnswer {
+    pub at: Instant,
+    pub status: Option<u16>,
+}
+
+/// Most answers an [`HttpServer`] remembers.
+const HTTP_HISTORY: usize = 10_000;
+/// Most bytes of a request the server reads (headers only: checks send no body).
+const HTTP_REQUEST_MAX: usize = 8192;
+/// A client that has not sent its request headers within this is dropped.
+const HTTP_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+struct HttpState {
+    behaviour: HttpBehaviour,
+    /// Requests answered under [`HttpBehaviour::Alternate`] since the switch to it.
+    alternate: u64,
+    answers: Vec<HttpAnswer>,
+}
+
+/// A handle on an [`HttpServer`]'s behaviour and record, usable from any thread and
+/// across restarts.
+#[derive(Clone)]
+pub struct HttpControl {
+    state: Arc<Mutex<HttpState>>,
+}
+
+impl HttpControl {
+    fn new(behaviour: HttpBehaviour) -> HttpControl {
+        HttpControl {
+            state: Arc::new(Mutex::new(HttpState {
+                behaviour,
+                alternate: 0,
+                answers: Vec::new(),
+            })),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HttpState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Switches the behaviour for the requests that come from now on.
+    pub fn set(&self, behaviour: HttpBehaviour) {
+        let mut state = self.lock();
+        state.behaviour = behaviour;
+        state.alternate = 0;
+    }
+
+    pub fn behaviour(&self) -> HttpBehaviour {
+        self.lock().behaviour
+    }
+
+    /// Requests to the path so far (every restart included).
+    pub fn requests(&self) -> usize {
+        self.lock().answers.len()
+    }
+
+    /// The answers given (the first [`HTTP_HISTORY`]), in order.
+    pub fn answers(&self) -> Vec<HttpAnswer> {
+        self.lock().answers.clone()
+    }
+
+    /// Decides (and records) what the next request to the path gets.
+    fn next(&self) -> HttpBehaviour {
+        let mut state = self.lock();
+        let decided = match state.behaviour {
+            HttpBehaviour::Alternate => {
+                let n = state.alternate;
+                state.alternate += 1;
+                if n.is_multiple_of(2) {
+                    HttpBehaviour::Status(503)
+                } else {
+                    HttpBehaviour::Ok
+                }
+            }
+            b => b,
+        };
+        if state.answers.len() < HTTP_HISTORY {
+            let status = match decided {
+                HttpBehaviour::Ok => Some(200),
+                HttpBehaviour::Status(s) => Some(s),
+                _ => None,
+            };
+            state.answers.push(HttpAnswer {
+                at: Instant::now(),
+                status,
+            });
+        }
+        decided
+    }
+}
+
+/// An HTTP/1.1 server for health checks, on a thread inside a namespace: `GET <path>`
+/// gets what its [`HttpControl`] says, anything else a 404; every response closes the
+/// connection. It can be stopped (connections refused) and started again on the same
+/// port, keeping its behaviour and record.
+pub struct HttpServer {
+    name: String,
+    addr: SocketAddr,
+    path: String,
+    /// The namespace's `/run/netns` file and name, to start again inside it.
+    ns_path: PathBuf,
+    ns_name: String,
+    control: HttpControl,
+    accepted: Arc<AtomicUsize>,
+    running: Option<Running>,
+}
+
+struct Running {
+    stop: Arc<AtomicBool>,
+    handle: JoinHandle<Result<()>>,
+}
+
+impl HttpServer {
+    /// Returns once the server listens on `addr` (`[::]:port` answers on every address
+    /// of the namespace).
+    pub fn start(
+        ns: &Netns,
+        addr: SocketAddr,
+        name: &str,
+        path: &str,
+        behaviour: HttpBehaviour,
+    ) -> Result<HttpServer> {
+        let mut server = HttpServer {
+            name: name.into(),
+            addr,
+            path: path.into(),
+            ns_path: ns.path(),
+            ns_name: ns.name().into(),
+            control: HttpControl::new(behaviour),
+            accepted: Arc::new(AtomicUsize::new(0)),
+            running: None,
+        };
+        server.start_again()?;
+        Ok(server)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// A handle to switch its behaviour and read its record from anywhere.
+    pub fn control(&self) -> HttpControl {
+        self.control.clone()
+    }
+
+    /// Switches the behaviour (see [`HttpControl::set`]).
+    pub fn set(&self, behaviour: HttpBehaviour) {
+        self.control.set(behaviour);
+    }
+
+    /// Requests to the path so far.
+    pub fn requests(&self) -> usize {
+        self.control.requests()
+    }
+
+    /// Connections accepted so far (every restart included).
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::Relaxed)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.running.is_some()
+    }
+
+    /// Starts a new server on the same address (SO_REUSEADDR), with the same behaviour;
+    /// returns once it listens. Fails when it is running.
+    pub fn start_again(&mut self) -> Result<()> {
+        if self.running.is_some() {
+            return Err(anyhow!("http server {} is running already", self.name));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
+        let handle = {
+            let (stop, accepted, addr) = (stop.clone(), self.accepted.clone(), self.addr);
+            let (ns_path, ns_name) = (self.ns_path.clone(), self.ns_name.clone());
+            let (control, path) = (self.control.clone(), self.path.clone());
+            std::thread::Builder::new()
+                .name(format!("http-{}", self.name))
+                .spawn(move || -> Result<()> {
+                    let entered = File::open(&ns_path)
+                        .with_context(|| format!("open {}", ns_path.display()))
+                        .and_then(|file| {
+                            nix::sched::setns(&file, CloneFlags::CLONE_NEWNET)
+                                .with_context(|| format!("setns into {ns_name}"))
+                        });
+                    let listener = match entered.and_then(|()| bind_tcp(addr)) {
+                        Ok(l) => {
+                            let _ = ready_tx.send(Ok(()));
+                            l
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(anyhow!("{e:#}")));
+                            return Err(e);
+                        }
+                    };
+                    let serve = {
+                        let stop = stop.clone();
+                        move |stream| serve_http(stream, &path, &control, &stop)
+                    };
+                    accept_loop(listener, &stop, &accepted, serve)
+                })
+                .context("spawn thread")?
+        };
+        self.running = Some(Running { stop, handle });
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                let _ = self.stop();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = self.stop();
+                Err(anyhow!("http server {} ended before listening", self.name))
+            }
+        }
+    }
+
+    /// Stops listening, ends open connections (hanging ones included), joins the
+    /// threads. Connections to its port are refused from when this returns. Does
+    /// nothing when it is stopped already.
+    pub fn stop(&mut self) -> Result<()> {
+        let Some(running) = self.running.take() else {
+            return Ok(());
+        };
+        running.stop.store(true, Ordering::Relaxed);
+        running
+            .handle
+            .join()
+            .map_err(|_| anyhow!("http server {} panicked", self.name))?
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            eprintln!("warning: http server {}: {e:#}", self.name);
+        }
+    }
+}
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        404 => "Not Found",
+        500 => "Internal Server Error",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "Whatever",
+    }
+}
+
+/// Reads up to the end of the request headers; `None` when the client left, sent
+/// too much, took too long, or the server stops.
+fn read_request(stream: &mut TcpStream, stop: &AtomicBool) -> Option<String> {
+    let started = Instant::now();
+    let mut request = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+        if stop.load(Ordering::Relaxed)
+            || request.len() > HTTP_REQUEST_MAX
+            || started.elapsed() > HTTP_REQUEST_TIMEOUT
+        {
+            return None;
+        }
+        match stream.read(&mut buf) {
+            Ok(0) => return None,
+            Ok(n) => request.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(_) => return None,
+        }
+    }
+    Some(String::from_utf8_lossy(&request).into_owned())
+}
+
+/// Holds the connection open, sending nothing, until the client closes it or the
+/// server stops.
+fn hold(stream: &mut TcpStream, stop: &AtomicBool) {
+    let mut buf = [0u8; 1024];
+    while !stop.load(Ordering::Relaxed) {
+        match stream.read(&mut buf) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+fn serve_http(mut stream: TcpStream, path: &str, control: &HttpControl, stop: &AtomicBool) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_nodelay(true);
+    if stream.set_read_timeout(Some(POLL)).is_err() {
+        return;
+    }
+    let Some(request) = read_request(&mut stream, stop) else {
+        return;
+    };
+    let mut words = request.lines().next().unwrap_or("").split_whitespace();
+    let (method, target) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    let behaviour = if method == "GET" && target == path {
+        control.next()
+    } else {
+        HttpBehaviour::Status(404)
+    };
+    let status = match behaviour {
+        HttpBehaviour::Ok => 200,
+        HttpBehaviour::Status(s) => s,
+        HttpBehaviour::Hang => {
+            let head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\
+                        Connection: close\r\n\r\npartial";
+            if stream.write_all(head.as_bytes()).is_ok() {
+                hold(&mut stream, stop);
+            }
+            return;
+        }
+        HttpBehaviour::Silent => {
+            hold(&mut stream, stop);
+            return;
+        }
+        // Decided by `next` already.
+        HttpBehaviour::Alternate => 500,
+    };
+    let body = format!("{status} {}\n", reason(status));
+    let response = format!(
+        "HTTP/1.1 {status} {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        reason(status),
+        body.len()
+    );
+    let _ = stream.write_all(response.as_bytes());
+    let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
 /// A UDP server answering each datagram with `name\n`, from the address the datagram

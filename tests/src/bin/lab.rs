@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use lb_tests::client::{REQUEST_TIMEOUT, spread_with, tcp_request_here};
-use lb_tests::{Health, Lab, LabOptions, Protocol, XdpMode};
+use lb_tests::{Health, Lab, LabOptions, Protocol, XdpMode, wait_backends_up};
 
 #[derive(Parser, Debug)]
 #[command(about = "Run lb in a lab of network namespaces and show traffic being balanced")]
@@ -34,6 +34,8 @@ struct Args {
 
 const BACKENDS: usize = 3;
 const PORT: u16 = 80;
+/// How long the backends may take to pass their first `rise` checks.
+const UP_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -99,7 +101,7 @@ fn run(args: &Args, cancelled: &AtomicBool) -> Result<bool> {
     let vip = lab.vip4();
     let config = lab.agent_config(
         args.mode,
-        vec![lab.vip("web", false, PORT, Protocol::Tcp, Health::None)],
+        vec![lab.vip("web", false, PORT, Protocol::Tcp, Health::lab_tcp())],
     );
     println!(
         "starting {} in {} ({} mode)...",
@@ -115,6 +117,38 @@ fn run(args: &Args, cancelled: &AtomicBool) -> Result<bool> {
         println!("agent: {}", line.trim());
     }
     check()?;
+
+    // Checked backends start down: traffic goes nowhere until `rise` checks pass.
+    let health = Health::lab_tcp()
+        .timing()
+        .context("the lab's check has a timing")?;
+    println!(
+        "waiting for the health checks (tcp to port {PORT} every {:?}, timeout {:?}, \
+         rise {}, fall {})...",
+        health.interval, health.timeout, health.rise, health.fall
+    );
+    let agent = lab.agent().context("the agent is gone")?;
+    let (view, waited) =
+        wait_backends_up(agent, "web", UP_TIMEOUT, &is_cancelled).context("lb status --json")?;
+    check()?;
+    let (up, all) = (view.up(), view.backends.len());
+    if up < all {
+        println!(
+            "FAILED: only {up} of {all} backends up after {:.1} s:\n{}",
+            waited.as_secs_f64(),
+            view.summary()
+        );
+        println!(
+            "--- agent log ---\n{}--- end of agent log ---",
+            lab.agent_log()
+        );
+        println!("tearing the lab down...");
+        return Ok(false);
+    }
+    println!(
+        "{up} of {all} backends up after {:.1} s",
+        waited.as_secs_f64()
+    );
 
     let target = std::net::SocketAddr::new(vip, PORT);
     println!(
