@@ -1,6 +1,8 @@
 //! A guard for one running `lb run` inside a namespace.
 
+use std::ffi::OsStr;
 use std::fs::File;
+use std::io::Read as _;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -24,6 +26,7 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct Agent {
     child: Option<Child>,
     lb_bin: PathBuf,
+    config_path: PathBuf,
     socket: PathBuf,
     log_path: PathBuf,
     exit: Option<ExitStatus>,
@@ -84,6 +87,7 @@ impl Agent {
         let mut agent = Agent {
             child: Some(child),
             lb_bin: lb_bin.into(),
+            config_path: config.into(),
             socket: socket.into(),
             log_path: log_path.into(),
             exit: None,
@@ -139,6 +143,16 @@ impl Agent {
         &self.socket
     }
 
+    /// The configuration file it runs with (and re-reads on `lb reload`).
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    /// The `lb` binary it runs.
+    pub fn lb_bin(&self) -> &Path {
+        &self.lb_bin
+    }
+
     pub fn log_path(&self) -> &Path {
         &self.log_path
     }
@@ -176,6 +190,14 @@ impl Agent {
         let mut all: Vec<&str> = args.to_vec();
         all.extend(["--socket", &socket]);
         run_cmd(&self.lb_bin.to_string_lossy(), &all)
+    }
+
+    /// Any control command, `lb ARGS... --socket PATH`, whatever its outcome: the exit
+    /// status, stdout and stderr (for tests of refusals and error messages).
+    pub fn cli(&self, args: &[&str]) -> Result<CliOutput> {
+        let mut all: Vec<&OsStr> = args.iter().map(OsStr::new).collect();
+        all.extend([OsStr::new("--socket"), self.socket.as_os_str()]);
+        run_lb(&self.lb_bin, &all)
     }
 
     /// SIGTERM, up to [`STOP_TIMEOUT`], then SIGKILL. Returns how it exited; the caller
@@ -226,6 +248,85 @@ impl Drop for Agent {
             Err(e) => eprintln!("warning: stopping lb run: {e:#}"),
         }
     }
+}
+
+/// How long one control command may take before it is killed.
+pub const CLI_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What one `lb` command did.
+#[derive(Clone, Debug)]
+pub struct CliOutput {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl CliOutput {
+    pub fn success(&self) -> bool {
+        self.status.success()
+    }
+}
+
+impl std::fmt::Display for CliOutput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}\n--- stdout ---\n{}--- stderr ---\n{}--- end ---",
+            self.status, self.stdout, self.stderr
+        )
+    }
+}
+
+/// Runs `lb ARGS...` (from the calling thread's namespace) to completion, or kills it
+/// after [`CLI_TIMEOUT`] (then fails): an agent that never answers must not hang a test.
+pub fn run_lb<S: AsRef<OsStr>>(lb_bin: &Path, args: &[S]) -> Result<CliOutput> {
+    let mut child = Command::new(lb_bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("spawn {}", lb_bin.display()))?;
+    // Read both pipes while it runs: a full pipe must not block it.
+    let mut out = child.stdout.take().expect("piped stdout");
+    let mut err = child.stderr.take().expect("piped stderr");
+    let out_reader = std::thread::spawn(move || {
+        let mut text = Vec::new();
+        let _ = out.read_to_end(&mut text);
+        text
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut text = Vec::new();
+        let _ = err.read_to_end(&mut text);
+        text
+    });
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if start.elapsed() > CLI_TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            let line: Vec<String> = args
+                .iter()
+                .map(|a| a.as_ref().to_string_lossy().into_owned())
+                .collect();
+            bail!(
+                "`lb {}` did not finish within {CLI_TIMEOUT:?} (killed)",
+                line.join(" ")
+            );
+        }
+        sleep(Duration::from_millis(10));
+    };
+    let stdout = out_reader.join().unwrap_or_default();
+    let stderr = err_reader.join().unwrap_or_default();
+    Ok(CliOutput {
+        status,
+        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&stderr).into_owned(),
+    })
 }
 
 /// A line with the word `serving` in it.

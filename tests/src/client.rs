@@ -5,6 +5,9 @@ use std::collections::BTreeMap;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
@@ -98,6 +101,156 @@ impl Conn {
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
         self.stream.local_addr()
     }
+
+    /// Closes it the orderly way: sends FIN, then reads until the server's EOF (the
+    /// server closes once it has echoed everything). Fails on a reset or extra bytes.
+    pub fn close(mut self) -> io::Result<()> {
+        self.stream.shutdown(std::net::Shutdown::Write)?;
+        let mut rest = Vec::new();
+        self.reader.read_to_end(&mut rest)?;
+        if !rest.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{} unexpected bytes before EOF", rest.len()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What one connection of a [`Chatter`] went through.
+pub struct ChatReport {
+    /// The connection (still open, unless it failed), to go on using or to close.
+    pub conn: Conn,
+    /// The backend that greeted it.
+    pub backend: String,
+    /// Its local address (the flow's source).
+    pub local: Option<SocketAddr>,
+    /// Echo exchanges that came back intact.
+    pub exchanges: usize,
+    /// Bytes sent (and received back intact).
+    pub bytes: usize,
+    /// The first failure (no exchange is tried on it after that), and when it happened
+    /// (time since the start).
+    pub error: Option<(Duration, String)>,
+}
+
+/// Keeps a set of long-lived [`Conn`]s busy on a thread of its own: one round every
+/// `interval`, each round one echo on every connection, with a size and content that
+/// differ per round and per connection (so any lost, duplicated or misplaced byte shows).
+/// Runs until [`Chatter::stop`] (or dropped), or `max` at most.
+pub struct Chatter {
+    stop: Arc<AtomicBool>,
+    rounds: Arc<AtomicUsize>,
+    handle: Option<JoinHandle<Vec<ChatReport>>>,
+}
+
+impl Chatter {
+    pub fn start(conns: Vec<Conn>, interval: Duration, max: Duration) -> Chatter {
+        let stop = Arc::new(AtomicBool::new(false));
+        let rounds = Arc::new(AtomicUsize::new(0));
+        let handle = {
+            let (stop, rounds) = (stop.clone(), rounds.clone());
+            std::thread::spawn(move || chat(conns, interval, max, &stop, &rounds))
+        };
+        Chatter {
+            stop,
+            rounds,
+            handle: Some(handle),
+        }
+    }
+
+    /// Rounds completed so far (on every connection that had not failed).
+    pub fn rounds(&self) -> usize {
+        self.rounds.load(Ordering::Relaxed)
+    }
+
+    /// Waits until at least `n` rounds are done, up to `timeout`; returns whether they are.
+    pub fn wait_rounds(&self, n: usize, timeout: Duration) -> bool {
+        let start = Instant::now();
+        while self.rounds() < n {
+            if start.elapsed() > timeout || self.handle.as_ref().is_none_or(|h| h.is_finished()) {
+                return self.rounds() >= n;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
+    /// Ends the exchanges (after the round in progress) and returns one report per
+    /// connection, in the order given.
+    pub fn stop(mut self) -> Vec<ChatReport> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Vec<ChatReport> {
+        self.stop.store(true, Ordering::Relaxed);
+        match self.handle.take().map(JoinHandle::join) {
+            Some(Ok(reports)) => reports,
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            None => Vec::new(),
+        }
+    }
+}
+
+impl Drop for Chatter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The bytes of round `round` on connection `conn`: 1 to ~3 KB of a pattern that
+/// depends on both.
+fn chat_payload(round: usize, conn: usize) -> Vec<u8> {
+    let len = 1 + (round * 733 + conn * 97) % 3000;
+    (0..len)
+        .map(|i| ((i + round * 31 + conn * 7) % 251) as u8)
+        .collect()
+}
+
+fn chat(
+    conns: Vec<Conn>,
+    interval: Duration,
+    max: Duration,
+    stop: &AtomicBool,
+    rounds: &AtomicUsize,
+) -> Vec<ChatReport> {
+    let start = Instant::now();
+    let mut reports: Vec<ChatReport> = conns
+        .into_iter()
+        .map(|conn| ChatReport {
+            backend: conn.backend().to_string(),
+            local: conn.local_addr().ok(),
+            conn,
+            exchanges: 0,
+            bytes: 0,
+            error: None,
+        })
+        .collect();
+    let mut round = 0;
+    while !stop.load(Ordering::Relaxed) && start.elapsed() < max {
+        let began = Instant::now();
+        for (i, r) in reports.iter_mut().enumerate() {
+            if r.error.is_some() {
+                continue;
+            }
+            let data = chat_payload(round, i);
+            match r.conn.echo(&data) {
+                Ok(()) => {
+                    r.exchanges += 1;
+                    r.bytes += data.len();
+                }
+                Err(e) => r.error = Some((start.elapsed(), format!("round {round}: {e}"))),
+            }
+        }
+        round += 1;
+        rounds.store(round, Ordering::Relaxed);
+        std::thread::sleep(interval.saturating_sub(began.elapsed()));
+    }
+    reports
 }
 
 /// Sends one datagram to `addr` from a new ephemeral port and returns the answer. The
