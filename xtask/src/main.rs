@@ -1,4 +1,5 @@
-//! `cargo xtask`: orchestration for lb (bootstrap, build, test, the lab, clippy).
+//! `cargo xtask`: orchestration for lb (bootstrap, build, test, the lab, benchmarks,
+//! clippy).
 //!
 //! Kept to std + anyhow + clap on purpose: it runs before everything else, so it must
 //! compile in seconds on a fresh machine.
@@ -21,6 +22,9 @@ use clap::{Args, Parser, Subcommand};
 const BPF_LINKER_VERSION: &str = "0.10.4";
 /// Debian packages the tests and the lab call: ip, ethtool, tcpdump, bpftool.
 const APT_PACKAGES: &[&str] = &["iproute2", "ethtool", "tcpdump", "bpftool"];
+/// Debian packages only the benchmarks use: the load generator and what lb is compared
+/// with (HAProxy) and balances to (nginx).
+const BENCH_APT_PACKAGES: &[&str] = &["wrk", "haproxy", "nginx"];
 const BPF_FS: &str = "/sys/fs/bpf";
 /// Read by lb-tests: which `lb` binary to drive, and whether a skip is a failure.
 const LB_BIN_ENV: &str = "LB_BIN";
@@ -59,6 +63,14 @@ enum Task {
     Run(RunArgs),
     /// Clippy with -D warnings: the workspace, then the eBPF crate on its own target.
     Clippy,
+    /// Bootstrap, install wrk, haproxy and nginx if missing, build in release, then run
+    /// every benchmark (root; a few minutes). Prints a table and writes JSON (default
+    /// target/bench/results.json). Arguments after `--` go to the bench binary, e.g.
+    /// `cargo xtask bench -- --quick` or `cargo xtask bench -- --only packet,veth`.
+    Bench {
+        #[arg(last = true, value_name = "BENCH_ARGS")]
+        bench_args: Vec<OsString>,
+    },
 }
 
 #[derive(Args)]
@@ -92,6 +104,7 @@ fn main() -> ExitCode {
         Task::Test { test_args } => test(&ctx, &test_args),
         Task::Run(args) => run(&ctx, args),
         Task::Clippy => clippy(&ctx),
+        Task::Bench { bench_args } => bench(&ctx, &bench_args),
     });
     match result {
         Ok(()) => {
@@ -491,6 +504,77 @@ fn run(ctx: &Ctx, args: RunArgs) -> Result<()> {
     // detaches), and its exit code is ours.
     let err = cmd.exec();
     Err(err).with_context(|| format!("cannot execute `{}`", show(&cmd)))
+}
+
+fn bench(ctx: &Ctx, bench_args: &[OsString]) -> Result<()> {
+    bootstrap(ctx, Scope::All)?;
+    bench_packages(ctx)?;
+    build(ctx, true, false)?;
+    if !ctx.is_root {
+        warn_loud(&[
+            "not root: the benchmarks need BPF_PROG_TEST_RUN, namespaces and XDP; expect them to fail"
+                .into(),
+        ]);
+    }
+    let bin = ctx.profile_dir(true);
+    let mut cmd = Command::new(bin.join("bench"));
+    cmd.arg("--lb-bin")
+        .arg(bin.join("lb"))
+        .args(bench_args)
+        .current_dir(&ctx.root)
+        .env("PATH", &ctx.path);
+    println!("xtask: $ {}", show(&cmd));
+    // exec: Ctrl-C reaches the benchmark alone, which then tears its namespaces down.
+    let err = cmd.exec();
+    Err(err).with_context(|| format!("cannot execute `{}`", show(&cmd)))
+}
+
+/// wrk, haproxy and nginx through apt-get, only those missing, saying what it does.
+fn bench_packages(ctx: &Ctx) -> Result<()> {
+    let mut missing = Vec::new();
+    for &pkg in BENCH_APT_PACKAGES {
+        let what = format!("apt package {pkg} (benchmarks)");
+        let status = probe(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]))
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if status.trim() == "install ok installed" {
+            step(&what, "already installed");
+        } else {
+            step(&what, "missing");
+            missing.push(pkg);
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !ctx.is_root {
+        warn_loud(&[
+            format!("not root: NOT installing {}", missing.join(" ")),
+            format!(
+                "as root run: apt-get install -y --no-install-recommends {}",
+                missing.join(" ")
+            ),
+        ]);
+        return Ok(());
+    }
+    let apt = |args: &[&str]| {
+        let mut cmd = ctx.command("apt-get");
+        cmd.args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdin(Stdio::null());
+        cmd
+    };
+    run_cmd(&mut apt(&["update"]))?;
+    let mut install = vec!["install", "-y", "--no-install-recommends"];
+    install.extend(&missing);
+    run_cmd(&mut apt(&install))?;
+    step(&format!("apt packages {}", missing.join(" ")), "installed");
+    println!(
+        "xtask: note: where an init system runs, Debian starts the nginx and haproxy services \
+         on install; the benchmarks do not use them (they start their own inside namespaces)"
+    );
+    Ok(())
 }
 
 fn clippy(ctx: &Ctx) -> Result<()> {

@@ -1,0 +1,453 @@
+//! `bench`: the benchmarks behind `cargo xtask bench` (issue 8). Reports figures, never
+//! asserts a time.
+//!
+//! 1. per packet through BPF_PROG_TEST_RUN (`packet`), raw and net of the empty program;
+//! 2. packets per second through a veth pair in native mode, against a bare MAC swap
+//!    (`veth`);
+//! 3. requests with wrk in the namespace lab against lb, HAProxy and one backend
+//!    (`requests`);
+//! 4. control plane: Maglev build, table switch, health failure to switch, agent memory
+//!    (`control`).
+//!
+//! Prints tables (text) and writes the figures as JSON, plus the tables as markdown next
+//! to it. Needs root; traffic only goes to namespaces it creates, and every namespace,
+//! server and agent is removed by a guard, also on error or Ctrl-C.
+
+mod control;
+mod frames;
+mod packet;
+mod procs;
+mod report;
+mod requests;
+mod veth;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use lb_tests::{Health, Lab, LabOptions, Protocol, XdpMode};
+use serde_json::{Value, json};
+
+use crate::report::{Machine, Table, num};
+
+#[derive(Parser, Debug)]
+#[command(about = "lb benchmarks: per packet, veth pps, requests, control plane")]
+struct Args {
+    /// The `lb` binary (default: $LB_BIN, else the newest of target/{release,debug}/lb).
+    #[arg(long)]
+    lb_bin: Option<PathBuf>,
+    /// Where to write the JSON (the markdown tables go next to it, as .md).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Sections to run, comma-separated: packet, veth, requests, control.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "packet,veth,requests,control"
+    )]
+    only: Vec<String>,
+    /// Fewer and shorter rounds: checks that everything runs, figures are rough.
+    #[arg(long)]
+    quick: bool,
+    /// Seconds per wrk run.
+    #[arg(long)]
+    wrk_seconds: Option<u32>,
+    /// wrk rounds (each: every target in both modes).
+    #[arg(long)]
+    wrk_rounds: Option<usize>,
+}
+
+static CANCELLED: AtomicBool = AtomicBool::new(false);
+
+/// Fails once Ctrl-C was pressed, so the guards tear everything down on the way out.
+pub fn check_cancelled() -> Result<()> {
+    if CANCELLED.load(Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Err(e) = ctrlc::set_handler(|| {
+        if !CANCELLED.swap(true, Ordering::SeqCst) {
+            eprintln!("\nCtrl-C: stopping after the current run, then tearing down...");
+        }
+    }) {
+        eprintln!("error: cannot handle Ctrl-C: {e}");
+        return ExitCode::FAILURE;
+    }
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+struct Goal {
+    what: String,
+    measured: String,
+    target: String,
+    met: Option<bool>,
+}
+
+fn run(args: &Args) -> Result<()> {
+    let started = Instant::now();
+    if !nix::unistd::geteuid().is_root() {
+        bail!("the benchmarks need root (BPF_PROG_TEST_RUN, network namespaces, XDP)");
+    }
+    lb_tests::ensure_bpffs().map_err(anyhow::Error::msg)?;
+    if lb_userspace::EBPF_OBJECT.is_empty() {
+        bail!("the eBPF object is empty (built with AYA_BUILD_SKIP=1?)");
+    }
+    let sections: Vec<&str> = args.only.iter().map(String::as_str).collect();
+    for s in &sections {
+        if !["packet", "veth", "requests", "control"].contains(s) {
+            bail!("unknown section {s:?} (packet, veth, requests, control)");
+        }
+    }
+    let wants = |s: &str| sections.contains(&s);
+    let out = args.out.clone().unwrap_or_else(|| {
+        lb_tests::workspace_root()
+            .join("target")
+            .join("bench")
+            .join("results.json")
+    });
+    let machine = Machine::probe();
+    println!("bench: {}", machine.line());
+    if machine.cpus <= 2 {
+        println!(
+            "bench: {} CPU(s): generator, servers and softirqs share them; compare ratios \
+             measured in one run, not absolute figures across machines",
+            machine.cpus
+        );
+    }
+
+    let mut tables: Vec<Table> = Vec::new();
+    let mut json_sections = serde_json::Map::new();
+    // Others' work on a shared machine shows here: kept with the figures.
+    let mut load = vec![json!({ "at": "start", "loadavg": loadavg() })];
+    let mut goals: Vec<Goal> = Vec::new();
+
+    if wants("packet") {
+        let opts = if args.quick {
+            packet::Options {
+                rounds: 3,
+                repeat: 100_000,
+                loop_calls: 2_000,
+                backend_counts: vec![1, 100, 1000],
+            }
+        } else {
+            packet::Options {
+                rounds: 7,
+                repeat: 1_000_000,
+                loop_calls: 20_000,
+                backend_counts: vec![1, 100, 1000],
+            }
+        };
+        let r = packet::run(&opts)?;
+        packet_goals(&r.net, &mut goals);
+        tables.extend(r.tables);
+        json_sections.insert("per_packet".into(), r.json);
+        load.push(json!({ "at": "after packet", "loadavg": loadavg() }));
+        check_cancelled()?;
+    }
+
+    if wants("veth") {
+        let opts = if args.quick {
+            veth::Options {
+                rounds: 2,
+                frames: 500_000,
+                batch: 64,
+            }
+        } else {
+            veth::Options {
+                rounds: 5,
+                frames: 4_000_000,
+                batch: 64,
+            }
+        };
+        let r = veth::run(&opts)?;
+        for (proto, lb, base, ratio) in &r.ratios {
+            goals.push(Goal {
+                what: format!("veth {proto}: lb_xdp / xdp_mac_swap Mpps"),
+                measured: format!(
+                    "{} ({} / {} Mpps)",
+                    num(*ratio, 3),
+                    num(*lb, 2),
+                    num(*base, 2)
+                ),
+                target: ">= 0.85".into(),
+                met: ratio.is_finite().then_some(*ratio >= 0.85),
+            });
+        }
+        tables.extend(r.tables);
+        json_sections.insert("veth_pps".into(), r.json);
+        load.push(json!({ "at": "after veth", "loadavg": loadavg() }));
+        check_cancelled()?;
+    }
+
+    if wants("requests") || wants("control") {
+        let lb_bin = match &args.lb_bin {
+            Some(b) => b.clone(),
+            None => lb_tests::find_lb_bin().map_err(anyhow::Error::msg)?,
+        };
+        println!("bench: agent {}", lb_bin.display());
+        let mut lab = build_lab(&lb_bin)?;
+        if wants("requests") {
+            let opts = requests::Options {
+                rounds: args.wrk_rounds.unwrap_or(if args.quick { 1 } else { 3 }),
+                keepalive_rounds: if args.quick { 1 } else { 6 },
+                seconds: args.wrk_seconds.unwrap_or(if args.quick { 2 } else { 5 }),
+                threads: 2,
+                connections: 50,
+            };
+            let dir = lab.dir().join("servers");
+            let mut servers = requests::start_servers(&lab, &dir)?;
+            for i in 0..lab.backends().len() {
+                let addr = lab.backend_addr(i, false).to_string();
+                control::wait_backend(
+                    &lab,
+                    "web",
+                    &addr,
+                    |b| b["in_table"] == true,
+                    Duration::from_secs(20),
+                )?;
+            }
+            let status = || {
+                lab.agent()
+                    .and_then(|a| a.status_json().ok())
+                    .unwrap_or(Value::Null)
+            };
+            let r = requests::run(&lab, &mut servers, &opts, &status)?;
+            request_goals(&r.medians, &mut goals);
+            tables.extend(r.tables);
+            json_sections.insert("requests".into(), r.json);
+            load.push(json!({ "at": "after requests", "loadavg": loadavg() }));
+            drop(servers);
+            check_cancelled()?;
+        }
+        if wants("control") {
+            let (t, j) = control::health_failure(&mut lab, if args.quick { 2 } else { 5 })?;
+            tables.push(t);
+            json_sections.insert("health_failure".into(), j);
+            let (t, j) = control::memory(&mut lab, &lb_bin)?;
+            tables.push(t);
+            json_sections.insert("agent_memory".into(), j);
+        }
+        drop(lab);
+    }
+
+    if wants("control") {
+        let (t, j, builds) = control::maglev(
+            if args.quick { 2 } else { 5 },
+            &[65537, 655373],
+            &[10, 100, 1000],
+        )?;
+        if let Some(b) = builds
+            .iter()
+            .find(|b| b.backends == 1000 && b.size == 65537)
+        {
+            goals.push(Goal {
+                what: "Maglev build, 1000 backends, M = 65537".into(),
+                measured: format!("{} ms", num(b.ms, 2)),
+                target: "< 20 ms".into(),
+                met: Some(b.ms < 20.0),
+            });
+        }
+        tables.push(t);
+        json_sections.insert("maglev_build".into(), j);
+        let (t, j) = control::switch(&[1, 100, 1000])?;
+        tables.push(t);
+        json_sections.insert("table_switch".into(), j);
+    }
+
+    let mut goal_table = Table::new("Goals of issue 8", &["goal", "measured", "target", "met"]);
+    for g in &goals {
+        goal_table.row(vec![
+            g.what.clone(),
+            g.measured.clone(),
+            g.target.clone(),
+            match g.met {
+                Some(true) => "yes".into(),
+                Some(false) => "NO".into(),
+                None => "-".into(),
+            },
+        ]);
+    }
+    tables.push(goal_table);
+
+    println!("\nbench: {}", machine.line());
+    println!(
+        "bench: load average at start {}, at the end {}",
+        load[0]["loadavg"].as_str().unwrap_or("?"),
+        loadavg()
+    );
+    for t in &tables {
+        print!("{}", t.text());
+    }
+
+    let elapsed = started.elapsed().as_secs_f64();
+    let command: Vec<String> = std::env::args().collect();
+    let doc = json!({
+        "machine": machine.json(),
+        "command": command.join(" "),
+        "elapsed_s": elapsed,
+        "load": load,
+        "sections": json_sections,
+        "goals": goals.iter().map(|g| json!({
+            "goal": g.what, "measured": g.measured, "target": g.target, "met": g.met,
+        })).collect::<Vec<_>>(),
+    });
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
+        .with_context(|| format!("write {}", out.display()))?;
+    let md_path = out.with_extension("md");
+    let mut md = format!("Machine: {}\n", machine.line());
+    for t in &tables {
+        md.push_str(&t.markdown());
+    }
+    std::fs::write(&md_path, md).with_context(|| format!("write {}", md_path.display()))?;
+    println!(
+        "\nbench: done in {:.0} s; figures in {} (tables as markdown: {})",
+        elapsed,
+        out.display(),
+        md_path.display()
+    );
+    Ok(())
+}
+
+/// The lab of the request and health benchmarks: three backends, the agent serving the
+/// VIP on port 80 (nginx, started by the request benchmark; TCP checks every second) and
+/// on port 8080 (the lab's own servers, fast TCP checks, for the health-failure timing).
+fn build_lab(lb_bin: &std::path::Path) -> Result<Lab> {
+    eprintln!("bench: building the namespace lab...");
+    let mut lab = Lab::new(LabOptions {
+        backends: 3,
+        ..LabOptions::default()
+    })?;
+    // Many short connections: all ports, and reuse of TIME_WAIT on the side that closes.
+    for ns in [lab.client(), lab.lb()] {
+        ns.sysctl("net.ipv4.ip_local_port_range", "1024 65535")?;
+        ns.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+    }
+    lab.serve_tcp(control::HC_PORT, true)?;
+    let web = lab.vip(
+        "web",
+        false,
+        80,
+        Protocol::Tcp,
+        Health::Tcp {
+            interval: Duration::from_secs(1),
+            timeout: Duration::from_millis(500),
+            rise: 2,
+            fall: 3,
+            port: None,
+        },
+    );
+    let config = lab.agent_config(XdpMode::Native, vec![web, control::hc_vip(&lab)]);
+    lab.start_agent(lb_bin, &config)?;
+    for i in 0..lab.backends().len() {
+        let addr = lab.backend_addr(i, false).to_string();
+        control::wait_backend(
+            &lab,
+            control::HC_VIP,
+            &addr,
+            |b| b["in_table"] == true,
+            Duration::from_secs(20),
+        )?;
+    }
+    Ok(lab)
+}
+
+/// /proc/loadavg's first three fields.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn packet_goals(net: &[(String, usize, f64, f64, f64)], goals: &mut Vec<Goal>) {
+    // The worst over the backend counts, per case and method.
+    let worst = |case: &str, pick: fn(&(String, usize, f64, f64, f64)) -> f64| {
+        net.iter()
+            .filter(|r| r.0 == case)
+            .map(pick)
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    let checks = [
+        (
+            "tcp_established",
+            "established flow",
+            packet::KATRAN_ESTABLISHED_NS,
+        ),
+        ("tcp_syn", "new flow (SYN)", packet::KATRAN_NEW_FLOW_NS),
+        ("pass_not_vip", "passed packet", packet::KATRAN_PASS_NS),
+    ];
+    for (case, what, katran) in checks {
+        for (method, pick) in [
+            (
+                "repeat",
+                (|r: &(String, usize, f64, f64, f64)| r.2) as fn(&_) -> f64,
+            ),
+            ("loop, kernel", |r: &(String, usize, f64, f64, f64)| r.3),
+        ] {
+            let ns = worst(case, pick);
+            goals.push(Goal {
+                what: format!("{what}, net ns ({method}; worst of 1/100/1000 backends)"),
+                measured: format!(
+                    "{} ns = {} x Katran's {katran}",
+                    num(ns, 1),
+                    num(ns / katran, 2)
+                ),
+                target: format!("<= {} ns (0.5 x)", num(katran / 2.0, 1)),
+                met: ns.is_finite().then_some(ns <= katran / 2.0),
+            });
+        }
+    }
+    let ns = worst("tcp_syn", |r| r.3);
+    goals.push(Goal {
+        what: "new flow, every SYN a new key (loop, kernel), vs Katran inserting every SYN".into(),
+        measured: format!(
+            "{} ns = {} x Katran's {}",
+            num(ns, 1),
+            num(ns / packet::KATRAN_NEW_FLOW_INSERT_NS, 2),
+            packet::KATRAN_NEW_FLOW_INSERT_NS
+        ),
+        target: format!(
+            "<= {} ns (0.5 x)",
+            num(packet::KATRAN_NEW_FLOW_INSERT_NS / 2.0, 1)
+        ),
+        met: ns
+            .is_finite()
+            .then_some(ns <= packet::KATRAN_NEW_FLOW_INSERT_NS / 2.0),
+    });
+}
+
+fn request_goals(m: &[Vec<(f64, f64, f64)>], goals: &mut Vec<Goal>) {
+    // m[mode][target]: mode 0 = new connection per request, 1 = keep-alive; target 0 = lb,
+    // 1 = haproxy.
+    let (lb, hp) = (m[0][0], m[0][1]);
+    let ratio = lb.0 / hp.0;
+    goals.push(Goal {
+        what: "new connection per request: lb / HAProxy req/s".into(),
+        measured: format!("{} ({} / {})", num(ratio, 2), num(lb.0, 0), num(hp.0, 0)),
+        target: ">= 1.5".into(),
+        met: ratio.is_finite().then_some(ratio >= 1.5),
+    });
+    let (lb, hp) = (m[1][0], m[1][1]);
+    let ratio = lb.2 / hp.2;
+    goals.push(Goal {
+        what: "keep-alive: lb / HAProxy p99 latency".into(),
+        measured: format!("{} ({} / {} ms)", num(ratio, 2), num(lb.2, 2), num(hp.2, 2)),
+        target: "<= 1.0".into(),
+        met: ratio.is_finite().then_some(ratio <= 1.0),
+    });
+}

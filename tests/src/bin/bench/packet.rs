@@ -1,0 +1,506 @@
+//! Per-packet cost of `lb_xdp` through BPF_PROG_TEST_RUN, raw and net of `xdp_pass`
+//! (the empty program) measured in the same rounds.
+//!
+//! Two ways: `repeat = N` in one call (the kernel's average per run), and a loop of
+//! calls with `repeat = 1` (wall time per call, and the kernel's time per run). Under
+//! `repeat > 1` the program sees its own output again; `lb_xdp` only rewrites MACs, so
+//! the flow stays the same. A SYN always takes the Maglev table and writes its
+//! connection-table entry: under `repeat` it re-writes the same key each time, while the
+//! loop gives every call a new source address and port, so every SYN inserts a new key.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use aya::programs::{TestRun, TestRunOptions, Xdp};
+use lb_common::stat;
+use lb_userspace::{
+    EBPF_OBJECT,
+    config::Config,
+    dataplane::{AyaDataplane, Dataplane, LoadOptions, vip_capacity},
+    model::Model,
+    tables::TableWriter,
+};
+use serde_json::{Value, json};
+
+use crate::frames::{Frame, L4, TCP_ACK, TCP_SYN, V4_SRC_ADDR_AT, V4_SRC_PORT_AT};
+use crate::report::{Table, median, num, range};
+
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+
+const IFACE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+const VIP4: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
+const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x100);
+const CLIENT4: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1);
+
+/// Katran's figures on this kernel, measured the same way (issue 8), net of the empty
+/// program: established flow, new flow, new flow when every SYN inserts, passed packet.
+pub const KATRAN_ESTABLISHED_NS: f64 = 145.0;
+pub const KATRAN_NEW_FLOW_NS: f64 = 196.0;
+pub const KATRAN_NEW_FLOW_INSERT_NS: f64 = 358.0;
+pub const KATRAN_PASS_NS: f64 = 56.0;
+
+pub struct Options {
+    pub rounds: usize,
+    pub repeat: u32,
+    pub loop_calls: u32,
+    pub backend_counts: Vec<usize>,
+}
+
+/// A config with three VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80), each with
+/// `backends` backends whose MACs are given; no health checks; no insert limit (the
+/// SYN case measures the insert, which the default flood guard would skip above 100k
+/// inserts per second per CPU).
+pub fn config_text(backends: usize) -> String {
+    let mut t = String::from(
+        "[dataplane]\ninterface = \"lo\"\nconntrack_insert_limit = 0\n\
+         [control]\nmetrics = \"off\"\n",
+    );
+    let vips = [
+        ("tcp4", VIP4.to_string(), 80, "tcp", false),
+        ("udp4", VIP4.to_string(), 53, "udp", false),
+        ("tcp6", VIP6.to_string(), 80, "tcp", true),
+    ];
+    for (v, (name, address, port, proto, v6)) in vips.iter().enumerate() {
+        t += &format!(
+            "\n[[vip]]\nname = \"{name}\"\naddress = \"{address}\"\nport = {port}\n\
+             protocol = \"{proto}\"\n[vip.health]\nkind = \"none\"\n"
+        );
+        for i in 0..backends {
+            let address = if *v6 {
+                IpAddr::from(Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, i as u16 + 1))
+            } else {
+                IpAddr::from(Ipv4Addr::new(10, 1, (i / 250) as u8, (i % 250) as u8 + 1))
+            };
+            t += &format!(
+                "[[vip.backend]]\naddress = \"{address}\"\nmac = \"02:00:{v:02x}:00:{:02x}:{:02x}\"\n",
+                (i >> 8) as u8,
+                i as u8
+            );
+        }
+    }
+    t
+}
+
+/// A program instance whose maps the agent's own code wrote from `config_text`.
+pub struct Instance {
+    pub dataplane: AyaDataplane,
+    pub model: Model,
+    pub writer: TableWriter,
+    pub config: Config,
+}
+
+impl Instance {
+    pub fn load(text: &str) -> Result<Instance> {
+        let config = Config::from_toml(text).context("benchmark config")?;
+        let dataplane =
+            AyaDataplane::load(EBPF_OBJECT, LoadOptions::from_config(&config, IFACE_MAC))
+                .context("load lb_xdp")?;
+        let model = Model::new(
+            config.dataplane.maglev_table_size,
+            vip_capacity(config.vips.len()),
+            config.dataplane.flow_idle_timeout,
+        );
+        let writer = TableWriter::new(config.dataplane.maglev_table_size);
+        let mut instance = Instance {
+            dataplane,
+            model,
+            writer,
+            config,
+        };
+        instance.model.update(&instance.config)?;
+        instance
+            .writer
+            .apply(&mut instance.dataplane, &instance.model.desired())
+            .context("write the tables")?;
+        Ok(instance)
+    }
+}
+
+/// `xdp_pass` on its own (the empty program), with a tiny connection table.
+pub fn load_program(name: &str) -> Result<aya::Ebpf> {
+    ensure!(!EBPF_OBJECT.is_empty(), "the eBPF object is empty");
+    let mut ebpf = aya::EbpfLoader::new()
+        .map_max_entries(lb_common::MAP_CONNTRACK, 64)
+        .load(EBPF_OBJECT)
+        .context("load the eBPF object")?;
+    let program: &mut Xdp = ebpf
+        .program_mut(name)
+        .ok_or_else(|| anyhow!("no program {name}"))?
+        .try_into()?;
+    program.load().with_context(|| format!("load {name}"))?;
+    Ok(ebpf)
+}
+
+pub fn xdp<'a>(ebpf: &'a mut aya::Ebpf, name: &str) -> Result<&'a mut Xdp> {
+    Ok(ebpf
+        .program_mut(name)
+        .ok_or_else(|| anyhow!("no program {name}"))?
+        .try_into()?)
+}
+
+/// Flows of the many-flows case, like the veth generator's 16384 source ports.
+const MANY_FLOWS: u32 = 16384;
+const FLOWS_BASE_PORT: u16 = 20000;
+
+fn set_src_port(frame: &mut [u8], port: u16) {
+    frame[V4_SRC_PORT_AT..V4_SRC_PORT_AT + 2].copy_from_slice(&port.to_be_bytes());
+}
+
+struct Case {
+    name: &'static str,
+    what: &'static str,
+    frame: Vec<u8>,
+    /// Sent once before measuring (creates the flow's entry).
+    prime: Option<Vec<u8>>,
+    /// The loop gives every call a new source (IPv4 only).
+    new_source_per_call: bool,
+    /// The loop cycles the source port through this many flows, each primed with a SYN
+    /// (IPv4 only); 1: one flow. Under `repeat` only the first flow is sent.
+    flows: u32,
+    action: u32,
+}
+
+fn frame(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, l4: L4) -> Vec<u8> {
+    Frame {
+        dst_mac: IFACE_MAC,
+        src_mac: CLIENT_MAC,
+        src,
+        dst,
+        sport,
+        dport,
+        l4,
+    }
+    .bytes()
+}
+
+fn cases() -> Vec<Case> {
+    let (c4, v4, c6, v6) = (
+        IpAddr::from(CLIENT4),
+        IpAddr::from(VIP4),
+        IpAddr::from(CLIENT6),
+        IpAddr::from(VIP6),
+    );
+    let syn = L4::Tcp { flags: TCP_SYN };
+    let ack = L4::Tcp { flags: TCP_ACK };
+    vec![
+        Case {
+            name: "tcp_syn",
+            what: "TCP SYN to the VIP (new flow: Maglev + connection-table write)",
+            frame: frame(c4, v4, 40000, 80, syn),
+            prime: None,
+            new_source_per_call: true,
+            flows: 1,
+            action: XDP_TX,
+        },
+        Case {
+            name: "tcp_established",
+            what: "TCP ACK of an established flow (connection-table hit)",
+            frame: frame(c4, v4, 40001, 80, ack),
+            prime: Some(frame(c4, v4, 40001, 80, syn)),
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_TX,
+        },
+        Case {
+            name: "tcp_established_16k_flows",
+            what: "TCP ACKs cycling over 16384 established flows (table hits, colder cache)",
+            frame: frame(c4, v4, FLOWS_BASE_PORT, 80, ack),
+            prime: Some(frame(c4, v4, FLOWS_BASE_PORT, 80, syn)),
+            new_source_per_call: false,
+            flows: MANY_FLOWS,
+            action: XDP_TX,
+        },
+        Case {
+            name: "udp",
+            what: "UDP to the VIP, flow known (connection-table hit)",
+            frame: frame(c4, v4, 40002, 53, L4::Udp),
+            prime: Some(frame(c4, v4, 40002, 53, L4::Udp)),
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_TX,
+        },
+        Case {
+            name: "ipv6_tcp_established",
+            what: "IPv6 TCP ACK of an established flow",
+            frame: frame(c6, v6, 40003, 80, ack),
+            prime: Some(frame(c6, v6, 40003, 80, syn)),
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_TX,
+        },
+        Case {
+            name: "pass_not_vip",
+            what: "TCP to a non-VIP address (XDP_PASS)",
+            frame: frame(c4, IpAddr::from(Ipv4Addr::new(10, 0, 0, 2)), 40004, 80, ack),
+            prime: None,
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_PASS,
+        },
+    ]
+}
+
+/// One `repeat = n` call: (return value, kernel ns per run, wall ns per run).
+fn run_repeat(program: &Xdp, frame: &[u8], n: u32) -> Result<(u32, f64, f64)> {
+    let start = Instant::now();
+    let r = program
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            repeat: n,
+            ..TestRunOptions::default()
+        })
+        .context("BPF_PROG_TEST_RUN")?;
+    let wall = start.elapsed().as_nanos() as f64 / n as f64;
+    Ok((r.return_value, r.duration.as_nanos() as f64, wall))
+}
+
+/// `calls` calls with `repeat = 1`: (wall ns per call, kernel ns per run). With
+/// `next_source`, every call gets a new IPv4 source address and port first.
+fn run_loop(
+    program: &Xdp,
+    frame: &mut [u8],
+    calls: u32,
+    mut next_source: Option<&mut u64>,
+    flows: u32,
+) -> Result<(f64, f64)> {
+    let mut kernel_ns = 0u128;
+    let start = Instant::now();
+    for call in 0..calls {
+        if flows > 1 {
+            set_src_port(frame, FLOWS_BASE_PORT + (call % flows) as u16);
+        }
+        if let Some(k) = next_source.as_deref_mut() {
+            *k += 1;
+            let port = 1024 + (*k % 64000) as u16;
+            let host = 0x0a02_0000u32 + (*k / 64000) as u32; // 10.2.0.0 and up
+            frame[V4_SRC_PORT_AT..V4_SRC_PORT_AT + 2].copy_from_slice(&port.to_be_bytes());
+            frame[V4_SRC_ADDR_AT..V4_SRC_ADDR_AT + 4].copy_from_slice(&host.to_be_bytes());
+        }
+        let r = program
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                repeat: 1,
+                ..TestRunOptions::default()
+            })
+            .context("BPF_PROG_TEST_RUN")?;
+        kernel_ns += r.duration.as_nanos();
+    }
+    let wall = start.elapsed().as_nanos() as f64 / calls as f64;
+    Ok((wall, kernel_ns as f64 / calls as f64))
+}
+
+#[derive(Default)]
+struct Samples {
+    repeat_kernel: Vec<f64>,
+    repeat_wall: Vec<f64>,
+    loop_wall: Vec<f64>,
+    loop_kernel: Vec<f64>,
+}
+
+/// Counters of the program that changed between two reads, by name.
+fn changed(before: &[u64], after: &[u64]) -> Value {
+    let mut m = serde_json::Map::new();
+    for (i, name) in stat::NAMES.iter().enumerate() {
+        let (b, a) = (before.get(i).copied(), after.get(i).copied());
+        if let (Some(b), Some(a)) = (b, a)
+            && a != b
+        {
+            m.insert(name.to_string(), json!(a - b));
+        }
+    }
+    Value::Object(m)
+}
+
+pub struct Results {
+    pub tables: Vec<Table>,
+    pub json: Value,
+    /// (case, backends) -> (net ns repeat, net ns loop-kernel, net ns loop-wall).
+    pub net: Vec<(String, usize, f64, f64, f64)>,
+}
+
+pub fn run(opts: &Options) -> Result<Results> {
+    let mut pass_ebpf = load_program("xdp_pass")?;
+    let mut out_json = Vec::new();
+    let mut net_all = Vec::new();
+    let mut table = Table::new(
+        "Per packet through BPF_PROG_TEST_RUN (ns, medians)",
+        &[
+            "case",
+            "backends",
+            "repeat raw",
+            "repeat net",
+            "loop kernel raw",
+            "loop kernel net",
+            "loop wall/call",
+            "loop wall net",
+        ],
+    );
+    for &backends in &opts.backend_counts {
+        eprintln!("bench: per packet, {backends} backend(s)...");
+        let mut inst = Instance::load(&config_text(backends))?;
+        let cases = cases();
+        for case in &cases {
+            if let Some(p) = &case.prime {
+                let program = inst.dataplane.program_mut()?;
+                let mut p = p.clone();
+                for flow in 0..case.flows {
+                    if case.flows > 1 {
+                        set_src_port(&mut p, FLOWS_BASE_PORT + flow as u16);
+                    }
+                    run_repeat(program, &p, 1)?;
+                }
+            }
+        }
+        let mut lb: Vec<Samples> = cases.iter().map(|_| Samples::default()).collect();
+        let mut pass: Vec<Samples> = cases.iter().map(|_| Samples::default()).collect();
+        let mut counters_json = Vec::new();
+        let mut source_counter = 0u64;
+        for round in 0..opts.rounds {
+            for (ci, case) in cases.iter().enumerate() {
+                let pass_prog = xdp(&mut pass_ebpf, "xdp_pass")?;
+                let (rv, k, w) = run_repeat(pass_prog, &case.frame, opts.repeat)?;
+                ensure!(rv == XDP_PASS, "xdp_pass returned {rv}");
+                pass[ci].repeat_kernel.push(k);
+                pass[ci].repeat_wall.push(w);
+
+                let before = inst.dataplane.counters(&[], &[])?.outcomes;
+                let program = inst.dataplane.program_mut()?;
+                let (rv, k, w) = run_repeat(program, &case.frame, opts.repeat)?;
+                if rv != case.action {
+                    bail!(
+                        "{} with {backends} backends: lb_xdp returned {rv}, expected {}",
+                        case.name,
+                        case.action
+                    );
+                }
+                lb[ci].repeat_kernel.push(k);
+                lb[ci].repeat_wall.push(w);
+                if round == 0 {
+                    let after = inst.dataplane.counters(&[], &[])?.outcomes;
+                    counters_json.push(json!({
+                        "case": case.name,
+                        "repeat": opts.repeat,
+                        "counters": changed(&before, &after),
+                    }));
+                }
+
+                // The same frame changes (for the SYN) in both programs' loops alike.
+                let mut f = case.frame.clone();
+                let mut pass_source = source_counter;
+                let pass_prog = xdp(&mut pass_ebpf, "xdp_pass")?;
+                let (w, k) = run_loop(
+                    pass_prog,
+                    &mut f,
+                    opts.loop_calls,
+                    case.new_source_per_call.then_some(&mut pass_source),
+                    case.flows,
+                )?;
+                pass[ci].loop_wall.push(w);
+                pass[ci].loop_kernel.push(k);
+
+                let mut f = case.frame.clone();
+                let before = inst.dataplane.counters(&[], &[])?.outcomes;
+                let program = inst.dataplane.program_mut()?;
+                let (w, k) = run_loop(
+                    program,
+                    &mut f,
+                    opts.loop_calls,
+                    case.new_source_per_call.then_some(&mut source_counter),
+                    case.flows,
+                )?;
+                lb[ci].loop_wall.push(w);
+                lb[ci].loop_kernel.push(k);
+                if round == 0 {
+                    let after = inst.dataplane.counters(&[], &[])?.outcomes;
+                    counters_json.push(json!({
+                        "case": case.name,
+                        "loop_calls": opts.loop_calls,
+                        "counters": changed(&before, &after),
+                    }));
+                }
+            }
+        }
+        for (ci, case) in cases.iter().enumerate() {
+            let (l, p) = (&lb[ci], &pass[ci]);
+            let net = |a: &[f64], b: &[f64]| -> Vec<f64> {
+                a.iter().zip(b).map(|(x, y)| x - y).collect()
+            };
+            let rk_net = net(&l.repeat_kernel, &p.repeat_kernel);
+            let lk_net = net(&l.loop_kernel, &p.loop_kernel);
+            let lw_net = net(&l.loop_wall, &p.loop_wall);
+            // Under repeat the many-flows case is one flow: shown in the JSON only.
+            let one_flow = |x: f64| if case.flows > 1 { f64::NAN } else { x };
+            table.row(vec![
+                case.name.into(),
+                backends.to_string(),
+                num(one_flow(median(&l.repeat_kernel)), 1),
+                num(one_flow(median(&rk_net)), 1),
+                num(median(&l.loop_kernel), 1),
+                num(median(&lk_net), 1),
+                num(median(&l.loop_wall), 0),
+                num(median(&lw_net), 1),
+            ]);
+            net_all.push((
+                case.name.to_string(),
+                backends,
+                median(&rk_net),
+                median(&lk_net),
+                median(&lw_net),
+            ));
+            let stats = |v: &[f64]| {
+                let (lo, hi) = range(v);
+                json!({ "median": median(v), "min": lo, "max": hi, "rounds": v })
+            };
+            out_json.push(json!({
+                "case": case.name,
+                "what": case.what,
+                "backends": backends,
+                "frame_bytes": case.frame.len(),
+                "flows_in_loop": case.flows,
+                "repeat": {
+                    "n": opts.repeat,
+                    "lb_kernel_ns": stats(&l.repeat_kernel),
+                    "lb_wall_ns": stats(&l.repeat_wall),
+                    "empty_kernel_ns": stats(&p.repeat_kernel),
+                    "empty_wall_ns": stats(&p.repeat_wall),
+                    "net_kernel_ns": stats(&rk_net),
+                },
+                "loop": {
+                    "calls": opts.loop_calls,
+                    "lb_wall_ns_per_call": stats(&l.loop_wall),
+                    "lb_kernel_ns_per_run": stats(&l.loop_kernel),
+                    "empty_wall_ns_per_call": stats(&p.loop_wall),
+                    "empty_kernel_ns_per_run": stats(&p.loop_kernel),
+                    "net_kernel_ns": stats(&lk_net),
+                    "net_wall_ns": stats(&lw_net),
+                },
+            }));
+        }
+        out_json.push(json!({ "backends": backends, "counter_changes": counters_json }));
+    }
+    table.note(format!(
+        "{} rounds; repeat = {} per call; loop = {} calls of repeat = 1; net = lb_xdp minus \
+         xdp_pass (empty program) of the same round, median over rounds.",
+        opts.rounds, opts.repeat, opts.loop_calls
+    ));
+    table.note(
+        "tcp_syn: under repeat the same SYN re-writes its own entry each run; in the loop \
+         every call has a new source address and port, so every SYN inserts a new key.",
+    );
+    table.note(
+        "tcp_established_16k_flows: the loop cycles over 16384 established flows (as the \
+         veth generator does); the other cases send one flow, always hot in the cache.",
+    );
+    Ok(Results {
+        tables: vec![table],
+        json: json!({
+            "empty_program": "xdp_pass",
+            "results": out_json,
+        }),
+        net: net_all,
+    })
+}

@@ -1,0 +1,340 @@
+//! Packets per second through a veth pair, in native XDP mode.
+//!
+//! ```text
+//!   gen ns: eth0 (xdp_bench_sink)  <== veth ==>  lb ns: eth0 (lb_xdp, or xdp_mac_swap)
+//! ```
+//!
+//! `xdp_bench_tx` runs with BPF_PROG_TEST_RUN live frames on the gen side: each run
+//! rewrites the source port (16384 values) and returns XDP_TX, which sends the frame out
+//! of gen's eth0 to the lb side. The program there sends it back (`lb_xdp`: to the
+//! backend's MAC, which is gen's; `xdp_mac_swap`: to the sender), and the sink on gen's
+//! eth0 counts and drops it. The sink is also what makes native XDP_TX on the lb side
+//! work at all: a veth delivers XDP frames only to a peer that has an XDP program.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, ensure};
+use aya::maps::PerCpuArray;
+use aya::programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp, XdpMode};
+use lb_common::{MAP_BENCH_SINK, stat};
+use lb_tests::Netns;
+use lb_tests::netns::ip;
+use lb_userspace::dataplane::Dataplane;
+use serde_json::{Value, json};
+
+use crate::frames::{Frame, L4, TCP_ACK};
+use crate::packet::{Instance, load_program, xdp};
+use crate::report::{Table, median, num, range};
+
+const GEN_MAC: [u8; 6] = [0x02, 0xbe, 0, 0, 0, 0x01];
+const LB_MAC: [u8; 6] = [0x02, 0xbe, 0, 0, 0, 0x02];
+const IFACE: &str = "eth0";
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 100);
+const BACKENDS: usize = 10;
+
+pub struct Options {
+    pub rounds: usize,
+    /// Frames per run.
+    pub frames: u32,
+    /// Live-frame batch size (the kernel's default is 64; at most 256).
+    pub batch: u32,
+}
+
+fn mac(m: [u8; 6]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// The balancer's config: TCP 80 and UDP 53 on the VIP, `BACKENDS` backends that all
+/// have gen's MAC (so everything comes back to the sink). Defaults otherwise.
+fn config_text() -> String {
+    let mut t = format!("[dataplane]\ninterface = \"{IFACE}\"\n[control]\nmetrics = \"off\"\n");
+    for (name, port, proto) in [("tcp", 80, "tcp"), ("udp", 53, "udp")] {
+        t += &format!(
+            "\n[[vip]]\nname = \"{name}\"\naddress = \"{VIP}\"\nport = {port}\n\
+             protocol = \"{proto}\"\n[vip.health]\nkind = \"none\"\n"
+        );
+        for i in 0..BACKENDS {
+            t += &format!(
+                "[[vip.backend]]\naddress = \"10.200.1.{}\"\nmac = \"{}\"\n",
+                i + 1,
+                mac(GEN_MAC)
+            );
+        }
+    }
+    t
+}
+
+fn sum(map: &PerCpuArray<aya::maps::MapData, u64>, index: u32) -> Result<u64> {
+    Ok(map.get(&index, 0)?.iter().sum())
+}
+
+/// Non-zero `ethtool -S` counters of `IFACE` in `ns`.
+fn ethtool_stats(ns: &Netns) -> Value {
+    let text = ns.exec("ethtool", &["-S", IFACE]).unwrap_or_default();
+    let mut m = serde_json::Map::new();
+    for line in text.lines() {
+        if let Some((k, v)) = line.split_once(':')
+            && let Ok(v) = v.trim().parse::<u64>()
+            && v != 0
+        {
+            m.insert(k.trim().to_string(), json!(v));
+        }
+    }
+    Value::Object(m)
+}
+
+struct Run {
+    sent: u64,
+    received: u64,
+    seconds: f64,
+    lb_tx: Option<u64>,
+}
+
+pub struct Results {
+    pub tables: Vec<Table>,
+    pub json: Value,
+    /// (protocol, lb Mpps, baseline Mpps, ratio).
+    pub ratios: Vec<(String, f64, f64, f64)>,
+}
+
+pub fn run(opts: &Options) -> Result<Results> {
+    let gen_ns = Netns::new("bgen")?;
+    let lb_ns = Netns::new("blb")?;
+    for ns in [&gen_ns, &lb_ns] {
+        // No IPv6 on the pair: nothing but the benchmark's frames reaches the sink.
+        ns.sysctl("net.ipv6.conf.all.disable_ipv6", "1")?;
+        ns.sysctl("net.ipv6.conf.default.disable_ipv6", "1")?;
+    }
+    ip(&[
+        "-n",
+        gen_ns.name(),
+        "link",
+        "add",
+        IFACE,
+        "address",
+        &mac(GEN_MAC),
+        "type",
+        "veth",
+        "peer",
+        "name",
+        IFACE,
+        "address",
+        &mac(LB_MAC),
+        "netns",
+        lb_ns.name(),
+    ])?;
+    ip(&["-n", gen_ns.name(), "link", "set", IFACE, "up"])?;
+    ip(&["-n", lb_ns.name(), "link", "set", IFACE, "up"])?;
+
+    // Generator and sink share one object instance, so one BENCH_SINK: 0 received, 1 sent.
+    let mut gen_ebpf = load_program("xdp_bench_sink")?;
+    {
+        let tx: &mut Xdp = xdp(&mut gen_ebpf, "xdp_bench_tx")?;
+        tx.load().context("load xdp_bench_tx")?;
+    }
+    let sink_link = {
+        let sink = xdp(&mut gen_ebpf, "xdp_bench_sink")?;
+        gen_ns.run(|| sink.attach(IFACE, XdpMode::Driver))?
+    }
+    .context("attach xdp_bench_sink (native) on gen's eth0")?;
+    let gen_ifindex = gen_ns.run(|| nix::net::if_::if_nametoindex(IFACE))??;
+    let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(
+        gen_ebpf
+            .take_map(MAP_BENCH_SINK)
+            .ok_or_else(|| anyhow!("no map {MAP_BENCH_SINK}"))?,
+    )?;
+
+    let mut lb = Instance::load(&config_text())?;
+    let mut swap_ebpf = load_program("xdp_mac_swap")?;
+
+    let frame = |l4: L4, dport: u16| {
+        Frame {
+            dst_mac: LB_MAC,
+            src_mac: GEN_MAC,
+            src: IpAddr::from(Ipv4Addr::new(10, 200, 0, 1)),
+            dst: IpAddr::from(VIP),
+            sport: 1024,
+            dport,
+            l4,
+        }
+        .bytes()
+    };
+    let protos = [
+        ("tcp", frame(L4::Tcp { flags: TCP_ACK }, 80)),
+        ("udp", frame(L4::Udp, 53)),
+    ];
+
+    // xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
+    let ctx_for = |len: usize| -> Vec<u8> {
+        [0u32, len as u32, 0, gen_ifindex, 0, 0]
+            .iter()
+            .flat_map(|v| v.to_ne_bytes())
+            .collect()
+    };
+
+    let send = |frame: &[u8]| -> Result<Run> {
+        let ctx = ctx_for(frame.len());
+        let (sent0, recv0) = (sum(&counters, 1)?, sum(&counters, 0)?);
+        let tx = gen_ebpf
+            .program("xdp_bench_tx")
+            .ok_or_else(|| anyhow!("no xdp_bench_tx"))?;
+        let tx: &Xdp = tx.try_into()?;
+        let seconds = gen_ns.run(|| -> Result<f64> {
+            let start = Instant::now();
+            tx.test_run(TestRunOptions {
+                data_in: Some(frame),
+                ctx_in: Some(&ctx),
+                repeat: opts.frames,
+                attrs: TestRunAttrs::new().xdp_live_frames(opts.batch),
+                ..TestRunOptions::default()
+            })
+            .context("BPF_PROG_TEST_RUN live frames")?;
+            Ok(start.elapsed().as_secs_f64())
+        })??;
+        // Frames still in the veth rings land within microseconds.
+        sleep(Duration::from_millis(100));
+        Ok(Run {
+            sent: sum(&counters, 1)? - sent0,
+            received: sum(&counters, 0)? - recv0,
+            seconds,
+            lb_tx: None,
+        })
+    };
+
+    let mut runs: Vec<Value> = Vec::new();
+    // [proto][0 = lb, 1 = baseline] -> (received Mpps, sent Mpps, loss) per round.
+    let mut mpps: Vec<[Vec<f64>; 2]> = protos.iter().map(|_| [vec![], vec![]]).collect();
+    let mut sent_mpps: Vec<[Vec<f64>; 2]> = protos.iter().map(|_| [vec![], vec![]]).collect();
+    let mut loss: Vec<[Vec<f64>; 2]> = protos.iter().map(|_| [vec![], vec![]]).collect();
+    for round in 0..opts.rounds {
+        eprintln!("bench: veth pps, round {}/{}...", round + 1, opts.rounds);
+        for (pi, (proto, frame)) in protos.iter().enumerate() {
+            // Alternate which program goes first.
+            let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+            for which in order {
+                let run = if which == 0 {
+                    let program = lb.dataplane.program_mut()?;
+                    let link = lb_ns.run(|| program.attach(IFACE, XdpMode::Driver))??;
+                    let tx_before = lb.dataplane.forwarded()?;
+                    let run = send(frame);
+                    let tx_after = lb.dataplane.forwarded()?;
+                    lb.dataplane.program_mut()?.detach(link)?;
+                    let mut run = run?;
+                    run.lb_tx = Some(tx_after - tx_before);
+                    run
+                } else {
+                    let program = xdp(&mut swap_ebpf, "xdp_mac_swap")?;
+                    let link = lb_ns.run(|| program.attach(IFACE, XdpMode::Driver))??;
+                    let run = send(frame);
+                    xdp(&mut swap_ebpf, "xdp_mac_swap")?.detach(link)?;
+                    run?
+                };
+                ensure!(run.sent > 0, "the generator sent nothing");
+                let recv = run.received as f64 / run.seconds / 1e6;
+                let sent = run.sent as f64 / run.seconds / 1e6;
+                let lost = 1.0 - run.received as f64 / run.sent as f64;
+                mpps[pi][which].push(recv);
+                sent_mpps[pi][which].push(sent);
+                loss[pi][which].push(lost);
+                runs.push(json!({
+                    "round": round,
+                    "proto": proto,
+                    "program": if which == 0 { "lb_xdp" } else { "xdp_mac_swap" },
+                    "sent": run.sent,
+                    "received": run.received,
+                    "seconds": run.seconds,
+                    "lb_xdp_tx": run.lb_tx,
+                    "received_mpps": recv,
+                    "sent_mpps": sent,
+                    "loss": lost,
+                }));
+            }
+        }
+    }
+    let lb_counters = lb.dataplane.counters(&[], &[])?.outcomes;
+    let lb_counters: serde_json::Map<String, Value> = stat::NAMES
+        .iter()
+        .zip(&lb_counters)
+        .filter(|(_, v)| **v != 0)
+        .map(|(k, v)| (k.to_string(), json!(v)))
+        .collect();
+    let ethtool = json!({ "gen": ethtool_stats(&gen_ns), "lb": ethtool_stats(&lb_ns) });
+
+    let mut table = Table::new(
+        "Through a veth pair, native XDP (Mpps received back, medians)",
+        &[
+            "traffic",
+            "lb_xdp Mpps",
+            "lb loss",
+            "mac_swap Mpps",
+            "mac_swap loss",
+            "lb / baseline",
+        ],
+    );
+    let mut ratios = Vec::new();
+    let mut summary = Vec::new();
+    for (pi, (proto, _)) in protos.iter().enumerate() {
+        let r: Vec<f64> = mpps[pi][0]
+            .iter()
+            .zip(&mpps[pi][1])
+            .map(|(a, b)| a / b)
+            .collect();
+        let (lb_m, base_m) = (median(&mpps[pi][0]), median(&mpps[pi][1]));
+        let ratio = median(&r);
+        table.row(vec![
+            format!("{proto} ({} flows)", 16384),
+            num(lb_m, 2),
+            format!("{}%", num(median(&loss[pi][0]) * 100.0, 2)),
+            num(base_m, 2),
+            format!("{}%", num(median(&loss[pi][1]) * 100.0, 2)),
+            num(ratio, 3),
+        ]);
+        ratios.push((proto.to_string(), lb_m, base_m, ratio));
+        let (lo, hi) = range(&r);
+        summary.push(json!({
+            "proto": proto,
+            "lb_received_mpps": median(&mpps[pi][0]),
+            "lb_sent_mpps": median(&sent_mpps[pi][0]),
+            "lb_loss": median(&loss[pi][0]),
+            "baseline_received_mpps": median(&mpps[pi][1]),
+            "baseline_sent_mpps": median(&sent_mpps[pi][1]),
+            "baseline_loss": median(&loss[pi][1]),
+            "ratio_median_of_rounds": ratio,
+            "ratio_min": lo,
+            "ratio_max": hi,
+        }));
+    }
+    table.note(format!(
+        "{} rounds of {} frames per program and protocol (live-frame batch {}), lb and \
+         baseline alternating; ratio = median over rounds of lb / baseline of that round.",
+        opts.rounds, opts.frames, opts.batch
+    ));
+    table.note(
+        "Generator and both programs share the machine's CPUs; Mpps = frames received by \
+         the sink / duration of the generator's call.",
+    );
+
+    xdp(&mut gen_ebpf, "xdp_bench_sink")?.detach(sink_link)?;
+    drop(lb);
+    drop(swap_ebpf);
+    drop(gen_ebpf);
+    Ok(Results {
+        tables: vec![table],
+        json: json!({
+            "frames_per_run": opts.frames,
+            "batch": opts.batch,
+            "backends": BACKENDS,
+            "flows": 16384,
+            "summary": summary,
+            "runs": runs,
+            "lb_counters_total": lb_counters,
+            "ethtool_nonzero_total": ethtool,
+        }),
+        ratios,
+    })
+}
