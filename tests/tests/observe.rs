@@ -1,0 +1,277 @@
+//! End to end: what operators see. Metrics that match the traffic sent, exactly; the
+//! status JSON's fields; `lb top` under a pseudo-terminal; and source-IP affinity against
+//! per-connection hashing. `cargo test -p lb-tests --test observe`.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::Duration;
+
+use lb_tests::{Lab, LabOptions, Protocol, XdpMode, require_e2e, spread, udp_spread};
+
+const METRICS: &str = "127.0.0.1:9650";
+
+/// A lab serving TCP 80 and UDP 53 on every backend, agent with metrics on loopback
+/// (inside the balancer's namespace) and the VIPs `vips` makes.
+fn lab_with(bin: &Path, vips: impl FnOnce(&Lab) -> Vec<lb_tests::VipConfig>) -> Lab {
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(80, false).expect("tcp servers");
+    lab.serve_tcp(81, false).expect("tcp servers on 81");
+    lab.serve_udp(53, false).expect("udp servers");
+    let mut config = lab.agent_config(XdpMode::Native, vips(&lab));
+    config.metrics = METRICS.into();
+    lab.start_agent(bin, &config).expect("start the agent");
+    lab
+}
+
+/// `GET /metrics` from inside the balancer's namespace.
+fn scrape(lab: &Lab) -> prometheus_parse::Scrape {
+    let text = lab
+        .lb()
+        .run(|| -> std::io::Result<String> {
+            let mut stream = TcpStream::connect(METRICS)?;
+            stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+            stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: lb\r\n\r\n")?;
+            let mut response = String::new();
+            stream.read_to_string(&mut response)?;
+            Ok(response)
+        })
+        .expect("enter the namespace")
+        .expect("scrape /metrics");
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(
+        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{head}"
+    );
+    prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
+        .expect("parse the exposition")
+}
+
+fn value(scrape: &prometheus_parse::Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    let sample = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == metric && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .unwrap_or_else(|| panic!("no {metric}{labels:?}"));
+    match sample.value {
+        prometheus_parse::Value::Counter(v)
+        | prometheus_parse::Value::Gauge(v)
+        | prometheus_parse::Value::Untyped(v) => v,
+        ref other => panic!("{metric}: unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn metrics_count_exactly_the_packets_sent() {
+    let Some(bin) = require_e2e("metrics_count_exactly_the_packets_sent") else {
+        return;
+    };
+    let lab = lab_with(&bin, |lab| {
+        vec![
+            lab.vip("web", false, 80, Protocol::Tcp, lb_tests::Health::None),
+            lab.vip("dns", false, 53, Protocol::Udp, lb_tests::Health::None),
+        ]
+    });
+    // 40 UDP requests, each from a new port: exactly 40 packets, 40 new flows, to the VIP.
+    let n = 40;
+    let udp = udp_spread(lab.client(), SocketAddr::new(lab.vip4(), 53), n).expect("udp requests");
+    assert_eq!(udp.failures, 0, "{}", udp.table());
+    let tcp = spread(lab.client(), SocketAddr::new(lab.vip4(), 80), 30).expect("tcp requests");
+    assert_eq!(tcp.failures, 0, "{}", tcp.table());
+
+    let scrape = scrape(&lab);
+    let dns = [("vip", "dns")];
+    assert_eq!(value(&scrape, "lb_vip_packets_total", &dns), n as f64);
+    assert_eq!(value(&scrape, "lb_vip_new_flows_total", &dns), n as f64);
+    let per_backend: f64 = (0..3)
+        .map(|i| {
+            let backend = lab.backend_addr(i, false).to_string();
+            value(
+                &scrape,
+                "lb_backend_packets_total",
+                &[("vip", "dns"), ("backend", &backend)],
+            )
+        })
+        .sum();
+    assert_eq!(
+        per_backend, n as f64,
+        "backends' packets add up to the VIP's"
+    );
+    for i in 0..3 {
+        let backend = lab.backend_addr(i, false).to_string();
+        let answered = udp.counts.get(&lab.backend_name(i)).copied().unwrap_or(0) as f64;
+        let counted = value(
+            &scrape,
+            "lb_backend_packets_total",
+            &[("vip", "dns"), ("backend", &backend)],
+        );
+        assert_eq!(
+            counted, answered,
+            "{backend}: metrics vs what the client saw"
+        );
+    }
+    // 30 TCP connections: 30 SYNs, so 30 new flows; no non-SYN misses.
+    assert_eq!(
+        value(&scrape, "lb_vip_new_flows_total", &[("vip", "web")]),
+        30.0
+    );
+    assert_eq!(
+        value(&scrape, "lb_conntrack_misses_total", &[("kind", "non_syn")]),
+        0.0
+    );
+    assert_eq!(
+        value(&scrape, "lb_conntrack_misses_total", &[("kind", "syn")]),
+        30.0
+    );
+    assert_eq!(
+        value(&scrape, "lb_vip_healthy_backends", &[("vip", "web")]),
+        3.0
+    );
+    let tx = value(&scrape, "lb_xdp_actions_total", &[("action", "tx")]);
+    let vip_packets = value(&scrape, "lb_vip_packets_total", &[("vip", "web")]) + n as f64;
+    assert_eq!(tx, vip_packets, "every forwarded packet belongs to a VIP");
+}
+
+#[test]
+fn status_json_has_every_documented_field() {
+    let Some(bin) = require_e2e("status_json_has_every_documented_field") else {
+        return;
+    };
+    let lab = lab_with(&bin, |lab| {
+        vec![lab.vip(
+            "web",
+            false,
+            80,
+            Protocol::Tcp,
+            lb_tests::Health::fast_tcp(),
+        )]
+    });
+    lb_tests::wait_backends_up(
+        lab.agent().unwrap(),
+        "web",
+        Duration::from_secs(10),
+        &|| false,
+    )
+    .expect("backends up");
+    let status = lab.agent().unwrap().status_json().expect("status --json");
+    let dataplane = &status["dataplane"];
+    assert_eq!(dataplane["interface"], "eth0");
+    assert_eq!(dataplane["xdp_mode"], "native");
+    assert!(
+        dataplane["conntrack_entries"].is_u64() && dataplane["start"].is_string(),
+        "{dataplane}"
+    );
+    let vip = &status["vips"][0];
+    for field in [
+        "healthy_backends",
+        "unhealthy_backends",
+        "packets",
+        "bytes",
+        "new_flows",
+    ] {
+        assert!(vip[field].is_u64(), "vip.{field}: {vip}");
+    }
+    assert!(
+        vip["busiest_over_average"].is_f64() && vip["top_sources"].is_array(),
+        "{vip}"
+    );
+    for backend in vip["backends"].as_array().expect("backends") {
+        for field in ["address", "state", "health", "mac"] {
+            assert!(backend[field].is_string(), "backend.{field}: {backend}");
+        }
+        for field in [
+            "weight",
+            "active_flows",
+            "packets",
+            "bytes",
+            "new_flows",
+            "slots",
+            "consecutive",
+        ] {
+            assert!(backend[field].is_u64(), "backend.{field}: {backend}");
+        }
+        let check = &backend["last_check"];
+        assert!(
+            check["ok"].is_boolean() && check["latency_ms"].is_f64(),
+            "last_check: {check}"
+        );
+        assert!(
+            check.get("error").is_some(),
+            "last_check.error (null when ok): {check}"
+        );
+        assert_eq!(backend["health"], "up");
+        assert_eq!(backend["state"], "ready");
+    }
+    assert!(status["counters"]["xdp_tx"].is_u64());
+}
+
+#[test]
+fn top_redraws_under_a_pseudo_terminal() {
+    let Some(bin) = require_e2e("top_redraws_under_a_pseudo_terminal") else {
+        return;
+    };
+    let lab = lab_with(&bin, |lab| {
+        vec![lab.vip("web", false, 80, Protocol::Tcp, lb_tests::Health::None)]
+    });
+    let tcp = spread(lab.client(), SocketAddr::new(lab.vip4(), 80), 20).expect("tcp requests");
+    assert_eq!(tcp.failures, 0);
+    // `script` gives `lb top` a pseudo-terminal, so it redraws in place.
+    let command = format!(
+        "{} top --socket {} --count 2 --interval 0.3",
+        bin.display(),
+        lab.socket_path().display()
+    );
+    let out = std::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run script");
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "lb top failed: {screen}");
+    assert_eq!(
+        screen.matches("\x1b[H\x1b[2J").count(),
+        2,
+        "two redraws: {screen:?}"
+    );
+    assert_eq!(
+        screen.matches("web 10.99.0.100:80/tcp").count(),
+        2,
+        "{screen}"
+    );
+    for i in 0..3 {
+        assert!(
+            screen.contains(&lab.backend_addr(i, false).to_string()),
+            "{screen}"
+        );
+    }
+}
+
+#[test]
+fn src_ip_affinity_pins_a_client_and_5_tuple_spreads_it() {
+    let Some(bin) = require_e2e("src_ip_affinity_pins_a_client_and_5_tuple_spreads_it") else {
+        return;
+    };
+    let lab = lab_with(&bin, |lab| {
+        let mut sticky = lab.vip("sticky", false, 81, Protocol::Tcp, lb_tests::Health::None);
+        sticky.hash = Some("src-ip".into());
+        vec![
+            lab.vip("web", false, 80, Protocol::Tcp, lb_tests::Health::None),
+            sticky,
+        ]
+    });
+    let per_connection = spread(lab.client(), SocketAddr::new(lab.vip4(), 80), 60).unwrap();
+    let sticky = spread(lab.client(), SocketAddr::new(lab.vip4(), 81), 60).unwrap();
+    assert_eq!(per_connection.failures + sticky.failures, 0);
+    assert_eq!(
+        per_connection.counts.len(),
+        3,
+        "5-tuple spreads one client: {}",
+        per_connection.table()
+    );
+    assert_eq!(
+        sticky.counts.len(),
+        1,
+        "src-ip keeps one client on one backend: {}",
+        sticky.table()
+    );
+}
