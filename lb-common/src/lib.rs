@@ -37,6 +37,11 @@ pub const MAP_BACKEND_STATS: &str = "LB_BE_STATS";
 pub const MAP_CONNTRACK: &str = "LB_CONNTRACK";
 pub const MAP_FLOOD: &str = "LB_FLOOD";
 pub const MAP_SOURCES: &str = "LB_SOURCES";
+pub const MAP_CAPTURE: &str = "LB_CAPTURE";
+/// Bytes of each captured frame kept (the rest is cut, as tcpdump's snaplen).
+pub const CAPTURE_BYTES: usize = 128;
+/// Global set at load time: frames per second per CPU the debug capture may copy (0: off).
+pub const GLOBAL_CAPTURE_RATE: &str = "CAPTURE_RATE";
 /// Client sources tracked for heavy-hitter reports (LRU: the busiest stay).
 pub const SOURCE_ENTRIES: u32 = 16384;
 /// Written by the agent only, read back by a restarted agent: what the pinned maps hold.
@@ -136,6 +141,20 @@ pub struct SourceKey {
     pub _pad: [u8; 3],
 }
 const _: () = assert!(size_of::<SourceKey>() == 24);
+
+/// One frame sent to userspace by the debug capture (`LB_CAPTURE` ring buffer).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct CaptureRecord {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) when the frame arrived.
+    pub ts_ns: u64,
+    /// The frame's length on the wire.
+    pub len: u32,
+    /// Bytes of it in `data`.
+    pub caplen: u32,
+    pub data: [u8; CAPTURE_BYTES],
+}
+const _: () = assert!(size_of::<CaptureRecord>() == 16 + CAPTURE_BYTES);
 
 /// Indices of `LB_META` (u64 values).
 pub mod meta {
@@ -266,7 +285,9 @@ pub mod stat {
     pub const CT_CREATED: u32 = 21;
     /// Inserts skipped by the flood guard (`CT_INSERT_LIMIT`).
     pub const CT_INSERT_SKIPPED: u32 = 22;
-    pub const COUNT: u32 = 23;
+    /// Frames copied to the debug capture (TCP non-SYN misses, rate limited).
+    pub const CAPTURED: u32 = 23;
+    pub const COUNT: u32 = 24;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -293,6 +314,7 @@ pub mod stat {
         "ct_rehash",
         "ct_created",
         "ct_insert_skipped",
+        "captured",
     ];
 }
 

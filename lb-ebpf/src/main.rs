@@ -10,17 +10,22 @@ mod parse;
 #[cfg(target_arch = "bpf")]
 mod program {
     use aya_ebpf::{
-        bindings::xdp_action, helpers::bpf_ktime_get_ns, macros::xdp, programs::XdpContext,
+        bindings::xdp_action,
+        helpers::{bpf_ktime_get_ns, bpf_xdp_load_bytes},
+        macros::xdp,
+        maps::PerCpuArray,
+        programs::XdpContext,
     };
     use lb_common::{
-        BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, FLOW_F_CLOSING, FlowEntry, FlowKey,
+        BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord,
+        FLOW_F_CLOSING, FlowEntry, FlowKey, InsertWindow,
         LAST_SEEN_GRANULARITY_NS, PROTO_UDP, VIP_F_HASH_SRC_IP, VipInfo, VipKey, flow_hash,
         maglev_slot, stat,
     };
 
     use crate::maps::{
-        LB_BACKEND_STATS, LB_BACKENDS, LB_CONNTRACK, LB_FLOOD, LB_MAGLEV, LB_VIP_STATS, LB_VIPS,
-        count, count_sink, count_source, count_traffic, next_sink_sequence,
+        LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
+        LB_MAGLEV, LB_VIP_STATS, LB_VIPS, count, count_sink, count_source, count_traffic, next_sink_sequence,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -39,6 +44,13 @@ mod program {
     /// Inserts per second per CPU; 0: unlimited (`lb_common::GLOBAL_CT_INSERT_LIMIT`).
     #[unsafe(no_mangle)]
     static CT_INSERT_LIMIT: u64 = 0;
+
+    /// Ethernet + IPv4 + TCP without options: what a short captured frame keeps.
+    const CAPTURE_HEADERS: u32 = 14 + 20 + 20;
+
+    /// Debug captures per second per CPU; 0: off (`lb_common::GLOBAL_CAPTURE_RATE`).
+    #[unsafe(no_mangle)]
+    static CAPTURE_RATE: u64 = 0;
 
     #[xdp]
     pub fn lb_xdp(ctx: XdpContext) -> u32 {
@@ -64,7 +76,7 @@ mod program {
         let Some(vip) = (unsafe { LB_VIPS.get(vip_key) }) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
-        let (backend_id, backend, new_flow) = choose_backend(&packet, vip)?;
+        let (backend_id, backend, new_flow) = choose_backend(ctx, &packet, vip)?;
 
         let eth = ethernet(ctx)?;
         unsafe {
@@ -96,7 +108,11 @@ mod program {
     #[inline(always)]
     /// Returns the backend's id and entry, and whether this packet starts a new flow (a
     /// SYN, or a UDP packet without a live entry).
-    fn choose_backend(packet: &Packet, vip: &VipInfo) -> Result<(u32, BackendInfo, bool), Verdict> {
+    fn choose_backend(
+        ctx: &XdpContext,
+        packet: &Packet,
+        vip: &VipInfo,
+    ) -> Result<(u32, BackendInfo, bool), Verdict> {
         let now = unsafe { bpf_ktime_get_ns() };
         let key = FlowKey {
             src: packet.src_addr,
@@ -143,6 +159,9 @@ mod program {
             } else {
                 stat::CT_MISS_NON_SYN
             });
+            if !packet.syn && !udp {
+                capture(ctx, now);
+            }
         }
 
         let table_size = read(&MAGLEV_SIZE);
@@ -168,15 +187,47 @@ mod program {
         Ok((backend_id, *backend, new_flow))
     }
 
-    /// The flood guard: at most `CT_INSERT_LIMIT` inserts per second on this CPU, so a
-    /// SYN flood cannot evict every established flow from the LRU.
+    /// Copies the frame's first `CAPTURE_BYTES` to the debug capture, at most
+    /// `CAPTURE_RATE` per second on this CPU.
     #[inline(always)]
-    fn may_insert(now: u64) -> bool {
-        let limit = read(&CT_INSERT_LIMIT);
-        if limit == 0 {
-            return true;
+    fn capture(ctx: &XdpContext, now: u64) {
+        let rate = read(&CAPTURE_RATE);
+        if rate == 0 || !within_rate(&LB_CAPTURE_WIN, rate, now) {
+            return;
         }
-        let Some(window) = LB_FLOOD.get_ptr_mut(0) else {
+        // Constant copy lengths only: the verifier cannot follow a variable one through
+        // the helper call. Frames shorter than CAPTURE_BYTES keep their headers.
+        let len = (ctx.data_end() - ctx.data()) as u32;
+        let caplen = if len as usize >= CAPTURE_BYTES {
+            CAPTURE_BYTES as u32
+        } else if len >= CAPTURE_HEADERS {
+            CAPTURE_HEADERS
+        } else {
+            return;
+        };
+        let Some(mut entry) = LB_CAPTURE.reserve::<CaptureRecord>(0) else {
+            return;
+        };
+        let record = entry.as_mut_ptr();
+        let copied = unsafe {
+            (*record).ts_ns = now;
+            (*record).len = len;
+            (*record).caplen = caplen;
+            let data = core::ptr::addr_of_mut!((*record).data) as *mut core::ffi::c_void;
+            bpf_xdp_load_bytes(ctx.ctx, 0, data, caplen)
+        };
+        if copied != 0 {
+            entry.discard(0);
+            return;
+        }
+        entry.submit(0);
+        count(stat::CAPTURED);
+    }
+
+    /// Whether one more event fits in this CPU's `limit` per second, counted in `window`.
+    #[inline(always)]
+    fn within_rate(window: &PerCpuArray<InsertWindow>, limit: u64, now: u64) -> bool {
+        let Some(window) = window.get_ptr_mut(0) else {
             return true;
         };
         let window = unsafe { &mut *window };
@@ -185,11 +236,22 @@ mod program {
             window.inserts = 0;
         }
         if window.inserts >= limit {
-            count(stat::CT_INSERT_SKIPPED);
             return false;
         }
         window.inserts += 1;
         true
+    }
+
+    /// The flood guard: at most `CT_INSERT_LIMIT` inserts per second on this CPU, so a
+    /// SYN flood cannot evict every established flow from the LRU.
+    #[inline(always)]
+    fn may_insert(now: u64) -> bool {
+        let limit = read(&CT_INSERT_LIMIT);
+        if limit == 0 || within_rate(&LB_FLOOD, limit, now) {
+            return true;
+        }
+        count(stat::CT_INSERT_SKIPPED);
+        false
     }
 
     /// Reads a load-time global. Volatile, so the compiler does not fold the default in

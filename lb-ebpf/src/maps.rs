@@ -3,7 +3,7 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS,
@@ -71,6 +71,16 @@ pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8) {
         }
     }
 }
+
+/// Frames (`CaptureRecord`) of TCP packets that missed the connection table without a
+/// SYN, for the agent's debug pcap. Written by the program only when `CAPTURE_RATE` > 0;
+/// drained by the agent. 256 KiB.
+#[map(name = "LB_CAPTURE")]
+pub static LB_CAPTURE: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+
+/// 0 -> this CPU's captures in the current second (the capture's rate limit).
+#[map(name = "LB_CAPTURE_WIN")]
+pub static LB_CAPTURE_WIN: PerCpuArray<InsertWindow> = PerCpuArray::with_max_entries(1, 0);
 
 /// 0 -> this CPU's inserts in the current second (flood guard). Program only.
 #[map(name = "LB_FLOOD")]

@@ -18,11 +18,11 @@ use aya::{
     },
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC,
-    GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, LAYOUT_VERSION, MAP_BACKEND_IDS, MAP_BACKEND_STATS,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_FLOOD, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS,
-    MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS, SourceKey, TABLE_GENERATIONS, TrafficCounters,
-    VipInfo, VipKey, meta, stat,
+    BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE, GLOBAL_CT_INSERT_LIMIT,
+    GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, LAYOUT_VERSION, MAP_BACKEND_IDS,
+    MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_FLOOD, MAP_MAGLEV, MAP_META,
+    MAP_SOURCES, MAP_STATS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS, SourceKey,
+    TABLE_GENERATIONS, TrafficCounters, VipInfo, VipKey, meta, stat,
 };
 
 use crate::config::{Config, XdpModeSetting};
@@ -129,6 +129,8 @@ pub struct LoadOptions {
     pub flow_idle: Duration,
     /// Connection-table inserts per second per CPU; 0: unlimited.
     pub conntrack_insert_limit: u64,
+    /// Frames per second per CPU copied to the debug capture; 0: off.
+    pub capture_rate: u64,
 }
 
 impl LoadOptions {
@@ -141,6 +143,7 @@ impl LoadOptions {
             conntrack_entries: config.dataplane.conntrack_entries,
             flow_idle: config.dataplane.flow_idle_timeout,
             conntrack_insert_limit: config.dataplane.conntrack_insert_limit,
+            capture_rate: 0,
         }
     }
 }
@@ -255,6 +258,7 @@ impl AyaDataplane {
                 &options.conntrack_insert_limit,
                 true,
             )
+            .override_global(GLOBAL_CAPTURE_RATE, &options.capture_rate, true)
             .map_max_entries(MAP_MAGLEV, maglev_entries)
             .map_max_entries(MAP_CONNTRACK, options.conntrack_entries);
         if let Some(dir) = pins {
@@ -454,6 +458,11 @@ impl AyaDataplane {
     /// The loaded program, for BPF_PROG_TEST_RUN in tests and benchmarks.
     pub fn program_mut(&mut self) -> Result<&mut Xdp, DataplaneError> {
         program(&mut self.ebpf)
+    }
+
+    /// The debug capture's ring buffer, for `capture::write_pcap` (once).
+    pub fn take_capture(&mut self) -> Result<aya::maps::RingBuf<MapData>, DataplaneError> {
+        take_map(&mut self.ebpf, MAP_CAPTURE)
     }
 
     /// Writes a connection-table entry (tests: to age or plant an entry).

@@ -1,6 +1,7 @@
 //! The `lb` agent: configuration, the data-plane loader, health checks and control.
 
 pub mod agent;
+pub mod capture;
 pub mod config;
 pub mod control;
 pub mod dataplane;

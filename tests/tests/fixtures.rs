@@ -265,10 +265,15 @@ struct Fixture {
 impl Fixture {
     /// A program instance of its own, its maps written by the agent's code from `text`.
     fn load(text: &str) -> Fixture {
+        Fixture::load_with(text, |_| {})
+    }
+
+    /// `load`, with load-time options changed by `adjust`.
+    fn load_with(text: &str, adjust: impl FnOnce(&mut LoadOptions)) -> Fixture {
         let config = Config::from_toml(text).expect("fixture config");
-        let dataplane =
-            AyaDataplane::load(EBPF_OBJECT, LoadOptions::from_config(&config, IFACE_MAC))
-                .expect("load the XDP program");
+        let mut options = LoadOptions::from_config(&config, IFACE_MAC);
+        adjust(&mut options);
+        let dataplane = AyaDataplane::load(EBPF_OBJECT, options).expect("load the XDP program");
         let model = Model::new(
             config.dataplane.maglev_table_size,
             vip_capacity(config.vips.len()),
@@ -1083,4 +1088,54 @@ fn new_flows_are_counted_per_client_source() {
             ([10, 0, 0, 7], "udp".to_string(), 2)
         ]
     );
+}
+
+#[test]
+fn the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate() {
+    if !can_run("the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate") {
+        return;
+    }
+    // One CPU, so the per-CPU rate limit sees every packet.
+    let mut cpus = nix::sched::CpuSet::new();
+    cpus.set(0).unwrap();
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
+    let config = sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0);
+    let mut fixture = Fixture::load_with(&config, |options| options.capture_rate = 3);
+    run(&mut fixture, &tcp(47000, TCP_SYN)); // a SYN is not captured
+    let mut captured = 0;
+    for port in 47001..47006 {
+        let result = run(&mut fixture, &tcp(port, TCP_ACK));
+        assert_eq!(counted(&result, "ct_miss_non_syn"), 1);
+        captured += counted(&result, "captured");
+    }
+    assert_eq!(captured, 3, "five misses within a second, three captured");
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("misses.pcap");
+    let mut ring = fixture.dataplane.take_capture().unwrap();
+    let mut sink = lb_userspace::capture::PcapSink::create(&path).unwrap();
+    assert_eq!(
+        lb_userspace::capture::drain(&mut ring, &mut sink).unwrap(),
+        3
+    );
+    drop(sink);
+    let out = std::process::Command::new("tcpdump")
+        .args(["-nn", "-r"])
+        .arg(&path)
+        .output()
+        .expect("run tcpdump");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "tcpdump: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    for (line, port) in lines.iter().zip(47001..) {
+        assert!(
+            line.contains(&format!("10.0.0.1.{port} > 10.0.0.100.80")),
+            "{line}"
+        );
+    }
 }

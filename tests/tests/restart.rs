@@ -271,6 +271,7 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
         conntrack_entries: 1024,
         flow_idle: Duration::from_secs(30),
         conntrack_insert_limit: 0,
+        capture_rate: 0,
     };
     let key = lb_common::FlowKey {
         src: [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
