@@ -228,6 +228,25 @@ fn run(args: &Args) -> Result<()> {
             request_goals(&r.medians, &mut goals);
             tables.extend(r.tables);
             json_sections.insert("requests".into(), r.json);
+            // The same comparison with the program in generic (skb) mode: no veth NAPI
+            // ring on the balancer's side of the path.
+            check_cancelled()?;
+            eprintln!("bench: restarting the agent in generic mode...");
+            restart_agent(&mut lab, &lb_bin, XdpMode::Generic)?;
+            let status = || {
+                lab.agent()
+                    .and_then(|a| a.status_json().ok())
+                    .unwrap_or(Value::Null)
+            };
+            let generic_opts = requests::Options {
+                keepalive_rounds: if args.quick { 1 } else { 4 },
+                ..opts
+            };
+            let (t, j) =
+                requests::keepalive_split(&lab, &mut servers, &generic_opts, "generic", &status)?;
+            tables.push(t);
+            json_sections.insert("keepalive_generic".into(), j);
+            restart_agent(&mut lab, &lb_bin, XdpMode::Native)?;
             load.push(json!({ "at": "after requests", "loadavg": loadavg() }));
             drop(servers);
             check_cancelled()?;
@@ -339,6 +358,24 @@ fn build_lab(lb_bin: &std::path::Path) -> Result<Lab> {
         ns.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
     }
     lab.serve_tcp(control::HC_PORT, true)?;
+    let config = lab_config(&lab, XdpMode::Native);
+    lab.start_agent(lb_bin, &config)?;
+    for i in 0..lab.backends().len() {
+        let addr = lab.backend_addr(i, false).to_string();
+        control::wait_backend(
+            &lab,
+            control::HC_VIP,
+            &addr,
+            |b| b["in_table"] == true,
+            Duration::from_secs(20),
+        )?;
+    }
+    Ok(lab)
+}
+
+/// The lab agent's config: the VIP on port 80 for wrk (TCP checks every second) and
+/// the health-check VIP.
+fn lab_config(lab: &Lab, mode: XdpMode) -> lb_tests::AgentConfig {
     let web = lab.vip(
         "web",
         false,
@@ -352,19 +389,30 @@ fn build_lab(lb_bin: &std::path::Path) -> Result<Lab> {
             port: None,
         },
     );
-    let config = lab.agent_config(XdpMode::Native, vec![web, control::hc_vip(&lab)]);
+    lab.agent_config(mode, vec![web, control::hc_vip(lab)])
+}
+
+/// Restarts the lab's agent in `mode` and waits until every backend of both VIPs is in
+/// the table.
+fn restart_agent(lab: &mut Lab, lb_bin: &std::path::Path, mode: XdpMode) -> Result<()> {
+    if let Some(agent) = lab.take_agent() {
+        agent.stop()?;
+    }
+    let config = lab_config(lab, mode);
     lab.start_agent(lb_bin, &config)?;
     for i in 0..lab.backends().len() {
         let addr = lab.backend_addr(i, false).to_string();
-        control::wait_backend(
-            &lab,
-            control::HC_VIP,
-            &addr,
-            |b| b["in_table"] == true,
-            Duration::from_secs(20),
-        )?;
+        for vip in ["web", control::HC_VIP] {
+            control::wait_backend(
+                lab,
+                vip,
+                &addr,
+                |b| b["in_table"] == true,
+                Duration::from_secs(20),
+            )?;
+        }
     }
-    Ok(lab)
+    Ok(())
 }
 
 /// /proc/loadavg's first three fields.

@@ -57,6 +57,11 @@ impl Daemon {
         })
     }
 
+    /// The pid of the program (`ip netns exec` execs it in place).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

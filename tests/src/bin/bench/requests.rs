@@ -137,6 +137,64 @@ fn cpu_share(before: &[u64], after: &[u64]) -> CpuShare {
     }
 }
 
+/// CPU ticks (USER_HZ) spent by the ksoftirqd threads: softirq work the kernel could not
+/// finish at interrupt exit and deferred to threads that compete with everything else.
+fn ksoftirqd_ticks() -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    dir.flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.starts_with("ksoftirqd/"))
+        })
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter_map(|stat| {
+            // Fields after the ")" of the command: state is field 3, utime 14, stime 15.
+            let rest = stat.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .sum()
+}
+
+/// (ns on a CPU, ns waiting on a run queue) of `pids` and their threads, summed
+/// (/proc/PID/task/TID/schedstat).
+fn sched_ns(pids: &[u32]) -> (u64, u64) {
+    let mut sum = (0, 0);
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+                let f: Vec<u64> = s
+                    .split_whitespace()
+                    .filter_map(|x| x.parse().ok())
+                    .collect();
+                if f.len() >= 2 {
+                    sum.0 += f[0];
+                    sum.1 += f[1];
+                }
+            }
+        }
+    }
+    sum
+}
+
+/// Times the softirq budget ran out with work left (`time_squeeze` of
+/// /proc/net/softnet_stat, summed over CPUs).
+fn time_squeeze() -> u64 {
+    std::fs::read_to_string("/proc/net/softnet_stat")
+        .map(|s| {
+            s.lines()
+                .filter_map(|l| l.split_whitespace().nth(2))
+                .filter_map(|x| u64::from_str_radix(x, 16).ok())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
 /// Waits until `addr` accepts TCP connections from the client's namespace.
 fn wait_listening(lab: &Lab, addr: SocketAddr, what: &str) -> Result<()> {
     let start = Instant::now();
@@ -160,6 +218,28 @@ pub struct Servers {
 }
 
 impl Servers {
+    /// nginx's worker processes (children of the masters).
+    fn nginx_workers(&self) -> Vec<u32> {
+        let masters: Vec<u32> = self.nginx.iter().filter_map(Daemon::pid).collect();
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        dir.flatten()
+            .filter_map(|e| {
+                let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+                let ppid: u32 = stat
+                    .rsplit_once(')')?
+                    .1
+                    .split_whitespace()
+                    .nth(1)?
+                    .parse()
+                    .ok()?;
+                masters.contains(&ppid).then_some(pid)
+            })
+            .collect()
+    }
+
     fn check(&mut self) -> Result<()> {
         for n in &mut self.nginx {
             n.check_running()?;
@@ -362,7 +442,7 @@ pub fn run(
         "Everything (wrk, nginx, HAProxy, the XDP program's softirq) shares the machine's \
          CPUs: figures compare the paths, they are not capacity figures.",
     );
-    let (split_table, split_json) = keepalive_split(lab, servers, opts, &urls, lb_status)?;
+    let (split_table, split_json) = keepalive_split(lab, servers, opts, "native", lb_status)?;
     Ok(Results {
         tables: vec![table, split_table],
         json: json!({
@@ -382,15 +462,21 @@ pub fn run(
 /// spread over the backends: per-connection hashing of a few long-lived connections
 /// leaves some backends with more of them than others, while HAProxy's round robin
 /// spreads them exactly, and the busiest backend's queue makes the tail.
-fn keepalive_split(
+pub fn keepalive_split(
     lab: &Lab,
     servers: &mut Servers,
     opts: &Options,
-    urls: &[String; 3],
+    mode: &str,
     lb_status: &dyn Fn() -> Value,
 ) -> Result<(Table, Value)> {
+    let urls = [
+        format!("http://{}/", lab.vip4()),
+        format!("http://{}/", lab.lb_addr(false)),
+    ];
     let mut table = Table::new(
-        "Keep-alive p99, lb against HAProxy, with lb's connections per backend",
+        &format!(
+            "Keep-alive p99, lb ({mode} XDP) against HAProxy, with lb's connections per backend"
+        ),
         &[
             "round",
             "lb p99 ms",
@@ -398,8 +484,12 @@ fn keepalive_split(
             "lb / haproxy",
             "lb conns per backend",
             "busiest / mean",
+            "ksoftirqd ms lb/hap",
+            "nginx wait ms/s lb/hap",
+            "nginx cpu ms/s lb/hap",
         ],
     );
+    let workers = servers.nginx_workers();
     let mut rows = Vec::new();
     let (mut ratios, mut busiest) = (Vec::new(), Vec::new());
     for round in 0..opts.keepalive_rounds {
@@ -411,9 +501,19 @@ fn keepalive_split(
         );
         servers.check()?;
         let before = lb_status();
+        let (k0, q0, s0) = (ksoftirqd_ticks(), time_squeeze(), sched_ns(&workers));
         let (lb, _) = wrk(lab, &urls[0], opts, opts.seconds, false)?;
+        let (k1, q1, s1) = (ksoftirqd_ticks(), time_squeeze(), sched_ns(&workers));
         let split = backend_split(&before, &lb_status());
         let (hp, _) = wrk(lab, &urls[1], opts, opts.seconds, false)?;
+        let (k2, q2, s2) = (ksoftirqd_ticks(), time_squeeze(), sched_ns(&workers));
+        // Per second of run, summed over the nginx workers.
+        let per_s = |a: u64, b: u64| (b.saturating_sub(a)) as f64 / 1e6 / opts.seconds as f64;
+        let (wait_lb, wait_hp) = (per_s(s0.1, s1.1), per_s(s1.1, s2.1));
+        let (cpu_lb, cpu_hp) = (per_s(s0.0, s1.0), per_s(s1.0, s2.0));
+        // USER_HZ is 100 on Linux: a tick is 10 ms.
+        let (ksoft_lb, ksoft_hp) = ((k1 - k0) * 10, (k2 - k1) * 10);
+        let (sq_lb, sq_hp) = (q1 - q0, q2 - q1);
         let counts: Vec<u64> = split
             .as_object()
             .map(|m| m.values().filter_map(Value::as_u64).collect())
@@ -434,9 +534,17 @@ fn keepalive_split(
                 .collect::<Vec<_>>()
                 .join("/"),
             num(top, 2),
+            format!("{ksoft_lb}/{ksoft_hp}"),
+            format!("{}/{}", num(wait_lb, 0), num(wait_hp, 0)),
+            format!("{}/{}", num(cpu_lb, 0), num(cpu_hp, 0)),
         ]);
         rows.push(json!({
             "round": round,
+            "xdp_mode": mode,
+            "ksoftirqd_ms": { "lb": ksoft_lb, "haproxy": ksoft_hp },
+            "time_squeeze": { "lb": sq_lb, "haproxy": sq_hp },
+            "nginx_workers_runqueue_wait_ms_per_s": { "lb": wait_lb, "haproxy": wait_hp },
+            "nginx_workers_cpu_ms_per_s": { "lb": cpu_lb, "haproxy": cpu_hp },
             "lb": { "requests_per_sec": lb.requests_per_sec, "p50_ms": lb.p50_ms, "p99_ms": lb.p99_ms },
             "haproxy": { "requests_per_sec": hp.requests_per_sec, "p50_ms": hp.p50_ms, "p99_ms": hp.p99_ms },
             "lb_connections_per_backend": split,
@@ -445,9 +553,14 @@ fn keepalive_split(
     }
     table.note(format!(
         "{} rounds, lb then HAProxy, keep-alive, {} connections; connections per backend \
-         from the agent's per-backend new-flow counters. Median lb / haproxy p99: {}.",
+         from the agent's per-backend new-flow counters; ksoftirqd: CPU time of the \
+         ksoftirqd threads during the run (softirq work deferred to threads); nginx wait / \
+         cpu: time the {} nginx workers spent waiting on a run queue / running, summed, per \
+         second of run (schedstat); softirq squeezes are in the JSON. Median lb / haproxy \
+         p99: {}.",
         opts.keepalive_rounds,
         opts.connections,
+        workers.len(),
         num(median(&ratios), 2)
     ));
     Ok((table, json!({ "rounds": rows })))
