@@ -2,6 +2,7 @@
 //! (`AyaDataplane`) and in memory (`MemoryDataplane`, for unit tests of what is written
 //! and in which order).
 
+use std::os::fd::AsFd;
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
@@ -96,6 +97,9 @@ pub trait Dataplane {
     fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError>;
     /// Every connection-table entry (a syscall or two per entry: call it off the hot path).
     fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError>;
+    /// A handle that reads the connection table on its own, so a long scan need not
+    /// hold the agent's lock.
+    fn flow_reader(&self) -> Result<FlowReader, DataplaneError>;
     /// New flows per client source and VIP (summed over CPUs) since the program loaded.
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError>;
 }
@@ -606,21 +610,22 @@ impl Dataplane for AyaDataplane {
     }
 
     fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
-        let mut flows = Vec::new();
-        for item in self.conntrack.iter() {
-            match item {
-                Ok(flow) => flows.push(flow),
-                // An entry evicted between listing its key and reading it.
-                Err(aya::maps::MapError::KeyNotFound) => continue,
-                Err(source) => {
-                    return Err(DataplaneError::Map {
-                        map: MAP_CONNTRACK,
-                        source,
-                    });
-                }
-            }
-        }
-        Ok(flows)
+        read_flows(&self.conntrack)
+    }
+
+    fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {
+        let fd = aya::maps::IterableMap::map(&self.conntrack)
+            .fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| DataplaneError::Pin {
+                path: PathBuf::from(MAP_CONNTRACK),
+                source,
+            })?;
+        let data = MapData::from_fd(fd).map_err(in_map(MAP_CONNTRACK))?;
+        let map = BpfHashMap::try_from(aya::maps::Map::LruHashMap(data))
+            .map_err(in_map(MAP_CONNTRACK))?;
+        Ok(FlowReader(FlowSource::Map(map)))
     }
 }
 
@@ -689,9 +694,52 @@ impl Dataplane for MemoryDataplane {
         Ok(self.flows.iter().map(|(k, v)| (*k, *v)).collect())
     }
 
+    fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {
+        Ok(FlowReader(FlowSource::Snapshot(self.flows()?)))
+    }
+
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
         Ok(self.sources.iter().map(|(k, v)| (*k, *v)).collect())
     }
+}
+
+/// Reads the connection table apart from the data path's own handle (see
+/// `Dataplane::flow_reader`).
+pub struct FlowReader(FlowSource);
+
+enum FlowSource {
+    Map(BpfHashMap<MapData, FlowKey, FlowEntry>),
+    /// The in-memory data path's entries when the reader was made.
+    Snapshot(Vec<(FlowKey, FlowEntry)>),
+}
+
+impl FlowReader {
+    pub fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+        match &self.0 {
+            FlowSource::Map(map) => read_flows(map),
+            FlowSource::Snapshot(flows) => Ok(flows.clone()),
+        }
+    }
+}
+
+fn read_flows(
+    map: &BpfHashMap<MapData, FlowKey, FlowEntry>,
+) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+    let mut flows = Vec::new();
+    for item in map.iter() {
+        match item {
+            Ok(flow) => flows.push(flow),
+            // An entry evicted between listing its key and reading it.
+            Err(aya::maps::MapError::KeyNotFound) => continue,
+            Err(source) => {
+                return Err(DataplaneError::Map {
+                    map: MAP_CONNTRACK,
+                    source,
+                });
+            }
+        }
+    }
+    Ok(flows)
 }
 
 fn mode_code(mode: AttachedMode) -> u64 {

@@ -974,6 +974,13 @@ fn rst_never_creates_an_entry_and_a_lone_ack_is_a_non_syn_miss() {
         1,
         "late packets still follow the entry"
     );
+    // A separate reader (the agent scans with one, off its lock) sees the same table.
+    let flows = fixture.dataplane.flow_reader().unwrap().flows().unwrap();
+    assert!(
+        flows
+            .iter()
+            .any(|(k, e)| *k == key(43001) && e.flags & lb_common::FLOW_F_CLOSING != 0)
+    );
 }
 
 #[test]
