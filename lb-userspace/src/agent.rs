@@ -75,6 +75,8 @@ pub struct Shared {
     last_sources: HashMap<SourceKey, u64>,
     /// How this agent found the data path: "fresh", "adopted", or "replaced (why)".
     pub start: String,
+    /// Announcing VIPs to routers (`[announce]`) and the node's drain state.
+    pub announce: crate::announce::State,
 }
 
 impl Shared {
@@ -108,6 +110,7 @@ impl Shared {
             top_sources: HashMap::new(),
             last_sources: HashMap::new(),
             start: "fresh".to_string(),
+            announce: Default::default(),
         }
     }
 
@@ -172,6 +175,10 @@ impl Shared {
                 old.dataplane.conntrack_entries != new.dataplane.conntrack_entries,
             ),
             ("control.socket", old.control.socket != new.control.socket),
+            (
+                "announce (table, protocol, device)",
+                !crate::announce::same_routes(&old.announce, &new.announce),
+            ),
         ];
         if let Some((field, _)) = fixed.iter().find(|(_, changed)| *changed) {
             return Err(ReloadError::NeedsRestart(field));
@@ -411,6 +418,7 @@ impl Shared {
             .collect();
         let counters = self.dataplane.counters(&vip_ids, &backend_ids)?;
         let slots = Model::slot_counts(&self.desired);
+        let now = Instant::now();
         let vips = self
             .model
             .vips
@@ -455,8 +463,11 @@ impl Shared {
                     .iter()
                     .filter(|b| b.health != Health::Down && b.mac.is_some())
                     .count();
+                let (announced, announcement) = crate::announce::describe_vip(self, vip, now);
                 VipStatus {
                     name: vip.config.name.clone(),
+                    announced,
+                    announcement,
                     address: vip.config.address.to_string(),
                     port: vip.config.port,
                     protocol: vip.config.protocol.to_string(),
@@ -496,6 +507,7 @@ impl Shared {
             },
             vips,
             counters,
+            node: crate::announce::node_status(self, now),
         })
     }
 }
@@ -524,6 +536,15 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         config.dataplane.flow_idle_timeout,
     );
     model.update(&config)?;
+    // Before attaching: a device that cannot be made stops the start with nothing changed.
+    let announcer = match &config.announce {
+        Some(announce) => Some(
+            crate::announce::Announcer::open(announce)
+                .await
+                .context("setting up [announce]")?,
+        ),
+        None => None,
+    };
 
     let options = LoadOptions::from_config(&config, interface.mac.0);
     let pin_dir = config.dataplane.pin_dir();
@@ -602,6 +623,12 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         Some(address) => Some(metrics::serve(address, shared.clone(), shutdown.clone()).await?),
         None => None,
     };
+    let announcer = match (announcer, &config.announce) {
+        (Some(announcer), Some(announce)) => {
+            Some(crate::announce::start(shared.clone(), announcer, announce))
+        }
+        _ => None,
+    };
 
     println!(
         "serving {} VIP(s) on {} (xdp mode: {mode}); control socket {}",
@@ -642,6 +669,10 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
                 }
             }
         }
+    }
+    // Withdraw first: routers move the traffic while this node still forwards it.
+    if let Some(announcer) = announcer {
+        announcer.stop().await;
     }
     shutdown.cancel();
     let _ = control.await;

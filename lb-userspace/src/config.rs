@@ -58,9 +58,45 @@ pub struct Config {
     pub dataplane: DataplaneConfig,
     #[serde(default)]
     pub control: ControlConfig,
+    /// Announcing VIPs to routers through a routing daemon (several nodes behind ECMP).
+    /// Absent (the default): nothing is announced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub announce: Option<AnnounceConfig>,
     /// Empty is valid: an agent can start with nothing to serve yet.
     #[serde(rename = "vip", default)]
     pub vips: Vec<VipConfig>,
+}
+
+/// `[announce]`: the agent keeps one route per VIP address it serves in a kernel routing
+/// table of its own, through a device of its own; a routing daemon (BIRD's `protocol
+/// kernel` with `learn`) imports that table and announces the routes over BGP. See
+/// `announce.rs` for when a VIP is announced.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AnnounceConfig {
+    /// The kernel routing table (no lookup uses it: only the routing daemon reads it).
+    pub table: u32,
+    /// The routes' protocol number (`proto` in `ip route`, `krt_source` in BIRD).
+    pub protocol: u8,
+    /// How long after the agent starts serving before it announces anything, so that
+    /// health checks and neighbour resolution settle first.
+    #[serde(with = "duration")]
+    pub warmup: Duration,
+    /// The tun device the routes point at. The agent creates it and holds it open: when
+    /// the agent dies, the kernel deletes the device and its routes, and the VIPs are
+    /// withdrawn without the agent's help.
+    pub device: String,
+}
+
+impl Default for AnnounceConfig {
+    fn default() -> Self {
+        AnnounceConfig {
+            table: 4242,
+            protocol: 249,
+            warmup: Duration::from_secs(5),
+            device: "lb-vips".into(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -169,6 +205,10 @@ pub struct VipConfig {
     pub drain_timeout: Duration,
     #[serde(default)]
     pub health: HealthConfig,
+    /// With `[announce]`: announced only while at least this many backends take new
+    /// flows (admin ready, MAC known, not failed by health checks).
+    #[serde(default = "default_min_healthy")]
+    pub min_healthy: u32,
     /// A VIP may start with no backends; they can be added at run time.
     #[serde(rename = "backend", default)]
     pub backends: Vec<BackendConfig>,
@@ -176,6 +216,10 @@ pub struct VipConfig {
 
 fn default_drain_timeout() -> Duration {
     Duration::from_secs(30)
+}
+
+fn default_min_healthy() -> u32 {
+    1
 }
 
 impl VipConfig {
@@ -507,6 +551,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.dataplane.validate()?;
         self.control.validate()?;
+        if let Some(announce) = &self.announce {
+            announce.validate(&self.dataplane.interface)?;
+        }
 
         if self.vips.len() > MAX_VIPS {
             return Err(invalid(
@@ -552,26 +599,29 @@ impl Config {
     }
 }
 
+/// Why `name` cannot be a Linux interface name, if it cannot.
+fn bad_interface_name(name: &str) -> Option<String> {
+    if name.is_empty() {
+        return Some("must not be empty".into());
+    }
+    if name.len() > MAX_INTERFACE_NAME {
+        return Some(format!(
+            "{name:?} is {} bytes; Linux interface names are at most {MAX_INTERFACE_NAME}",
+            name.len()
+        ));
+    }
+    if name.contains('/') || name.chars().any(char::is_whitespace) {
+        return Some(format!(
+            "{name:?} is not an interface name: it contains '/' or whitespace"
+        ));
+    }
+    None
+}
+
 impl DataplaneConfig {
     fn validate(&self) -> Result<(), ConfigError> {
-        let name = &self.interface;
-        if name.is_empty() {
-            return Err(invalid("dataplane.interface", "must not be empty"));
-        }
-        if name.len() > MAX_INTERFACE_NAME {
-            return Err(invalid(
-                "dataplane.interface",
-                format!(
-                    "{name:?} is {} bytes; Linux interface names are at most {MAX_INTERFACE_NAME}",
-                    name.len()
-                ),
-            ));
-        }
-        if name.contains('/') || name.chars().any(char::is_whitespace) {
-            return Err(invalid(
-                "dataplane.interface",
-                format!("{name:?} is not an interface name: it contains '/' or whitespace"),
-            ));
+        if let Some(why) = bad_interface_name(&self.interface) {
+            return Err(invalid("dataplane.interface", why));
         }
 
         let size = self.maglev_table_size;
@@ -631,6 +681,47 @@ impl ControlConfig {
     }
 }
 
+impl AnnounceConfig {
+    fn validate(&self, data_interface: &str) -> Result<(), ConfigError> {
+        // 0 is no table; 253, 254 and 255 are the kernel's default, main and local tables,
+        // where a route to the device would take the VIP's traffic on this host.
+        if matches!(self.table, 0 | 253..=255) {
+            return Err(invalid(
+                "announce.table",
+                format!(
+                    "{} is a table the kernel uses (0 unspec, 253 default, 254 main, \
+                     255 local); give the announced routes a table of their own, e.g. 4242",
+                    self.table
+                ),
+            ));
+        }
+        // 0-4 are the kernel's own (unspec, redirect, kernel, boot, static); BIRD treats
+        // routes with its own number (12) as its leftovers and deletes them.
+        if self.protocol <= 4 || self.protocol == 12 {
+            return Err(invalid(
+                "announce.protocol",
+                format!(
+                    "{} is reserved (0-4 belong to the kernel, 12 to BIRD); the default is 249",
+                    self.protocol
+                ),
+            ));
+        }
+        if let Some(why) = bad_interface_name(&self.device) {
+            return Err(invalid("announce.device", why));
+        }
+        if self.device == data_interface {
+            return Err(invalid(
+                "announce.device",
+                format!(
+                    "{:?} is the data-path interface; the agent creates this device itself",
+                    self.device
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl VipConfig {
     fn validate(&self, at: &str, maglev_table_size: u32) -> Result<(), ConfigError> {
         if self.name.is_empty() {
@@ -657,6 +748,12 @@ impl VipConfig {
             return Err(invalid(format!("{at}.port"), "must not be 0"));
         }
         self.health.validate(&format!("{at}.health"))?;
+        if self.min_healthy == 0 {
+            return Err(invalid(
+                format!("{at}.min_healthy"),
+                "must be at least 1: a VIP without a backend to send to must not attract traffic",
+            ));
+        }
 
         if self.backends.len() >= maglev_table_size as usize {
             return Err(invalid(
@@ -927,9 +1024,11 @@ address = "10.0.0.11"
                     path: None,
                     expect_status: 200,
                 },
+                min_healthy: 1,
                 backends: vec![backend("10.0.0.11")],
             }]
         );
+        assert_eq!(config.announce, None, "nothing is announced by default");
         assert_eq!(config.vips[0].health_port(), 80);
     }
 
@@ -1246,6 +1345,11 @@ weight = 3
         config.vips[0].health.kind = HealthKind::Http;
         config.vips[0].health.path = Some("/healthz".into());
         config.vips[0].backends[0].mac = Some(MacAddr([2, 0, 0, 0, 0, 0x0b]));
+        config.vips[0].min_healthy = 2;
+        config.announce = Some(AnnounceConfig {
+            warmup: Duration::from_millis(2500),
+            ..AnnounceConfig::default()
+        });
         config.vips.push(VipConfig {
             name: "web6".into(),
             address: "2001:db8::1".parse().unwrap(),
@@ -1706,6 +1810,87 @@ weight = 3
                 c.vips[0].backends = backends(7);
             }),
             "vip[0].backend"
+        );
+    }
+
+    // --- announce ---
+
+    #[test]
+    fn announce_section_gets_defaults_and_takes_its_fields() {
+        let config = Config::from_toml(&format!("{MINIMAL}\n[announce]\n")).unwrap();
+        assert_eq!(config.announce, Some(AnnounceConfig::default()));
+        let announce = AnnounceConfig::default();
+        assert_eq!(
+            (announce.table, announce.protocol, announce.warmup),
+            (4242, 249, Duration::from_secs(5))
+        );
+        assert_eq!(announce.device, "lb-vips");
+        let text = format!(
+            "{MINIMAL}\n[announce]\ntable = 100\nprotocol = 200\nwarmup = \"1s\"\ndevice = \"vips0\"\n"
+        );
+        assert_eq!(
+            Config::from_toml(&text).unwrap().announce,
+            Some(AnnounceConfig {
+                table: 100,
+                protocol: 200,
+                warmup: Duration::from_secs(1),
+                device: "vips0".into(),
+            })
+        );
+        let unknown = parse_error(&format!("{MINIMAL}\n[announce]\nasn = 65000\n"));
+        assert!(unknown.contains("asn"), "{unknown}");
+    }
+
+    #[test]
+    fn announce_table_protocol_and_device_are_checked() {
+        let with = |change: fn(&mut AnnounceConfig)| {
+            move |c: &mut Config| {
+                let mut announce = AnnounceConfig::default();
+                change(&mut announce);
+                c.announce = Some(announce);
+            }
+        };
+        for table in [0, 253, 254, 255] {
+            let mut config = minimal();
+            config.announce = Some(AnnounceConfig {
+                table,
+                ..AnnounceConfig::default()
+            });
+            assert!(
+                matches!(config.validate(), Err(ConfigError::Invalid { field, .. }) if field == "announce.table"),
+                "table {table}"
+            );
+        }
+        assert_eq!(
+            rejected_field(with(|a| a.protocol = 4)),
+            "announce.protocol"
+        );
+        assert_eq!(
+            rejected_field(with(|a| a.protocol = 12)),
+            "announce.protocol"
+        );
+        assert_eq!(
+            rejected_field(with(|a| a.device = String::new())),
+            "announce.device"
+        );
+        assert_eq!(
+            rejected_field(with(|a| a.device = "a-name-that-is-too-long".into())),
+            "announce.device"
+        );
+        assert_eq!(
+            rejected_field(with(|a| a.device = "eth0".into())),
+            "announce.device"
+        );
+    }
+
+    #[test]
+    fn min_healthy_defaults_to_one_and_must_be_at_least_one() {
+        assert_eq!(minimal().vips[0].min_healthy, 1);
+        let text = MINIMAL.replace("protocol = \"tcp\"", "protocol = \"tcp\"\nmin_healthy = 3");
+        assert_eq!(Config::from_toml(&text).unwrap().vips[0].min_healthy, 3);
+        assert_eq!(
+            rejected_field(|c| c.vips[0].min_healthy = 0),
+            "vip[0].min_healthy"
         );
     }
 }

@@ -33,6 +33,27 @@ pub struct Status {
     pub vips: Vec<VipStatus>,
     /// Outcome counters of the program (`lb_common::stat::NAMES`), summed over CPUs.
     pub counters: BTreeMap<String, u64>,
+    /// Announcing VIPs to routers (`[announce]`) and the node's drain state.
+    #[serde(default)]
+    pub node: NodeStatus,
+}
+
+/// The node's part in a multi-node deployment (`[announce]`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// VIPs are announced to routers (`[announce]` is configured).
+    pub announcing: bool,
+    /// `lb node drain`: every VIP is withdrawn until `lb node ready`.
+    pub drained: bool,
+    /// The kernel routing table and device of the announced routes.
+    pub table: Option<u32>,
+    pub device: Option<String>,
+    /// Warm-up left before anything is announced (0 once over).
+    pub warmup_left_seconds: f64,
+    /// Addresses announced now (their routes are in the table).
+    pub announced: Vec<String>,
+    /// The last failure to write the routes, while it lasts.
+    pub error: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -52,6 +73,13 @@ pub struct DataplaneStatus {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct VipStatus {
     pub name: String,
+    /// With `[announce]`: the VIP's address is announced to the routers now.
+    #[serde(default)]
+    pub announced: bool,
+    /// Why (not): "announced", "withdrawn: <reason>", "not announced: no [announce]
+    /// section".
+    #[serde(default)]
+    pub announcement: String,
     pub address: String,
     pub port: u16,
     pub protocol: String,
@@ -119,6 +147,8 @@ pub async fn serve(
         .route("/backend/state", post(backend_state))
         .route("/backend/add", post(backend_add))
         .route("/backend/remove", post(backend_remove))
+        .route("/node/drain", post(node_drain))
+        .route("/node/ready", post(node_ready))
         .with_state(Api {
             shared,
             health_tasks,
@@ -252,6 +282,26 @@ async fn backend_remove(
     Ok(Json(ChangeAnswer { change }))
 }
 
+/// How long `/node/drain` and `/node/ready` wait for the routes to follow.
+const NODE_CHANGE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// `POST /node/drain`: withdraw every VIP (the data path keeps forwarding what still
+/// arrives); answers once the routes are gone.
+async fn node_drain(State(api): State<Api>) -> Result<Json<ChangeAnswer>, (StatusCode, String)> {
+    crate::announce::set_drained(&api.shared, true, NODE_CHANGE_WAIT)
+        .await
+        .map(|change| Json(ChangeAnswer { change }))
+        .map_err(|e| (StatusCode::CONFLICT, e))
+}
+
+/// `POST /node/ready`: undoes `/node/drain`.
+async fn node_ready(State(api): State<Api>) -> Result<Json<ChangeAnswer>, (StatusCode, String)> {
+    crate::announce::set_drained(&api.shared, false, NODE_CHANGE_WAIT)
+        .await
+        .map(|change| Json(ChangeAnswer { change }))
+        .map_err(|e| (StatusCode::CONFLICT, e))
+}
+
 async fn explain(
     State(Api { shared, .. }): State<Api>,
     Json(request): Json<ExplainRequest>,
@@ -319,6 +369,30 @@ pub fn render(status: &Status) -> String {
         "data path: {} ({}) xdp mode {}, maglev table {} slots",
         d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size
     );
+    let node = &status.node;
+    if node.announcing {
+        let _ = writeln!(
+            out,
+            "node: {}, announcing through table {} (device {}): {}{}{}",
+            if node.drained { "DRAINED" } else { "ready" },
+            node.table.unwrap_or_default(),
+            node.device.as_deref().unwrap_or("?"),
+            if node.announced.is_empty() {
+                "nothing announced".to_string()
+            } else {
+                node.announced.join(", ")
+            },
+            if node.warmup_left_seconds > 0.0 {
+                format!(" (warm-up: {:.1}s left)", node.warmup_left_seconds)
+            } else {
+                String::new()
+            },
+            node.error
+                .as_deref()
+                .map(|e| format!("; error: {e}"))
+                .unwrap_or_default()
+        );
+    }
     for vip in &status.vips {
         let _ = writeln!(
             out,
@@ -333,6 +407,9 @@ pub fn render(status: &Status) -> String {
             vip.packets,
             vip.new_flows
         );
+        if status.node.announcing {
+            let _ = writeln!(out, "  announcement: {}", vip.announcement);
+        }
         let _ = writeln!(
             out,
             "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  last check",

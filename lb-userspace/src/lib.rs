@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod capture;
+pub mod announce;
 pub mod config;
 pub mod control;
 pub mod dataplane;

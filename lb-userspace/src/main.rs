@@ -71,6 +71,9 @@ enum Command {
     /// Add or remove backends at runtime (a reload of the file undoes it).
     #[command(subcommand)]
     Backend(BackendCommand),
+    /// This node's part in a multi-node deployment (`[announce]`).
+    #[command(subcommand)]
+    Node(NodeCommand),
     /// A live view: packets and new flows per second per backend, shares, health, hot
     /// spots. Refreshes every second until Ctrl-C.
     Top {
@@ -116,6 +119,22 @@ enum BackendCommand {
     },
     /// Drain a backend, then delete it once drained.
     Remove(BackendArgs),
+}
+
+#[derive(Subcommand)]
+enum NodeCommand {
+    /// Withdraw every VIP from the routers; this node keeps forwarding what still
+    /// arrives. Returns once the routes are withdrawn. Lasts until `lb node ready` (or
+    /// the agent restarts).
+    Drain {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Announce again (each VIP once it qualifies: warm-up, min_healthy).
+    Ready {
+        #[command(flatten)]
+        target: Target,
+    },
 }
 
 /// Where the running agent's control socket is.
@@ -284,6 +303,17 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
                 weight: None,
             };
             send_change(&args.target, "/backend/remove", &body).await?
+        }
+        Command::Node(command) => {
+            let (path, target) = match &command {
+                NodeCommand::Drain { target } => ("/node/drain", target),
+                NodeCommand::Ready { target } => ("/node/ready", target),
+            };
+            let answer = control::request(&target.socket()?, hyper::Method::POST, path, None)
+                .await
+                .context("refused")?;
+            let answer: control::ChangeAnswer = serde_json::from_slice(&answer)?;
+            println!("{}", answer.change);
         }
         Command::Top {
             interval,

@@ -1,0 +1,830 @@
+//! Announcing VIPs to routers (`[announce]`): several balancer nodes behind ECMP.
+//!
+//! The agent speaks no BGP. It keeps one route per VIP address it serves (`VIP/32` or
+//! `VIP/128`) in a kernel routing table of its own (`announce.table`, protocol
+//! `announce.protocol`), pointing at a tun device it creates and holds open
+//! (`announce.device`). A routing daemon imports that table and announces what is in it:
+//! BIRD's `protocol kernel { kernel table 4242; learn; }` feeding `protocol bgp` (see
+//! `scripts/bird/`). Nothing looks routes up in that table; it is only a mailbox.
+//!
+//! When: an address is announced while at least one VIP on it qualifies, and a VIP
+//! qualifies while the agent serves (attached, tables written), the warm-up since it
+//! started serving is over, the node is not drained (`lb node drain`), and at least
+//! `min_healthy` of its backends take new flows ([`verdict`]). The agent withdraws by
+//! deleting the route: when that stops holding, on `lb node drain`, and before it exits
+//! on SIGTERM/SIGINT. If the agent dies without that (SIGKILL, a crash), the kernel
+//! removes the tun device with the agent's last file descriptor, and the device's
+//! routes with it: BIRD sees them go and withdraws. A node whose agent is gone attracts
+//! no traffic.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use futures::TryStreamExt;
+use rtnetlink::{
+    Handle, LinkUnspec, RouteMessageBuilder,
+    packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope},
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::{agent::Shared, config::AnnounceConfig, control::NodeStatus, model::VipState};
+
+/// How often the announcer re-evaluates what to announce.
+const TICK: Duration = Duration::from_millis(200);
+/// How often it re-reads the table even when nothing changed (repairs outside edits).
+const RESYNC: Duration = Duration::from_secs(2);
+
+/// Why a VIP is not announced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Why {
+    /// The data path is not attached with its tables written yet.
+    NotServing,
+    /// `lb node drain`.
+    Drained,
+    /// Fewer than `min_healthy` backends take new flows.
+    TooFewUp { up: usize, min_healthy: u32 },
+    /// The warm-up after start is not over.
+    WarmingUp { left: Duration },
+}
+
+impl fmt::Display for Why {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Why::NotServing => write!(f, "the data path is not serving yet"),
+            Why::Drained => write!(f, "the node is drained (lb node ready undoes it)"),
+            Why::TooFewUp { up, min_healthy } => write!(
+                f,
+                "{up} backend(s) up, fewer than min_healthy {min_healthy}"
+            ),
+            Why::WarmingUp { left } => write!(f, "warming up ({:.1}s left)", left.as_secs_f64()),
+        }
+    }
+}
+
+/// The node's side of the decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeView {
+    /// How long the data path has been serving (`None`: not yet).
+    pub serving_for: Option<Duration>,
+    pub warmup: Duration,
+    pub drained: bool,
+}
+
+/// Whether one VIP should be announced: `Ok(())`, or why not. `up` is the number of its
+/// backends that take new flows.
+pub fn verdict(node: &NodeView, up: usize, min_healthy: u32) -> Result<(), Why> {
+    let Some(serving_for) = node.serving_for else {
+        return Err(Why::NotServing);
+    };
+    if node.drained {
+        return Err(Why::Drained);
+    }
+    if up < min_healthy as usize {
+        return Err(Why::TooFewUp { up, min_healthy });
+    }
+    if serving_for < node.warmup {
+        return Err(Why::WarmingUp {
+            left: node.warmup - serving_for,
+        });
+    }
+    Ok(())
+}
+
+/// The addresses to announce: those with at least one qualifying VIP. Given as
+/// (address, backends up, min_healthy) per VIP.
+pub fn wanted(
+    node: &NodeView,
+    vips: impl IntoIterator<Item = (IpAddr, usize, u32)>,
+) -> BTreeSet<IpAddr> {
+    vips.into_iter()
+        .filter(|(_, up, min)| verdict(node, *up, *min).is_ok())
+        .map(|(address, _, _)| address)
+        .collect()
+}
+
+/// Backends of a VIP that take new flows.
+pub fn backends_up(vip: &VipState) -> usize {
+    vip.backends.iter().filter(|b| b.in_table()).count()
+}
+
+/// The announcement state, kept in [`Shared`].
+#[derive(Clone, Debug, Default)]
+pub struct State {
+    /// `[announce]` is configured and the announcer runs.
+    pub enabled: bool,
+    /// When the data path started serving (the warm-up counts from here).
+    pub serving_since: Option<Instant>,
+    /// `lb node drain` (until `lb node ready`).
+    pub drained: bool,
+    /// Addresses whose routes are in the table, as of the last reconcile.
+    pub installed: BTreeSet<IpAddr>,
+    /// The last reconcile's error, while it lasts.
+    pub error: Option<String>,
+}
+
+impl State {
+    pub fn node_view(&self, warmup: Duration, now: Instant) -> NodeView {
+        NodeView {
+            serving_for: self.serving_since.map(|since| now.duration_since(since)),
+            warmup,
+            drained: self.drained,
+        }
+    }
+}
+
+/// The addresses `shared` should announce now.
+fn wanted_now(shared: &Shared, now: Instant) -> BTreeSet<IpAddr> {
+    let Some(config) = &shared.config.announce else {
+        return BTreeSet::new();
+    };
+    let node = shared.announce.node_view(config.warmup, now);
+    wanted(
+        &node,
+        shared
+            .model
+            .vips
+            .iter()
+            .map(|vip| (vip.config.address, backends_up(vip), vip.config.min_healthy)),
+    )
+}
+
+/// What `lb status` says of one VIP: whether its address is announced, and why (not).
+pub fn describe_vip(shared: &Shared, vip: &VipState, now: Instant) -> (bool, String) {
+    let Some(config) = &shared.config.announce else {
+        return (false, "not announced: no [announce] section".into());
+    };
+    let announced = shared.announce.installed.contains(&vip.config.address);
+    let node = shared.announce.node_view(config.warmup, now);
+    let text = match (
+        verdict(&node, backends_up(vip), vip.config.min_healthy),
+        announced,
+    ) {
+        (Ok(()), true) => "announced".to_string(),
+        (Ok(()), false) => match &shared.announce.error {
+            Some(error) => format!("not announced yet: {error}"),
+            None => "announcing".to_string(),
+        },
+        (Err(why), true) => format!("announced for another VIP of this address; this one: {why}"),
+        (Err(why), false) => format!("withdrawn: {why}"),
+    };
+    (announced, text)
+}
+
+/// The node's part of `lb status`.
+pub fn node_status(shared: &Shared, now: Instant) -> NodeStatus {
+    let Some(config) = &shared.config.announce else {
+        return NodeStatus::default();
+    };
+    let node = shared.announce.node_view(config.warmup, now);
+    NodeStatus {
+        announcing: shared.announce.enabled,
+        drained: shared.announce.drained,
+        table: Some(config.table),
+        device: Some(config.device.clone()),
+        warmup_left_seconds: node
+            .serving_for
+            .map_or(config.warmup, |s| config.warmup.saturating_sub(s))
+            .as_secs_f64(),
+        announced: shared
+            .announce
+            .installed
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+        error: shared.announce.error.clone(),
+    }
+}
+
+/// Whether two configurations keep the same routes (table, protocol and device): the
+/// announcer is set up once, so a reload must not change these.
+pub fn same_routes(a: &Option<AnnounceConfig>, b: &Option<AnnounceConfig>) -> bool {
+    let key =
+        |c: &Option<AnnounceConfig>| c.as_ref().map(|c| (c.table, c.protocol, c.device.clone()));
+    key(a) == key(b)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AnnounceError {
+    #[error(
+        "announce.device {0} already exists: the agent creates it itself (another agent, \
+         or a leftover? `ip link del {0}`), or choose another name"
+    )]
+    DeviceExists(String),
+    #[error("creating the tun device {device} (/dev/net/tun)")]
+    Tun {
+        device: String,
+        source: std::io::Error,
+    },
+    #[error("opening a netlink socket")]
+    Connect(#[source] std::io::Error),
+    #[error("bringing {device} up")]
+    Up {
+        device: String,
+        source: rtnetlink::Error,
+    },
+    #[error("reading routing table {table}")]
+    List {
+        table: u32,
+        source: rtnetlink::Error,
+    },
+    #[error("adding the route {address} to table {table}")]
+    Add {
+        address: IpAddr,
+        table: u32,
+        source: rtnetlink::Error,
+    },
+    #[error("deleting the route {address} from table {table}")]
+    Delete {
+        address: IpAddr,
+        table: u32,
+        source: rtnetlink::Error,
+    },
+}
+
+/// A tun device that exists as long as this value (and so this process) does.
+struct Tun {
+    /// Held, never read: closing it deletes the device.
+    _fd: OwnedFd,
+    name: String,
+    index: u32,
+}
+
+impl Tun {
+    fn create(name: &str) -> Result<Tun, AnnounceError> {
+        // TUNSETIFF would attach to an existing (persistent) device, which then would not
+        // go away with us.
+        if nix::net::if_::if_nametoindex(name).is_ok() {
+            return Err(AnnounceError::DeviceExists(name.into()));
+        }
+        let tun_error = |source| AnnounceError::Tun {
+            device: name.into(),
+            source,
+        };
+        // SAFETY: open(2) with a NUL-terminated path; the fd is owned at once.
+        let raw = unsafe { libc::open(c"/dev/net/tun".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return Err(tun_error(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `raw` is a fresh descriptor nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: an all-zero ifreq is valid (empty name, zero flags).
+        let mut request: libc::ifreq = unsafe { std::mem::zeroed() };
+        // The config checked the length (at most IFNAMSIZ - 1 bytes): NUL stays last.
+        for (slot, byte) in request.ifr_name.iter_mut().zip(name.bytes()) {
+            *slot = byte as libc::c_char;
+        }
+        request.ifr_ifru.ifru_flags = (libc::IFF_TUN | libc::IFF_NO_PI) as libc::c_short;
+        // SAFETY: TUNSETIFF reads (and may update) one ifreq that lives for the call.
+        if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETIFF, &mut request) } < 0 {
+            return Err(tun_error(std::io::Error::last_os_error()));
+        }
+        let index =
+            nix::net::if_::if_nametoindex(name).map_err(|e| tun_error(std::io::Error::from(e)))?;
+        Ok(Tun {
+            _fd: fd,
+            name: name.into(),
+            index,
+        })
+    }
+}
+
+/// One route of ours found in the table.
+struct Found {
+    address: IpAddr,
+    /// A host route (/32, /128) through our device: exactly what we add.
+    exact: bool,
+    message: RouteMessage,
+}
+
+/// Writes the routes: owns the device and a netlink handle.
+pub struct Announcer {
+    handle: Handle,
+    tun: Tun,
+    table: u32,
+    protocol: u8,
+}
+
+impl Announcer {
+    /// Creates the device, brings it up and opens netlink (spawning its task).
+    pub async fn open(config: &AnnounceConfig) -> Result<Announcer, AnnounceError> {
+        let tun = Tun::create(&config.device)?;
+        let (connection, handle, _) =
+            rtnetlink::new_connection().map_err(AnnounceError::Connect)?;
+        tokio::spawn(connection);
+        handle
+            .link()
+            .set(LinkUnspec::new_with_index(tun.index).up().build())
+            .execute()
+            .await
+            .map_err(|source| AnnounceError::Up {
+                device: tun.name.clone(),
+                source,
+            })?;
+        Ok(Announcer {
+            handle,
+            tun,
+            table: config.table,
+            protocol: config.protocol,
+        })
+    }
+
+    /// Routes in our table with our protocol (of either family).
+    async fn list(&self) -> Result<Vec<Found>, AnnounceError> {
+        let list_error = |source| AnnounceError::List {
+            table: self.table,
+            source,
+        };
+        let mut found = Vec::new();
+        for query in [
+            RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
+            RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
+        ] {
+            let mut dump = self.handle.route().get(query).execute();
+            while let Some(message) = dump.try_next().await.map_err(list_error)? {
+                if let Some(route) = self.ours(message) {
+                    found.push(route);
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    fn ours(&self, message: RouteMessage) -> Option<Found> {
+        // Tables above 255 are only in the attribute (the header says 252, "compat").
+        let table = message
+            .attributes
+            .iter()
+            .find_map(|a| match a {
+                RouteAttribute::Table(t) => Some(*t),
+                _ => None,
+            })
+            .unwrap_or(u32::from(message.header.table));
+        if table != self.table || u8::from(message.header.protocol) != self.protocol {
+            return None;
+        }
+        let mut address = None;
+        let mut oif = None;
+        for attribute in &message.attributes {
+            match attribute {
+                RouteAttribute::Destination(RouteAddress::Inet(a)) => address = Some((*a).into()),
+                RouteAttribute::Destination(RouteAddress::Inet6(a)) => address = Some((*a).into()),
+                RouteAttribute::Oif(index) => oif = Some(*index),
+                _ => {}
+            }
+        }
+        let address: IpAddr = address?;
+        let full = if address.is_ipv4() { 32 } else { 128 };
+        Some(Found {
+            address,
+            exact: message.header.destination_prefix_length == full && oif == Some(self.tun.index),
+            message,
+        })
+    }
+
+    fn route(&self, address: IpAddr) -> RouteMessage {
+        let prefix = if address.is_ipv4() { 32 } else { 128 };
+        let builder = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(address, prefix)
+            .expect("a host prefix of the address's own family");
+        // Link scope, as `ip route add ... dev` gives a route without a gateway.
+        let scope = if address.is_ipv4() {
+            RouteScope::Link
+        } else {
+            RouteScope::Universe
+        };
+        builder
+            .output_interface(self.tun.index)
+            .table_id(self.table)
+            .protocol(RouteProtocol::from(self.protocol))
+            .scope(scope)
+            .build()
+    }
+
+    /// Makes the table hold exactly `wanted` (of our routes); returns what it added and
+    /// deleted.
+    pub async fn apply(
+        &self,
+        wanted: &BTreeSet<IpAddr>,
+    ) -> Result<(Vec<IpAddr>, Vec<IpAddr>), AnnounceError> {
+        let mut present = BTreeSet::new();
+        let mut deleted = Vec::new();
+        for route in self.list().await? {
+            if route.exact && wanted.contains(&route.address) && present.insert(route.address) {
+                continue;
+            }
+            self.handle
+                .route()
+                .del(route.message)
+                .execute()
+                .await
+                .map_err(|source| AnnounceError::Delete {
+                    address: route.address,
+                    table: self.table,
+                    source,
+                })?;
+            deleted.push(route.address);
+        }
+        let mut added = Vec::new();
+        for address in wanted.difference(&present) {
+            self.handle
+                .route()
+                .add(self.route(*address))
+                .replace()
+                .execute()
+                .await
+                .map_err(|source| AnnounceError::Add {
+                    address: *address,
+                    table: self.table,
+                    source,
+                })?;
+            added.push(*address);
+        }
+        Ok((added, deleted))
+    }
+}
+
+/// The running announcer task.
+pub struct Running {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Withdraws every VIP, waits until the routes are gone, and removes the device.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        if let Err(error) = self.task.await {
+            tracing::error!("announcer task: {error}");
+        }
+    }
+}
+
+/// Starts announcing for `shared`, whose data path serves from now on (the warm-up
+/// starts here).
+pub fn start(shared: Arc<Mutex<Shared>>, announcer: Announcer, config: &AnnounceConfig) -> Running {
+    tracing::info!(
+        "announcing VIPs as routes in table {} (protocol {}, device {}) after a warm-up of {}",
+        config.table,
+        config.protocol,
+        config.device,
+        humantime::format_duration(config.warmup)
+    );
+    {
+        let mut shared = shared.lock().expect("agent state poisoned");
+        shared.announce.enabled = true;
+        shared.announce.serving_since = Some(Instant::now());
+    }
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(run(announcer, shared, stop.clone()));
+    Running { stop, task }
+}
+
+async fn run(announcer: Announcer, shared: Arc<Mutex<Shared>>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut installed: Option<BTreeSet<IpAddr>> = None;
+    let mut last_read = Instant::now();
+    let mut last_error = None;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        let (wanted, reasons) = {
+            let shared = shared.lock().expect("agent state poisoned");
+            let now = Instant::now();
+            (wanted_now(&shared, now), reasons(&shared, now))
+        };
+        let due = last_read.elapsed() >= RESYNC;
+        if installed.as_ref() == Some(&wanted) && !due {
+            continue;
+        }
+        last_read = Instant::now();
+        let result = announcer.apply(&wanted).await;
+        let error = match result {
+            Ok((added, deleted)) => {
+                for address in &added {
+                    tracing::info!("announcing {address}");
+                }
+                for address in &deleted {
+                    let why = reasons.get(address).map_or("", String::as_str);
+                    tracing::info!("withdrawing {address}{why}");
+                }
+                installed = Some(wanted.clone());
+                None
+            }
+            Err(error) => {
+                let text = format!("{:#}", anyhow::Error::from(error));
+                if last_error.as_ref() != Some(&text) {
+                    tracing::warn!("announcing: {text} (retrying)");
+                }
+                // Unknown: read the table again next time.
+                installed = None;
+                Some(text)
+            }
+        };
+        last_error = error.clone();
+        let mut shared = shared.lock().expect("agent state poisoned");
+        if let Some(installed) = &installed {
+            shared.announce.installed = installed.clone();
+        }
+        shared.announce.error = error;
+    }
+    // Stopping: withdraw everything before the agent goes.
+    match announcer.apply(&BTreeSet::new()).await {
+        Ok((_, deleted)) => {
+            for address in deleted {
+                tracing::info!("withdrawing {address}: the agent is stopping");
+            }
+        }
+        Err(error) => tracing::error!(
+            "withdrawing before stopping: {:#}; removing the device {} takes the routes \
+             with it",
+            anyhow::Error::from(error),
+            announcer.tun.name
+        ),
+    }
+    let mut shared = shared.lock().expect("agent state poisoned");
+    shared.announce.installed.clear();
+    shared.announce.enabled = false;
+}
+
+/// Per address, why it would be withdrawn (for the log): `": vip web: ..."`.
+fn reasons(shared: &Shared, now: Instant) -> BTreeMap<IpAddr, String> {
+    let Some(config) = &shared.config.announce else {
+        return BTreeMap::new();
+    };
+    let node = shared.announce.node_view(config.warmup, now);
+    let mut reasons = BTreeMap::new();
+    for vip in &shared.model.vips {
+        if let Err(why) = verdict(&node, backends_up(vip), vip.config.min_healthy) {
+            reasons
+                .entry(vip.config.address)
+                .or_insert_with(|| format!(": vip {}: {why}", vip.config.name));
+        }
+    }
+    reasons
+}
+
+/// `lb node drain` (`drained = true`) and `lb node ready`: sets the node's state and
+/// waits (up to `timeout`) until the routes follow. Returns what it did.
+pub async fn set_drained(
+    shared: &Arc<Mutex<Shared>>,
+    drained: bool,
+    timeout: Duration,
+) -> Result<String, String> {
+    let before = {
+        let mut shared = shared.lock().expect("agent state poisoned");
+        if shared.config.announce.is_none() || !shared.announce.enabled {
+            return Err(
+                "this agent announces nothing (no [announce] section): there is no node \
+                 state to change"
+                    .into(),
+            );
+        }
+        shared.announce.drained = drained;
+        shared.announce.installed.clone()
+    };
+    let deadline = Instant::now() + timeout;
+    loop {
+        let (installed, wanted, error) = {
+            let shared = shared.lock().expect("agent state poisoned");
+            (
+                shared.announce.installed.clone(),
+                wanted_now(&shared, Instant::now()),
+                shared.announce.error.clone(),
+            )
+        };
+        if installed == wanted {
+            let list = |set: &BTreeSet<IpAddr>| {
+                if set.is_empty() {
+                    "none".to_string()
+                } else {
+                    set.iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
+            };
+            return Ok(if drained {
+                format!(
+                    "node drained: withdrew {}; flows already here continue until the \
+                     routers move them",
+                    list(&before)
+                )
+            } else {
+                format!(
+                    "node ready: announcing {} (a VIP waits for its warm-up and min_healthy)",
+                    list(&installed)
+                )
+            });
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "the node state is set ({}), but the routes did not follow within {:?}{}",
+                if drained { "drained" } else { "ready" },
+                timeout,
+                error.map(|e| format!(": {e}")).unwrap_or_default()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn node(serving_for: Option<u64>, drained: bool) -> NodeView {
+        NodeView {
+            serving_for: serving_for.map(Duration::from_secs),
+            warmup: 5 * SECOND,
+            drained,
+        }
+    }
+
+    #[test]
+    fn announced_only_when_serving_warm_ready_and_healthy_enough() {
+        assert_eq!(verdict(&node(Some(10), false), 3, 1), Ok(()));
+        assert_eq!(verdict(&node(Some(10), false), 2, 2), Ok(()));
+        assert_eq!(verdict(&node(None, false), 3, 1), Err(Why::NotServing));
+        assert_eq!(verdict(&node(Some(10), true), 3, 1), Err(Why::Drained));
+        assert_eq!(
+            verdict(&node(Some(10), false), 1, 2),
+            Err(Why::TooFewUp {
+                up: 1,
+                min_healthy: 2
+            })
+        );
+        assert_eq!(
+            verdict(&node(Some(10), false), 0, 1),
+            Err(Why::TooFewUp {
+                up: 0,
+                min_healthy: 1
+            })
+        );
+        assert_eq!(
+            verdict(&node(Some(2), false), 3, 1),
+            Err(Why::WarmingUp { left: 3 * SECOND })
+        );
+        // The warm-up ends exactly at `warmup`.
+        assert_eq!(verdict(&node(Some(5), false), 3, 1), Ok(()));
+    }
+
+    #[test]
+    fn the_most_useful_reason_comes_first() {
+        // Drained beats everything else: it is what the operator asked for.
+        assert_eq!(verdict(&node(Some(1), true), 0, 1), Err(Why::Drained));
+        // Health before warm-up: the warm-up ends by itself, health may not.
+        assert_eq!(
+            verdict(&node(Some(1), false), 0, 1),
+            Err(Why::TooFewUp {
+                up: 0,
+                min_healthy: 1
+            })
+        );
+    }
+
+    #[test]
+    fn an_address_is_announced_while_any_of_its_vips_qualifies() {
+        let a: IpAddr = "10.0.0.100".parse().unwrap();
+        let b: IpAddr = "fd00::100".parse().unwrap();
+        let serving = node(Some(10), false);
+        // a:80 has no backend up but a:443 has: a is announced; b has none.
+        let set = wanted(&serving, [(a, 0, 1), (a, 2, 1), (b, 1, 2)]);
+        assert_eq!(set, BTreeSet::from([a]));
+        assert!(wanted(&node(Some(10), true), [(a, 3, 1), (b, 3, 1)]).is_empty());
+        assert!(wanted(&node(Some(1), false), [(a, 3, 1)]).is_empty());
+        assert_eq!(
+            wanted(&serving, [(a, 3, 1), (b, 3, 1)]),
+            BTreeSet::from([a, b])
+        );
+    }
+
+    #[test]
+    fn reasons_read_well() {
+        assert_eq!(
+            Why::TooFewUp {
+                up: 0,
+                min_healthy: 2
+            }
+            .to_string(),
+            "0 backend(s) up, fewer than min_healthy 2"
+        );
+        assert_eq!(
+            Why::WarmingUp {
+                left: Duration::from_millis(2500)
+            }
+            .to_string(),
+            "warming up (2.5s left)"
+        );
+    }
+
+    #[test]
+    fn a_reload_may_change_the_warmup_but_not_where_routes_go() {
+        let base = Some(AnnounceConfig::default());
+        let warmer = Some(AnnounceConfig {
+            warmup: 30 * SECOND,
+            ..AnnounceConfig::default()
+        });
+        let other_table = Some(AnnounceConfig {
+            table: 100,
+            ..AnnounceConfig::default()
+        });
+        assert!(same_routes(&base, &warmer));
+        assert!(!same_routes(&base, &other_table));
+        assert!(!same_routes(&base, &None));
+        assert!(same_routes(&None, &None));
+    }
+
+    fn with_announce(mut config: crate::config::Config) -> crate::config::Config {
+        config.announce = Some(AnnounceConfig::default());
+        config
+    }
+
+    #[test]
+    fn a_reload_that_moves_the_routes_is_refused() {
+        use crate::agent::{
+            ReloadError,
+            test_support::{config, shared},
+        };
+        let mut shared = shared(config("eth0", &["10.0.0.11"]));
+        let refused = shared.reload(with_announce(config("eth0", &["10.0.0.11"])));
+        assert!(
+            matches!(
+                refused,
+                Err(ReloadError::NeedsRestart(
+                    "announce (table, protocol, device)"
+                ))
+            ),
+            "{refused:?}"
+        );
+        assert_eq!(shared.config.announce, None, "nothing changed");
+    }
+
+    #[test]
+    fn status_says_whether_and_why_a_vip_is_announced() {
+        use crate::agent::test_support::{config, shared};
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let now = Instant::now();
+        let (announced, text) = describe_vip(&shared, &shared.model.vips[0], now);
+        assert!(!announced);
+        assert_eq!(text, "not announced: no [announce] section");
+        assert_eq!(node_status(&shared, now), NodeStatus::default());
+
+        shared.config = with_announce(shared.config.clone());
+        shared.announce.enabled = true;
+        shared.announce.serving_since = Some(now - 2 * SECOND);
+        let describe = |shared: &Shared| describe_vip(shared, &shared.model.vips[0], now);
+        assert_eq!(
+            describe(&shared),
+            (false, "withdrawn: warming up (3.0s left)".to_string())
+        );
+        shared.announce.serving_since = Some(now - 10 * SECOND);
+        assert_eq!(describe(&shared), (false, "announcing".to_string()));
+        let vip: IpAddr = "10.0.0.100".parse().unwrap();
+        assert_eq!(wanted_now(&shared, now), BTreeSet::from([vip]));
+        shared.announce.installed.insert(vip);
+        assert_eq!(describe(&shared), (true, "announced".to_string()));
+        shared.announce.drained = true;
+        assert!(wanted_now(&shared, now).is_empty());
+        assert_eq!(
+            describe(&shared),
+            (
+                true,
+                "announced for another VIP of this address; this one: the node is drained \
+                 (lb node ready undoes it)"
+                    .to_string()
+            )
+        );
+        let node = node_status(&shared, now);
+        assert!(node.announcing && node.drained);
+        assert_eq!(node.announced, ["10.0.0.100"]);
+        assert_eq!((node.table, node.warmup_left_seconds), (Some(4242), 0.0));
+    }
+
+    #[test]
+    fn min_healthy_counts_backends_that_take_new_flows() {
+        use crate::agent::test_support::{config, shared};
+        use crate::config::AdminState;
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let web: crate::explain::VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+        assert_eq!(backends_up(&shared.model.vips[0]), 2);
+        shared
+            .set_admin_state(&web, "10.0.0.11".parse().unwrap(), AdminState::Drain)
+            .unwrap();
+        assert_eq!(
+            backends_up(&shared.model.vips[0]),
+            1,
+            "a draining backend takes no new flows"
+        );
+    }
+}
