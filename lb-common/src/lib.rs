@@ -40,6 +40,11 @@ pub const MAP_SOURCES: &str = "LB_SOURCES";
 pub const MAP_CAPTURE: &str = "LB_CAPTURE";
 /// Bytes of each captured frame kept (the rest is cut, as tcpdump's snaplen).
 pub const CAPTURE_BYTES: usize = 128;
+/// Global set at load time: one new flow in this many is counted (with that weight) for
+/// the heavy-hitter report.
+pub const GLOBAL_SOURCE_SAMPLE: &str = "SOURCE_SAMPLE";
+/// The default of `GLOBAL_SOURCE_SAMPLE`.
+pub const DEFAULT_SOURCE_SAMPLE: u32 = 8;
 /// Global set at load time: frames per second per CPU the debug capture may copy (0: off).
 pub const GLOBAL_CAPTURE_RATE: &str = "CAPTURE_RATE";
 /// Client sources tracked for heavy-hitter reports (LRU: the busiest stay).
@@ -49,7 +54,7 @@ pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 1;
+pub const LAYOUT_VERSION: u64 = 2;
 /// Frames counted by the benchmark sink program (`xdp_bench_sink`).
 pub const MAP_BENCH_SINK: &str = "BENCH_SINK";
 /// Default size of the connection table.
@@ -240,7 +245,16 @@ pub struct TrafficCounters {
 }
 const _: () = assert!(size_of::<TrafficCounters>() == 32);
 
-/// Indices of `LB_STATS`: one per-CPU counter for every outcome of the program.
+/// Value of `LB_STATS` (one entry, per CPU): a counter for every outcome of the program,
+/// indexed by `stat`. One struct, so a packet looks the counters up once.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct Outcomes {
+    pub counts: [u64; stat::COUNT as usize],
+}
+const _: () = assert!(size_of::<Outcomes>() == 8 * stat::COUNT as usize);
+
+/// Indices of `Outcomes::counts`: one counter for every outcome of the program.
 /// 0..=4 are the XDP actions by their kernel codes; the rest say why.
 pub mod stat {
     pub const XDP_ABORTED: u32 = 0;
@@ -326,6 +340,7 @@ mod aya_pod {
     unsafe impl aya::Pod for super::BackendInfo {}
     unsafe impl aya::Pod for super::BackendIdentity {}
     unsafe impl aya::Pod for super::SourceKey {}
+    unsafe impl aya::Pod for super::Outcomes {}
     unsafe impl aya::Pod for super::TrafficCounters {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}

@@ -11,21 +11,21 @@ mod parse;
 mod program {
     use aya_ebpf::{
         bindings::xdp_action,
-        helpers::{bpf_ktime_get_ns, bpf_xdp_load_bytes},
+        helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_xdp_load_bytes},
         macros::xdp,
         maps::PerCpuArray,
         programs::XdpContext,
     };
     use lb_common::{
         BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord,
-        FLOW_F_CLOSING, FlowEntry, FlowKey, InsertWindow,
-        LAST_SEEN_GRANULARITY_NS, PROTO_UDP, VIP_F_HASH_SRC_IP, VipInfo, VipKey, flow_hash,
-        maglev_slot, stat,
+        FLOW_F_CLOSING, FlowEntry, FlowKey, InsertWindow, LAST_SEEN_GRANULARITY_NS, PROTO_UDP,
+        VIP_F_HASH_SRC_IP, VipInfo, VipKey, flow_hash, maglev_slot, stat,
     };
 
     use crate::maps::{
         LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
-        LB_MAGLEV, LB_VIP_STATS, LB_VIPS, count, count_sink, count_source, count_traffic, next_sink_sequence,
+        LB_MAGLEV, LB_VIP_STATS, LB_VIPS, Stats, count_sink, count_source, count_traffic,
+        next_sink_sequence,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -48,24 +48,29 @@ mod program {
     /// Ethernet + IPv4 + TCP without options: what a short captured frame keeps.
     const CAPTURE_HEADERS: u32 = 14 + 20 + 20;
 
+    /// One new flow in this many is counted for heavy hitters (`GLOBAL_SOURCE_SAMPLE`).
+    #[unsafe(no_mangle)]
+    static SOURCE_SAMPLE: u32 = 8;
+
     /// Debug captures per second per CPU; 0: off (`lb_common::GLOBAL_CAPTURE_RATE`).
     #[unsafe(no_mangle)]
     static CAPTURE_RATE: u64 = 0;
 
     #[xdp]
     pub fn lb_xdp(ctx: XdpContext) -> u32 {
-        let verdict = balance(&ctx).unwrap_or_else(|verdict| verdict);
-        count(verdict.action);
+        let stats = Stats::get();
+        let verdict = balance(&ctx, &stats).unwrap_or_else(|verdict| verdict);
+        stats.count(verdict.action);
         // A forwarded packet's reason is its action: count it once.
         if verdict.reason != verdict.action {
-            count(verdict.reason);
+            stats.count(verdict.reason);
         }
         verdict.action
     }
 
     /// `Ok` when forwarded (XDP_TX); `Err` for everything else, with its reason.
     #[inline(always)]
-    fn balance(ctx: &XdpContext) -> Result<Verdict, Verdict> {
+    fn balance(ctx: &XdpContext, stats: &Stats) -> Result<Verdict, Verdict> {
         let packet = parse(ctx)?;
         let vip_key = VipKey {
             addr: packet.dst_addr,
@@ -76,7 +81,7 @@ mod program {
         let Some(vip) = (unsafe { LB_VIPS.get(vip_key) }) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
-        let (backend_id, backend, new_flow) = choose_backend(ctx, &packet, vip)?;
+        let (backend_id, backend, new_flow) = choose_backend(ctx, stats, &packet, vip)?;
 
         let eth = ethernet(ctx)?;
         unsafe {
@@ -87,14 +92,22 @@ mod program {
         let bytes = (ctx.data_end() - ctx.data()) as u64;
         count_traffic(&LB_VIP_STATS, vip.vip_id, bytes, new_flow);
         count_traffic(&LB_BACKEND_STATS, backend_id, bytes, new_flow);
-        if new_flow {
-            count_source(vip.vip_id, packet.src_addr, packet.flow.family);
+        // Heavy hitters are sampled: one new flow in SOURCE_SAMPLE is counted, with that
+        // weight, so most new flows skip the map.
+        let sample = read(&SOURCE_SAMPLE).max(1);
+        if new_flow && unsafe { bpf_get_prandom_u32() } % sample == 0 {
+            count_source(
+                vip.vip_id,
+                packet.src_addr,
+                packet.flow.family,
+                sample as u64,
+            );
         }
         if packet.vlan {
-            count(stat::SEEN_VLAN);
+            stats.count(stat::SEEN_VLAN);
         }
         if packet.ipv4_options {
-            count(stat::SEEN_IPV4_OPTIONS);
+            stats.count(stat::SEEN_IPV4_OPTIONS);
         }
         Ok(Verdict {
             action: xdp_action::XDP_TX,
@@ -110,10 +123,12 @@ mod program {
     /// SYN, or a UDP packet without a live entry).
     fn choose_backend(
         ctx: &XdpContext,
+        stats: &Stats,
         packet: &Packet,
         vip: &VipInfo,
     ) -> Result<(u32, BackendInfo, bool), Verdict> {
-        let now = unsafe { bpf_ktime_get_ns() };
+        // Coarse (jiffies) time: entries age in seconds, and it costs no clock read.
+        let now = unsafe { bpf_ktime_get_coarse_ns() };
         let key = FlowKey {
             src: packet.src_addr,
             dst: packet.dst_addr,
@@ -141,10 +156,10 @@ mod program {
                 if closing && entry.flags & FLOW_F_CLOSING == 0 {
                     entry.flags |= FLOW_F_CLOSING;
                 }
-                count(stat::CT_HIT);
+                stats.count(stat::CT_HIT);
                 return Ok((entry.backend_id, *backend, false));
             }
-            count(if idle_expired {
+            stats.count(if idle_expired {
                 stat::CT_MISS_UDP
             } else {
                 stat::CT_REHASH
@@ -152,7 +167,7 @@ mod program {
             new_flow = idle_expired;
         } else {
             new_flow = packet.syn || udp;
-            count(if packet.syn {
+            stats.count(if packet.syn {
                 stat::CT_MISS_SYN
             } else if udp {
                 stat::CT_MISS_UDP
@@ -160,7 +175,7 @@ mod program {
                 stat::CT_MISS_NON_SYN
             });
             if !packet.syn && !udp {
-                capture(ctx, now);
+                capture(ctx, stats, now);
             }
         }
 
@@ -174,14 +189,14 @@ mod program {
         let Some(backend) = LB_BACKENDS.get(backend_id) else {
             return Err(Verdict::drop(stat::DROP_NO_BACKEND));
         };
-        if !packet.rst && may_insert(now) {
+        if !packet.rst && may_insert(stats, now) {
             let entry = FlowEntry {
                 backend_id,
                 flags: if closing { FLOW_F_CLOSING } else { 0 },
                 last_seen_ns: now,
             };
             if LB_CONNTRACK.insert(key, entry, 0).is_ok() {
-                count(stat::CT_CREATED);
+                stats.count(stat::CT_CREATED);
             }
         }
         Ok((backend_id, *backend, new_flow))
@@ -190,7 +205,7 @@ mod program {
     /// Copies the frame's first `CAPTURE_BYTES` to the debug capture, at most
     /// `CAPTURE_RATE` per second on this CPU.
     #[inline(always)]
-    fn capture(ctx: &XdpContext, now: u64) {
+    fn capture(ctx: &XdpContext, stats: &Stats, now: u64) {
         let rate = read(&CAPTURE_RATE);
         if rate == 0 || !within_rate(&LB_CAPTURE_WIN, rate, now) {
             return;
@@ -221,7 +236,7 @@ mod program {
             return;
         }
         entry.submit(0);
-        count(stat::CAPTURED);
+        stats.count(stat::CAPTURED);
     }
 
     /// Whether one more event fits in this CPU's `limit` per second, counted in `window`.
@@ -245,12 +260,12 @@ mod program {
     /// The flood guard: at most `CT_INSERT_LIMIT` inserts per second on this CPU, so a
     /// SYN flood cannot evict every established flow from the LRU.
     #[inline(always)]
-    fn may_insert(now: u64) -> bool {
+    fn may_insert(stats: &Stats, now: u64) -> bool {
         let limit = read(&CT_INSERT_LIMIT);
         if limit == 0 || within_rate(&LB_FLOOD, limit, now) {
             return true;
         }
-        count(stat::CT_INSERT_SKIPPED);
+        stats.count(stat::CT_INSERT_SKIPPED);
         false
     }
 

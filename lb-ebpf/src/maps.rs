@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS,
-    SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, stat,
+    Outcomes, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -28,9 +28,10 @@ pub static LB_MAGLEV: Array<u32> = Array::with_max_entries(1, 0);
 #[map(name = "LB_BACKENDS")]
 pub static LB_BACKENDS: Array<BackendInfo> = Array::with_max_entries(MAX_BACKENDS, 0);
 
-/// stat index -> count, per CPU: every outcome of the program (`lb_common::stat`).
+/// 0 -> Outcomes, per CPU: every outcome of the program (`lb_common::stat`). Read by
+/// the agent.
 #[map(name = "LB_STATS")]
-pub static LB_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
+pub static LB_STATS: PerCpuArray<Outcomes> = PerCpuArray::with_max_entries(1, 0);
 
 /// vip id -> traffic counters, per CPU. Read by the agent.
 #[map(name = "LB_VIP_STATS")]
@@ -55,9 +56,9 @@ pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
 pub static LB_SOURCES: LruPerCpuHashMap<SourceKey, u64> =
     LruPerCpuHashMap::with_max_entries(SOURCE_ENTRIES, 0);
 
-/// Counts a new flow from `addr` to VIP `vip_id`.
+/// Counts `weight` new flows from `addr` to VIP `vip_id`.
 #[inline(always)]
-pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8) {
+pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8, weight: u64) {
     let key = SourceKey {
         addr,
         vip_id,
@@ -65,9 +66,9 @@ pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8) {
         _pad: [0; 3],
     };
     match LB_SOURCES.get_ptr_mut(key) {
-        Some(count) => unsafe { *count += 1 },
+        Some(count) => unsafe { *count += weight },
         None => {
-            let _ = LB_SOURCES.insert(key, 1u64, 0);
+            let _ = LB_SOURCES.insert(key, weight, 0);
         }
     }
 }
@@ -120,12 +121,22 @@ pub fn count_sink() {
     }
 }
 
-/// Adds one to an outcome counter.
-#[inline(always)]
-pub fn count(index: u32) {
-    if let Some(counter) = LB_STATS.get_ptr_mut(index) {
-        // Per-CPU memory: no other writer, no atomics needed.
-        unsafe { *counter += 1 };
+/// This CPU's outcome counters, looked up once per packet.
+pub struct Stats(*mut Outcomes);
+
+impl Stats {
+    #[inline(always)]
+    pub fn get() -> Self {
+        Self(LB_STATS.get_ptr_mut(0).unwrap_or(core::ptr::null_mut()))
+    }
+
+    /// Adds one to an outcome counter.
+    #[inline(always)]
+    pub fn count(&self, index: u32) {
+        if !self.0.is_null() && (index as usize) < stat::COUNT as usize {
+            // Per-CPU memory: no other writer, no atomics needed.
+            unsafe { (*self.0).counts[index as usize] += 1 };
+        }
     }
 }
 

@@ -22,7 +22,7 @@ use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE, GLOBAL_CT_INSERT_LIMIT,
     GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, LAYOUT_VERSION, MAP_BACKEND_IDS,
     MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_FLOOD, MAP_MAGLEV, MAP_META,
-    MAP_SOURCES, MAP_STATS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS, SourceKey,
+    MAP_SOURCES, MAP_STATS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS, Outcomes, SourceKey,
     TABLE_GENERATIONS, TrafficCounters, VipInfo, VipKey, meta, stat,
 };
 
@@ -135,6 +135,8 @@ pub struct LoadOptions {
     pub conntrack_insert_limit: u64,
     /// Frames per second per CPU copied to the debug capture; 0: off.
     pub capture_rate: u64,
+    /// One new flow in this many is counted for heavy hitters.
+    pub source_sample: u32,
 }
 
 impl LoadOptions {
@@ -148,6 +150,7 @@ impl LoadOptions {
             flow_idle: config.dataplane.flow_idle_timeout,
             conntrack_insert_limit: config.dataplane.conntrack_insert_limit,
             capture_rate: 0,
+            source_sample: lb_common::DEFAULT_SOURCE_SAMPLE,
         }
     }
 }
@@ -165,7 +168,7 @@ pub struct AyaDataplane {
     vips: BpfHashMap<MapData, VipKey, VipInfo>,
     maglev: Array<MapData, u32>,
     backends: Array<MapData, BackendInfo>,
-    stats: PerCpuArray<MapData, u64>,
+    stats: PerCpuArray<MapData, Outcomes>,
     vip_stats: PerCpuArray<MapData, TrafficCounters>,
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
     conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
@@ -263,6 +266,11 @@ impl AyaDataplane {
                 true,
             )
             .override_global(GLOBAL_CAPTURE_RATE, &options.capture_rate, true)
+            .override_global(
+                lb_common::GLOBAL_SOURCE_SAMPLE,
+                &options.source_sample,
+                true,
+            )
             .map_max_entries(MAP_MAGLEV, maglev_entries)
             .map_max_entries(MAP_CONNTRACK, options.conntrack_entries);
         if let Some(dir) = pins {
@@ -478,12 +486,19 @@ impl AyaDataplane {
 
     /// The XDP_TX counter: how many packets were forwarded so far.
     pub fn forwarded(&self) -> Result<u64, DataplaneError> {
-        self.outcome(stat::XDP_TX)
+        Ok(self.outcomes()?[stat::XDP_TX as usize])
     }
 
-    fn outcome(&self, index: u32) -> Result<u64, DataplaneError> {
-        let values = self.stats.get(&index, 0).map_err(in_map(MAP_STATS))?;
-        Ok(values.iter().sum())
+    /// Every outcome counter, summed over CPUs.
+    fn outcomes(&self) -> Result<Vec<u64>, DataplaneError> {
+        let per_cpu = self.stats.get(&0, 0).map_err(in_map(MAP_STATS))?;
+        let mut sums = vec![0u64; stat::COUNT as usize];
+        for outcomes in per_cpu.iter() {
+            for (sum, count) in sums.iter_mut().zip(outcomes.counts) {
+                *sum += count;
+            }
+        }
+        Ok(sums)
     }
 }
 
@@ -561,9 +576,7 @@ impl Dataplane for AyaDataplane {
     }
 
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError> {
-        let outcomes = (0..stat::COUNT)
-            .map(|i| self.outcome(i))
-            .collect::<Result<Vec<_>, _>>()?;
+        let outcomes = self.outcomes()?;
         let mut counters = Counters {
             outcomes,
             ..Counters::default()

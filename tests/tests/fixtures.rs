@@ -264,8 +264,9 @@ struct Fixture {
 
 impl Fixture {
     /// A program instance of its own, its maps written by the agent's code from `text`.
+    /// Heavy hitters are counted for every new flow here (not sampled), so counts are exact.
     fn load(text: &str) -> Fixture {
-        Fixture::load_with(text, |_| {})
+        Fixture::load_with(text, |options| options.source_sample = 1)
     }
 
     /// `load`, with load-time options changed by `adjust`.
@@ -1107,7 +1108,10 @@ fn the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate() {
     cpus.set(0).unwrap();
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
     let config = sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0);
-    let mut fixture = Fixture::load_with(&config, |options| options.capture_rate = 3);
+    let mut fixture = Fixture::load_with(&config, |options| {
+        options.source_sample = 1;
+        options.capture_rate = 3;
+    });
     run(&mut fixture, &tcp(47000, TCP_SYN)); // a SYN is not captured
     let mut captured = 0;
     for port in 47001..47006 {

@@ -272,6 +272,7 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
         flow_idle: Duration::from_secs(30),
         conntrack_insert_limit: 0,
         capture_rate: 0,
+        source_sample: 1,
     };
     let key = lb_common::FlowKey {
         src: [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
