@@ -20,8 +20,9 @@ use clap::{Args, Parser, Subcommand};
 /// The only bpf-linker that works here: 0.11+ wants a system LLVM 22 (`-lLLVM`), while
 /// 0.10.x loads rustc's own LLVM through rustup (see environment notes in the README).
 const BPF_LINKER_VERSION: &str = "0.10.4";
-/// Debian packages the tests and the lab call: ip, ethtool, tcpdump, bpftool.
-const APT_PACKAGES: &[&str] = &["iproute2", "ethtool", "tcpdump", "bpftool"];
+/// Debian packages the tests and the lab call: ip, ethtool, tcpdump, bpftool, and bird (the
+/// routing daemon of the ECMP/BGP test).
+const APT_PACKAGES: &[&str] = &["iproute2", "ethtool", "tcpdump", "bpftool", "bird2"];
 /// Debian packages only the benchmarks use: the load generator and what lb is compared
 /// with (HAProxy) and balances to (nginx).
 const BENCH_APT_PACKAGES: &[&str] = &["wrk", "haproxy", "nginx"];
