@@ -174,6 +174,19 @@ impl Shared {
                 "dataplane.conntrack_entries",
                 old.dataplane.conntrack_entries != new.dataplane.conntrack_entries,
             ),
+            (
+                "dataplane.flow_idle_timeout",
+                old.dataplane.flow_idle_timeout != new.dataplane.flow_idle_timeout,
+            ),
+            (
+                "dataplane.conntrack_insert_limit",
+                old.dataplane.conntrack_insert_limit != new.dataplane.conntrack_insert_limit,
+            ),
+            (
+                "dataplane.pin_path",
+                old.dataplane.pin_path != new.dataplane.pin_path,
+            ),
+            ("debug", old.debug != new.debug),
             ("control.socket", old.control.socket != new.control.socket),
             (
                 "announce (table, protocol, device)",
@@ -341,8 +354,18 @@ impl Shared {
 
     /// Counts live connection-table entries per backend.
     pub fn scan_flows(&mut self, now_ns: u64) -> anyhow::Result<()> {
-        let idle_ns = self.config.dataplane.flow_idle_timeout.as_nanos() as u64;
         let flows = self.dataplane.flows()?;
+        self.record_flows(flows, now_ns);
+        Ok(())
+    }
+
+    /// Counts live entries per backend from a scan of the connection table.
+    pub fn record_flows(
+        &mut self,
+        flows: Vec<(lb_common::FlowKey, lb_common::FlowEntry)>,
+        now_ns: u64,
+    ) {
+        let idle_ns = self.config.dataplane.flow_idle_timeout.as_nanos() as u64;
         self.conntrack_size = flows.len() as u64;
         self.last_scan = Some(Instant::now());
         self.active_flows.clear();
@@ -352,7 +375,6 @@ impl Shared {
                 *self.active_flows.entry(entry.backend_id).or_default() += 1;
             }
         }
-        Ok(())
     }
 
     /// New flows per second per backend, and each VIP's busiest-over-average ratio, over
@@ -551,6 +573,11 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     ensure_bpffs(&pin_dir)?;
     let (mut dataplane, found) = AyaDataplane::load_pinned(EBPF_OBJECT, options, &pin_dir)
         .with_context(|| format!("loading the XDP program (pins in {})", pin_dir.display()))?;
+    let flow_reader = Arc::new(dataplane.flow_reader()?);
+    let capture = match &config.debug.capture {
+        Some(path) => Some((dataplane.take_capture()?, path.clone())),
+        None => None,
+    };
     let mut writer = TableWriter::new(config.dataplane.maglev_table_size);
     let start = match &found {
         Found::Nothing => "fresh".to_string(),
@@ -608,6 +635,14 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     shared.start = start;
     let shared = Arc::new(Mutex::new(shared));
     let shutdown = CancellationToken::new();
+    if let Some((ring, path)) = capture {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(error) = crate::capture::run(ring, &path, shutdown).await {
+                tracing::error!("debug capture stopped: {error:#}");
+            }
+        });
+    }
     let health_tasks = HealthTasks {
         running: Arc::new(Mutex::new(HashSet::new())),
         shutdown: shutdown.clone(),
@@ -647,14 +682,18 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
             _ = sighup.recv() => {
-                if let Err(error) = reload(&shared, &health_tasks) {
-                    tracing::error!("reload refused: {:#}", anyhow::Error::from(error));
-                }
+                // `reload` logs what it did, or why it refused.
+                let _ = reload(&shared, &health_tasks);
             }
             _ = flow_scan.tick() => {
+                // The scan reads the whole connection table: off the agent's lock.
+                let reader = flow_reader.clone();
+                let scanned = tokio::task::spawn_blocking(move || reader.flows()).await;
                 let mut shared = shared.lock().expect("agent state poisoned");
-                if let Err(error) = shared.scan_flows(monotonic_ns()) {
-                    tracing::warn!("connection-table scan: {error:#}");
+                match scanned {
+                    Ok(Ok(flows)) => shared.record_flows(flows, monotonic_ns()),
+                    Ok(Err(error)) => tracing::warn!("connection-table scan: {error:#}"),
+                    Err(error) => tracing::warn!("connection-table scan: {error}"),
                 }
                 if let Err(error) = shared.sample_rates(Instant::now()) {
                     tracing::warn!("sampling counters: {error:#}");
@@ -859,10 +898,18 @@ pub fn reload(
     shared: &Arc<Mutex<Shared>>,
     health_tasks: &HealthTasks,
 ) -> Result<Vec<String>, ReloadError> {
-    let changes = {
+    let result = {
         let mut guard = shared.lock().expect("agent state poisoned");
-        let new = Config::load(&guard.config_path)?;
-        guard.reload(new)?
+        Config::load(&guard.config_path)
+            .map_err(ReloadError::from)
+            .and_then(|new| guard.reload(new))
+    };
+    let changes = match result {
+        Ok(changes) => changes,
+        Err(error) => {
+            tracing::error!("reload refused: {}", with_sources(&error));
+            return Err(error);
+        }
     };
     health::spawn_checks(shared, &health_tasks.running, &health_tasks.shutdown);
     if changes.is_empty() {
@@ -872,6 +919,17 @@ pub fn reload(
         tracing::info!("reload: {line}");
     }
     Ok(changes)
+}
+
+/// An error and its sources, as one line.
+fn with_sources(error: &dyn std::error::Error) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        line += &format!(": {cause}");
+        source = cause.source();
+    }
+    line
 }
 
 /// What starting health-check tasks needs.

@@ -149,7 +149,7 @@ impl LoadOptions {
             conntrack_entries: config.dataplane.conntrack_entries,
             flow_idle: config.dataplane.flow_idle_timeout,
             conntrack_insert_limit: config.dataplane.conntrack_insert_limit,
-            capture_rate: 0,
+            capture_rate: config.debug.program_rate(),
             source_sample: lb_common::DEFAULT_SOURCE_SAMPLE,
         }
     }
