@@ -484,13 +484,15 @@ fn host(switch: &Netns, role: &str, port: &str, a4: Ipv4Addr, a6: Ipv6Addr) -> R
 
 /// `xdp_pass` attached natively on an interface, held by a thread inside its namespace
 /// (the `Ebpf` is dropped, and the program detached, in that namespace).
-struct XdpPass {
+/// `xdp_pass` attached natively to an interface in a namespace, for as long as it lives
+/// (native XDP_TX on a veth needs a program on the peer).
+pub struct XdpPass {
     stop: Option<mpsc::Sender<()>>,
     handle: Option<JoinHandle<Result<()>>>,
 }
 
 impl XdpPass {
-    fn attach(ns: &Netns, ifname: &str) -> Result<XdpPass> {
+    pub fn attach(ns: &Netns, ifname: &str) -> Result<XdpPass> {
         let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
         let (stop_tx, stop_rx) = mpsc::channel::<()>();
         let ifname = ifname.to_string();

@@ -24,14 +24,15 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::thread::{JoinHandle, sleep};
+
+use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
+use crate::lab::XdpPass;
 use crate::netns::{ip, run_cmd};
 use crate::{Netns, TcpServer};
 
@@ -550,82 +551,6 @@ fn fabric_port(switch: &Netns, ns: &Netns, port: &str, dev: &str) -> Result<()> 
     ])?;
     ip(&["-n", sw, "link", "set", port, "master", BRIDGE, "up"])?;
     Ok(())
-}
-
-/// `xdp_pass` attached natively on a bridge port (native XDP_TX on a veth needs a
-/// program on the peer), held by a thread inside the switch namespace.
-struct XdpPass {
-    stop: Option<mpsc::Sender<()>>,
-    handle: Option<JoinHandle<Result<()>>>,
-}
-
-impl XdpPass {
-    fn attach(ns: &Netns, ifname: &str) -> Result<XdpPass> {
-        let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
-        let (stop_tx, stop_rx) = mpsc::channel::<()>();
-        let ifname = ifname.to_string();
-        let handle = ns.spawn("xdp-pass", move || {
-            let ebpf = load_xdp_pass(&ifname);
-            let _ = ready_tx.send(ebpf.as_ref().map(|_| ()).map_err(|e| anyhow!("{e:#}")));
-            if ebpf.is_ok() {
-                // Until the sender is dropped.
-                let _ = stop_rx.recv();
-            }
-            ebpf.map(drop)
-        })?;
-        let mut pass = XdpPass {
-            stop: Some(stop_tx),
-            handle: Some(handle),
-        };
-        match ready_rx.recv() {
-            Ok(Ok(())) => Ok(pass),
-            Ok(Err(e)) => {
-                pass.shutdown();
-                Err(e)
-            }
-            Err(_) => {
-                pass.shutdown();
-                Err(anyhow!("xdp_pass thread ended early"))
-            }
-        }
-    }
-
-    fn shutdown(&mut self) {
-        self.stop.take();
-        if let Some(h) = self.handle.take()
-            && h.join().is_err()
-        {
-            eprintln!("warning: xdp_pass thread panicked");
-        }
-    }
-}
-
-impl Drop for XdpPass {
-    fn drop(&mut self) {
-        self.shutdown();
-    }
-}
-
-fn load_xdp_pass(ifname: &str) -> Result<aya::Ebpf> {
-    ensure!(
-        !lb_userspace::EBPF_OBJECT.is_empty(),
-        "the eBPF object is empty (AYA_BUILD_SKIP?)"
-    );
-    // The object's maps are created too; xdp_pass uses none: keep the big one tiny.
-    let mut ebpf = aya::EbpfLoader::new()
-        .map_max_entries(lb_common::MAP_CONNTRACK, 64)
-        .load(lb_userspace::EBPF_OBJECT)
-        .context("load the eBPF object")?;
-    let program: &mut aya::programs::Xdp = ebpf
-        .program_mut("xdp_pass")
-        .ok_or_else(|| anyhow!("no program xdp_pass in the eBPF object"))?
-        .try_into()
-        .context("xdp_pass is not an XDP program")?;
-    program.load().context("load xdp_pass")?;
-    program
-        .attach(ifname, aya::programs::XdpMode::Driver)
-        .with_context(|| format!("attach xdp_pass (native) to {ifname}"))?;
-    Ok(ebpf)
 }
 
 #[cfg(test)]

@@ -2,54 +2,19 @@
 //! sending; the pinned program keeps forwarding with the last tables, and the new agent
 //! adopts the pinned program and maps (connection table included).
 //!
-//! The pins live on a bpffs mounted at `PIN_FS` (outside /sys): the agent runs under
+//! The pins live on a bpffs mounted at `lb_tests::router::PIN_FS` (outside /sys): the agent runs under
 //! `ip netns exec`, which gives it a fresh /sys, so a bpffs it mounted there would vanish
 //! with it. `cargo test -p lb-tests --test restart`.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use lb_tests::router::PinDir;
 use lb_tests::{Agent, Conn, Health, Lab, LabOptions, Protocol, XdpMode, require_e2e, tcp_request};
 
-const PIN_FS: &str = "/run/lb-tests/bpf";
 const TIMEOUT: Duration = Duration::from_secs(2);
-
-/// A bpffs at `PIN_FS` (mounted once, kept: later runs reuse it) and a pin directory on
-/// it that is removed, detaching whatever is pinned there, when the guard drops.
-struct PinDir(PathBuf);
-
-impl PinDir {
-    fn new(name: &str) -> PinDir {
-        static MOUNT: Mutex<()> = Mutex::new(());
-        let _guard = MOUNT.lock().unwrap_or_else(|e| e.into_inner());
-        std::fs::create_dir_all(PIN_FS).expect("create the bpffs mount point");
-        let is_bpffs = |p: &str| {
-            nix::sys::statfs::statfs(p).is_ok_and(|s| s.filesystem_type().0 as u64 == 0xcafe_4a11)
-        };
-        if !is_bpffs(PIN_FS) {
-            let status = std::process::Command::new("mount")
-                .args(["-t", "bpf", "bpf", PIN_FS])
-                .status()
-                .expect("run mount");
-            assert!(
-                status.success() && is_bpffs(PIN_FS),
-                "mounting a bpffs at {PIN_FS}"
-            );
-        }
-        PinDir(Path::new(PIN_FS).join(name))
-    }
-}
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        if let Err(error) = lb_userspace::dataplane::remove_pins(&self.0) {
-            eprintln!("removing {}: {error}", self.0.display());
-        }
-    }
-}
 
 /// The lab's agent config with checked backends and the pins in `pins`.
 fn write_config(lab: &Lab, pins: &Path, weights: &[u32]) -> PathBuf {
@@ -130,8 +95,8 @@ fn sigkill_and_restart_lose_no_request_and_no_connection() {
     };
     let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
     lab.serve_tcp(80, false).expect("backend servers");
-    let pins = PinDir::new(&format!("restart-{}", lab.lb().name()));
-    let config = write_config(&lab, &pins.0, &[1, 1, 1]);
+    let pins = PinDir::new(&format!("restart-{}", lab.lb().name())).expect("pin directory");
+    let config = write_config(&lab, pins.path(), &[1, 1, 1]);
     let first = start(&lab, &bin, &config, 1);
     wait_all_up(&first, 3);
     assert_eq!(status_field(&first, "start"), "fresh");
@@ -188,8 +153,8 @@ fn restart_with_a_changed_config_keeps_flows_of_unchanged_backends() {
     };
     let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
     lab.serve_tcp(80, false).expect("backend servers");
-    let pins = PinDir::new(&format!("change-{}", lab.lb().name()));
-    let config = write_config(&lab, &pins.0, &[1, 1, 1]);
+    let pins = PinDir::new(&format!("change-{}", lab.lb().name())).expect("pin directory");
+    let config = write_config(&lab, pins.path(), &[1, 1, 1]);
     let first = start(&lab, &bin, &config, 1);
     wait_all_up(&first, 3);
 
@@ -201,7 +166,7 @@ fn restart_with_a_changed_config_keeps_flows_of_unchanged_backends() {
     }
     let backends: Vec<String> = conns.iter().map(|c| c.backend().to_string()).collect();
     sigkill(&first);
-    let config = write_config(&lab, &pins.0, &[1, 1, 5]);
+    let config = write_config(&lab, pins.path(), &[1, 1, 5]);
     let second = start(&lab, &bin, &config, 2);
     assert_eq!(
         status_field(&second, "start"),
@@ -235,14 +200,14 @@ fn detach_on_exit_removes_the_program_and_its_pins() {
     };
     let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
     lab.serve_tcp(80, false).expect("backend servers");
-    let pins = PinDir::new(&format!("detach-{}", lab.lb().name()));
-    let config = write_config(&lab, &pins.0, &[1, 1, 1]);
+    let pins = PinDir::new(&format!("detach-{}", lab.lb().name())).expect("pin directory");
+    let config = write_config(&lab, pins.path(), &[1, 1, 1]);
     let agent = start(&lab, &bin, &config, 1);
     wait_all_up(&agent, 3);
-    assert!(pins.0.join("link").exists(), "the link is pinned");
+    assert!(pins.path().join("link").exists(), "the link is pinned");
     drop(agent); // SIGTERM: the default keeps the program attached.
     assert!(
-        pins.0.join("link").exists(),
+        pins.path().join("link").exists(),
         "a plain stop leaves the program attached"
     );
     let vip = SocketAddr::new(lab.vip4(), 80);
@@ -252,7 +217,7 @@ fn detach_on_exit_removes_the_program_and_its_pins() {
     let out =
         lb_tests::agent::run_lb(&bin, &["detach", "--config", config.to_str().unwrap()]).unwrap();
     assert!(out.success(), "lb detach: {}", out.stderr);
-    assert!(!pins.0.exists(), "pins removed");
+    assert!(!pins.path().exists(), "pins removed");
     let unbalanced = tcp_request(lab.client(), vip, Duration::from_millis(500));
     assert!(unbalanced.is_err(), "the VIP still answers after detach");
 }
@@ -263,7 +228,7 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
     if require_e2e("pinned_maps_are_adopted_when_compatible_and_replaced_otherwise").is_none() {
         return;
     }
-    let pins = PinDir::new(&format!("layout-{}", std::process::id()));
+    let pins = PinDir::new(&format!("layout-{}", std::process::id())).expect("pin directory");
     let options = |table_size| LoadOptions {
         maglev_table_size: table_size,
         vip_capacity: 16,
@@ -290,12 +255,12 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
     };
     let object = lb_userspace::EBPF_OBJECT;
 
-    let (mut first, found) = AyaDataplane::load_pinned(object, options(251), &pins.0).unwrap();
+    let (mut first, found) = AyaDataplane::load_pinned(object, options(251), pins.path()).unwrap();
     assert_eq!(found, Found::Nothing);
     first.insert_flow(&key, &entry).unwrap();
     drop(first);
 
-    let (second, found) = AyaDataplane::load_pinned(object, options(251), &pins.0).unwrap();
+    let (second, found) = AyaDataplane::load_pinned(object, options(251), pins.path()).unwrap();
     assert!(matches!(found, Found::Compatible(_)), "{found:?}");
     assert_eq!(
         second.flow(&key).unwrap(),
@@ -304,7 +269,7 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
     );
     drop(second);
 
-    let (third, found) = AyaDataplane::load_pinned(object, options(257), &pins.0).unwrap();
+    let (third, found) = AyaDataplane::load_pinned(object, options(257), pins.path()).unwrap();
     assert_eq!(
         found,
         Found::Incompatible("pinned maglev_table_size is 251, this agent needs 257".into())
