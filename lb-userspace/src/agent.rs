@@ -265,6 +265,7 @@ impl Shared {
                 weight,
                 mac: None,
                 state: AdminState::Ready,
+                health: None,
             });
             Ok(())
         })

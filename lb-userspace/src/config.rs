@@ -285,6 +285,16 @@ impl VipConfig {
     pub fn health_port(&self) -> u16 {
         self.health.port.unwrap_or(self.port)
     }
+
+    /// The checks of `backend`: its own `[vip.backend.health]`, else the VIP's.
+    pub fn health_of<'a>(&'a self, backend: &'a BackendConfig) -> &'a HealthConfig {
+        backend.health.as_ref().unwrap_or(&self.health)
+    }
+
+    /// The port `backend` is checked on: its checks' port, else the VIP's port.
+    pub fn health_port_of(&self, backend: &BackendConfig) -> u16 {
+        self.health_of(backend).port.unwrap_or(self.port)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
@@ -395,6 +405,10 @@ pub struct BackendConfig {
     pub mac: Option<MacAddr>,
     #[serde(default)]
     pub state: AdminState,
+    /// `[vip.backend.health]`: this backend's checks instead of the VIP's (fields left
+    /// out take the defaults, not the VIP's values).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthConfig>,
 }
 
 fn default_weight() -> u32 {
@@ -855,6 +869,9 @@ impl VipConfig {
                      state = \"drain\" or \"maint\"",
                 ));
             }
+            if let Some(health) = &backend.health {
+                health.validate(&format!("{at}.health"))?;
+            }
             if backend.weight > MAX_WEIGHT {
                 return Err(invalid(
                     format!("{at}.weight"),
@@ -1022,6 +1039,30 @@ address = "10.0.0.11"
             weight: 1,
             mac: None,
             state: AdminState::Ready,
+            health: None,
+        }
+    }
+
+    #[test]
+    fn a_backend_may_override_the_vips_checks() {
+        let text = format!(
+            "{EXAMPLE}\n[[vip.backend]]\naddress = \"10.0.0.12\"\n\
+             [vip.backend.health]\nkind = \"http\"\npath = \"/ready\"\nport = 8080\n"
+        );
+        let config = Config::from_toml(&text).unwrap();
+        let vip = &config.vips[0];
+        let (plain, special) = (&vip.backends[0], &vip.backends[1]);
+        assert_eq!(vip.health_of(plain).kind, HealthKind::Tcp);
+        assert_eq!(vip.health_port_of(plain), 80);
+        assert_eq!(vip.health_of(special).kind, HealthKind::Http);
+        assert_eq!(vip.health_of(special).http_path(), "/ready");
+        assert_eq!(vip.health_port_of(special), 8080);
+        let bad = text.replace("path = \"/ready\"", "path = \"/ready\"\nrise = 0");
+        match Config::from_toml(&bad) {
+            Err(ConfigError::Invalid { field, .. }) => {
+                assert_eq!(field, "vip[0].backend[1].health.rise")
+            }
+            other => panic!("{other:?}"),
         }
     }
 

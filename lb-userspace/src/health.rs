@@ -161,8 +161,12 @@ pub fn spawn_checks(
             .model
             .vips
             .iter()
-            .filter(|v| v.config.health.kind != HealthKind::None)
-            .flat_map(|v| v.backends.iter().map(|b| b.id))
+            .flat_map(|v| {
+                v.backends
+                    .iter()
+                    .filter(|b| v.config.health_of(&b.config).kind != HealthKind::None)
+                    .map(|b| b.id)
+            })
             .collect()
     };
     let mut running_ids = running.lock().expect("health task set poisoned");
@@ -256,20 +260,20 @@ fn target_of(
 ) -> Option<(HealthConfig, SocketAddr, CheckState)> {
     let shared = shared.lock().expect("agent state poisoned");
     shared.model.vips.iter().find_map(|v| {
-        if v.config.health.kind == HealthKind::None {
+        let b = v.backends.iter().find(|b| b.id == id)?;
+        let health = v.config.health_of(&b.config);
+        if health.kind == HealthKind::None {
             return None;
         }
-        v.backends.iter().find(|b| b.id == id).map(|b| {
-            (
-                v.config.health.clone(),
-                SocketAddr::new(b.config.address, v.config.health_port()),
-                CheckState {
-                    health: b.health,
-                    streak: b.streak,
-                    last_ok: b.last_check.as_ref().map(|c| c.ok),
-                },
-            )
-        })
+        Some((
+            health.clone(),
+            SocketAddr::new(b.config.address, v.config.health_port_of(&b.config)),
+            CheckState {
+                health: b.health,
+                streak: b.streak,
+                last_ok: b.last_check.as_ref().map(|c| c.ok),
+            },
+        ))
     })
 }
 

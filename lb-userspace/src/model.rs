@@ -243,7 +243,7 @@ impl Model {
                         if let Some(mac) = backend_config.mac {
                             b.mac = Some(mac);
                         }
-                        if vip_config.health.kind == HealthKind::None {
+                        if vip_config.health_of(backend_config).kind == HealthKind::None {
                             b.health = Health::Unknown;
                         } else if b.health == Health::Unknown {
                             b.health = Health::Down;
@@ -265,7 +265,7 @@ impl Model {
                         let (backend_id, mac, health) = match reserved {
                             Some((backend_id, info)) => {
                                 let serving = info.flags & BACKEND_F_SERVES_FLOWS != 0;
-                                let health = match initial_health(vip_config) {
+                                let health = match initial_health(vip_config, backend_config) {
                                     Health::Down if serving => Health::Up,
                                     other => other,
                                 };
@@ -280,7 +280,7 @@ impl Model {
                                     .take(now)
                                     .ok_or(ModelError::Exhausted("backend"))?,
                                 backend_config.mac,
-                                initial_health(vip_config),
+                                initial_health(vip_config, backend_config),
                             ),
                         };
                         BackendState {
@@ -393,8 +393,8 @@ pub fn identity(address: IpAddr, vip_id: u32) -> BackendIdentity {
     }
 }
 
-fn initial_health(vip: &VipConfig) -> Health {
-    match vip.health.kind {
+fn initial_health(vip: &VipConfig, backend: &BackendConfig) -> Health {
+    match vip.health_of(backend).kind {
         HealthKind::None => Health::Unknown,
         // Down until the first checks pass: a backend that never started gets no traffic.
         HealthKind::Tcp | HealthKind::Http => Health::Down,
@@ -469,6 +469,15 @@ mod tests {
             table.iter().all(|&id| id == first),
             "drained backend took slots: {table:?}"
         );
+    }
+
+    #[test]
+    fn a_backends_own_checks_decide_its_initial_health() {
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        let unchecked = "[vip.backend.health]\nkind = \"none\"";
+        model.update(&config(&[("10.0.0.11", ""), ("10.0.0.12", unchecked)], "tcp")).unwrap();
+        let health: Vec<Health> = model.vips[0].backends.iter().map(|b| b.health).collect();
+        assert_eq!(health, [Health::Down, Health::Unknown]);
     }
 
     #[test]
