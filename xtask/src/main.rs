@@ -469,7 +469,48 @@ fn test(ctx: &Ctx, test_args: &[OsString]) -> Result<()> {
     if !test_args.is_empty() {
         cmd.arg("--").args(test_args);
     }
-    run_cmd(&mut cmd)
+    run_tests(&mut cmd)
+}
+
+/// Runs `cargo test`, passing its output through, and ends with one line that totals
+/// every test binary's `test result:` line (cargo's own last line is often the 0-test
+/// summary of a doc-test run).
+fn run_tests(cmd: &mut Command) -> Result<()> {
+    use std::io::{BufRead, BufReader};
+    let shown = show(cmd);
+    println!("xtask: $ {shown}");
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start `{shown}`"))?;
+    let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+    for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
+        let line = line.context("reading cargo test's output")?;
+        println!("{line}");
+        if let Some(summary) = line.strip_prefix("test result: ") {
+            // "ok. 11 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; ..."
+            for part in summary.split(['.', ';']) {
+                let mut words = part.split_whitespace();
+                if let (Some(n), Some(what)) = (words.next(), words.next()) {
+                    let n: u64 = n.parse().unwrap_or(0);
+                    match what {
+                        "passed" => passed += n,
+                        "failed" => failed += n,
+                        "ignored" => ignored += n,
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    let status = child
+        .wait()
+        .with_context(|| format!("waiting for `{shown}`"))?;
+    println!("tests: {passed} passed, {failed} failed, {ignored} skipped");
+    if !status.success() {
+        bail!("`{shown}` failed ({status})");
+    }
+    Ok(())
 }
 
 fn run(ctx: &Ctx, args: RunArgs) -> Result<()> {
