@@ -78,10 +78,11 @@ mod program {
             proto: packet.flow.proto,
             family: packet.flow.family,
         };
-        let Some(vip) = (unsafe { LB_VIPS.get(vip_key) }) else {
+        // A copy: the map's element may be reused for a new value while we run.
+        let Some(vip) = (unsafe { LB_VIPS.get(vip_key) }).copied() else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
-        let (backend_id, backend, new_flow) = choose_backend(ctx, stats, &packet, vip)?;
+        let (backend_id, backend, new_flow) = choose_backend(ctx, stats, &packet, &vip)?;
 
         let eth = ethernet(ctx)?;
         unsafe {
@@ -189,14 +190,20 @@ mod program {
         let Some(backend) = LB_BACKENDS.get(backend_id) else {
             return Err(Verdict::drop(stat::DROP_NO_BACKEND));
         };
-        if !packet.rst && may_insert(stats, now) {
-            let entry = FlowEntry {
-                backend_id,
-                flags: if closing { FLOW_F_CLOSING } else { 0 },
-                last_seen_ns: now,
-            };
-            if LB_CONNTRACK.insert(key, entry, 0).is_ok() {
-                stats.count(stat::CT_CREATED);
+        if !packet.rst {
+            if may_insert(stats, now) {
+                let entry = FlowEntry {
+                    backend_id,
+                    flags: if closing { FLOW_F_CLOSING } else { 0 },
+                    last_seen_ns: now,
+                };
+                if LB_CONNTRACK.insert(key, entry, 0).is_ok() {
+                    stats.count(stat::CT_CREATED);
+                }
+            } else if packet.syn {
+                // A SYN that may not insert must not leave an older connection's entry
+                // (same 5-tuple, maybe another backend) for the packets that follow it.
+                let _ = LB_CONNTRACK.remove(key);
             }
         }
         Ok((backend_id, *backend, new_flow))

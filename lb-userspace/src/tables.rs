@@ -50,6 +50,8 @@ struct VipTables {
     active: Option<u32>,
     /// What each generation's slots hold, as far as we wrote them.
     contents: [Option<Vec<u32>>; TABLE_GENERATIONS as usize],
+    /// When a table was last switched to (the other generation may still be read).
+    switched_at: Option<std::time::Instant>,
 }
 
 /// Remembers what was written, so the next `apply` writes only differences.
@@ -150,7 +152,20 @@ impl TableWriter {
                         .filter(|(slot, id)| previous.is_none_or(|p| p[*slot] != **id))
                         .map(|(slot, &id)| (base + slot as u32, id))
                         .collect();
+                    // Unknown until the write completes: a failed write must not leave
+                    // later diffs trusting slots it may not have reached.
+                    tables.contents[target as usize] = None;
+                    // A packet that read the VIP's entry just before the last switch may
+                    // still be reading this generation: let it finish (XDP runs in
+                    // microseconds) before overwriting it.
+                    if let Some(switched) = tables.switched_at {
+                        let grace = std::time::Duration::from_millis(1);
+                        if let Some(rest) = grace.checked_sub(switched.elapsed()) {
+                            std::thread::sleep(rest);
+                        }
+                    }
                     dataplane.write_slots(&changes)?;
+                    tables.switched_at = Some(std::time::Instant::now());
                     report.slots_written += changes.len();
                     report.tables_switched += 1;
                     tables.contents[target as usize] = Some(vip.table.clone());
@@ -178,7 +193,10 @@ impl TableWriter {
             .collect();
         for key in gone {
             dataplane.remove_vip(&key)?;
+            // A VIP whose address, port or protocol changed keeps its id under the new
+            // key: its tables stay live, only the old key leaves the map.
             if let Some(info) = self.vips.remove(&key)
+                && !desired.vips.iter().any(|v| v.vip_id == info.vip_id)
                 && let Some(tables) = self.tables.get_mut(&info.vip_id)
             {
                 tables.active = None;
@@ -332,6 +350,37 @@ mod tests {
             "entries naming backend 2 must be re-hashed"
         );
         assert_eq!(dp.backends[&1].flags, lb_common::BACKEND_F_SERVES_FLOWS);
+    }
+
+    #[test]
+    fn a_vip_moved_to_another_address_never_gets_a_write_into_its_live_table() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        writer
+            .apply(&mut dp, &desired([1, 2, 1, 2, 1, 2, 1]))
+            .unwrap();
+        writer
+            .apply(&mut dp, &desired([1, 1, 1, 2, 2, 2, 1]))
+            .unwrap();
+        // Same vip id, new key (the address changed on reload).
+        let mut moved = desired([1, 1, 1, 2, 2, 2, 1]);
+        moved.vips[0].key = key(101);
+        writer.apply(&mut dp, &moved).unwrap();
+        assert!(!dp.vips.contains_key(&key(100)));
+        let live = dp.vips[&key(101)].table_base;
+        dp.log.clear();
+        let mut changed = desired([2, 2, 2, 2, 2, 2, 1]);
+        changed.vips[0].key = key(101);
+        writer.apply(&mut dp, &changed).unwrap();
+        for write in &dp.log {
+            if let Write::Slots(slots) = write {
+                assert!(
+                    slots.iter().all(|(s, _)| !(live..live + SIZE).contains(s)),
+                    "{slots:?}"
+                );
+            }
+        }
+        assert_eq!(lookup(&dp, &key(101), 0), 2);
     }
 
     #[test]

@@ -1039,6 +1039,16 @@ fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
     cpus.set(0).unwrap();
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
     let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 3));
+    // An old connection's entry on the last tuple: the SYN that cannot insert must not
+    // leave it for the new connection's packets.
+    let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+    let reused = explain::flow_key(&vip, "10.0.0.1:45004".parse().unwrap());
+    let old_entry = lb_common::FlowEntry {
+        backend_id: 0,
+        flags: 0,
+        last_seen_ns: 1,
+    };
+    fixture.dataplane.insert_flow(&reused, &old_entry).unwrap();
     let mut created = 0;
     let mut skipped = 0;
     for port in 45000..45005 {
@@ -1049,6 +1059,11 @@ fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
     }
     // Five SYNs well within one second: three entries, two balanced without one.
     assert_eq!((created, skipped), (3, 2));
+    assert_eq!(
+        fixture.dataplane.flow(&reused).unwrap(),
+        None,
+        "the stale entry went"
+    );
 }
 
 #[test]
