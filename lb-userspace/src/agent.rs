@@ -32,6 +32,8 @@ use crate::{
 
 /// How often the neighbour table is re-read for backend MAC changes.
 const NEIGHBOR_REFRESH: Duration = Duration::from_secs(1);
+/// A closing flow (client FIN seen) still counts as active while seen this recently.
+const CLOSING_GRACE: Duration = Duration::from_secs(3);
 /// How often live flows are counted per backend (status, draining).
 const FLOW_SCAN: Duration = Duration::from_secs(2);
 /// How long start-up waits for missing backend MACs before serving without them.
@@ -340,10 +342,15 @@ impl Shared {
                 if let Some(v) = config.vips.iter_mut().find(|v| v.name == *vip) {
                     v.backends.retain(|b| b.address != *address);
                 }
+            }
+            // On a copy: a failed update must leave the running model whole.
+            let mut model = self.model.clone();
+            model.update(&config)?;
+            self.model = model;
+            for (vip, address) in &removable {
                 self.remove_when_drained.remove(&(vip.clone(), *address));
                 tracing::info!("backend {address} of vip {vip} removed");
             }
-            self.model.update(&config)?;
             self.config = config;
             changed = true;
         }
@@ -371,8 +378,15 @@ impl Shared {
         self.last_scan = Some(Instant::now());
         self.active_flows.clear();
         for (_, entry) in flows {
+            // A client's FIN only half-closes: the backend may still be sending, so a
+            // closing flow counts while its packets (the client's ACKs) keep coming.
             let closing = entry.flags & lb_common::FLOW_F_CLOSING != 0;
-            if !closing && now_ns.saturating_sub(entry.last_seen_ns) <= idle_ns {
+            let window = if closing {
+                CLOSING_GRACE.as_nanos() as u64
+            } else {
+                idle_ns
+            };
+            if now_ns.saturating_sub(entry.last_seen_ns) <= window {
                 *self.active_flows.entry(entry.backend_id).or_default() += 1;
             }
         }

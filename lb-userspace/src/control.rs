@@ -246,10 +246,18 @@ async fn backend_state(
     let state = request
         .state
         .ok_or((StatusCode::BAD_REQUEST, "missing \"state\"".to_string()))?;
-    let mut shared = api.shared.lock().expect("agent state poisoned");
-    let change = shared
-        .set_admin_state(&request.vip, request.backend, state)
-        .map_err(refused)?;
+    let change = {
+        let mut shared = api.shared.lock().expect("agent state poisoned");
+        shared
+            .set_admin_state(&request.vip, request.backend, state)
+            .map_err(refused)?
+    };
+    // Out of maintenance, a backend is checked again.
+    crate::health::spawn_checks(
+        &api.shared,
+        &api.health_tasks.running,
+        &api.health_tasks.shutdown,
+    );
     Ok(Json(ChangeAnswer { change }))
 }
 

@@ -155,31 +155,28 @@ pub fn spawn_checks(
     running: &Arc<Mutex<HashSet<u32>>>,
     shutdown: &CancellationToken,
 ) {
-    let targets: Vec<u32> = {
-        let shared = shared.lock().expect("agent state poisoned");
-        shared
-            .model
-            .vips
-            .iter()
-            .flat_map(|v| {
-                v.backends
-                    .iter()
-                    .filter(|b| v.config.health_of(&b.config).kind != HealthKind::None)
-                    .map(|b| b.id)
-            })
-            .collect()
-    };
+    // Both locks, shared first (as a finishing task takes them): a task deciding to end
+    // and this deciding not to start one cannot interleave.
+    let guard = shared.lock().expect("agent state poisoned");
     let mut running_ids = running.lock().expect("health task set poisoned");
-    for id in targets {
-        if running_ids.insert(id) {
-            tokio::spawn(check_loop(
-                id,
-                shared.clone(),
-                running.clone(),
-                shutdown.clone(),
-            ));
+    for vip in &guard.model.vips {
+        for backend in vip.backends.iter().filter(|b| is_checked(vip, b)) {
+            if running_ids.insert(backend.id) {
+                tokio::spawn(check_loop(
+                    backend.id,
+                    shared.clone(),
+                    running.clone(),
+                    shutdown.clone(),
+                ));
+            }
         }
     }
+}
+
+/// Backends in maintenance and backends whose checks are `none` are not checked.
+fn is_checked(vip: &crate::model::VipState, backend: &crate::model::BackendState) -> bool {
+    backend.config.state != crate::config::AdminState::Maint
+        && vip.config.health_of(&backend.config).kind != HealthKind::None
 }
 
 async fn check_loop(
@@ -189,8 +186,21 @@ async fn check_loop(
     shutdown: CancellationToken,
 ) {
     let mut first = true;
-    // Read what to check under the lock, check without it.
-    while let Some((config, target, state)) = target_of(&shared, id) {
+    loop {
+        // Read what to check under the lock, check without it.
+        let Some((config, target, state)) = target_of(&shared, id) else {
+            // Deregister under the shared lock, unless the backend came back meanwhile
+            // (then `spawn_checks` saw this task still registered and started none).
+            let guard = shared.lock().expect("agent state poisoned");
+            if target_in(&guard, id).is_some() {
+                continue;
+            }
+            running
+                .lock()
+                .expect("health task set poisoned")
+                .remove(&id);
+            return;
+        };
         let delay = if first {
             config.fast_interval().mul_f64(fastrand::f64())
         } else {
@@ -198,7 +208,7 @@ async fn check_loop(
         };
         first = false;
         tokio::select! {
-            _ = shutdown.cancelled() => break,
+            _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
         let record = check(&config, target).await;
@@ -210,7 +220,8 @@ async fn check_loop(
                 .find(|b| b.id == id)
                 .map(|b| (name, b))
         }) else {
-            break;
+            // Gone while being checked: the next turn deregisters.
+            continue;
         };
         let mut state = CheckState {
             health: backend.health,
@@ -248,25 +259,24 @@ async fn check_loop(
             }
         }
     }
-    running
-        .lock()
-        .expect("health task set poisoned")
-        .remove(&id);
 }
 
 fn target_of(
     shared: &Arc<Mutex<Shared>>,
     id: u32,
 ) -> Option<(HealthConfig, SocketAddr, CheckState)> {
-    let shared = shared.lock().expect("agent state poisoned");
+    target_in(&shared.lock().expect("agent state poisoned"), id)
+}
+
+/// What to check for backend `id`, if it is checked.
+fn target_in(shared: &Shared, id: u32) -> Option<(HealthConfig, SocketAddr, CheckState)> {
     shared.model.vips.iter().find_map(|v| {
         let b = v.backends.iter().find(|b| b.id == id)?;
-        let health = v.config.health_of(&b.config);
-        if health.kind == HealthKind::None {
+        if !is_checked(v, b) {
             return None;
         }
         Some((
-            health.clone(),
+            v.config.health_of(&b.config).clone(),
             SocketAddr::new(b.config.address, v.config.health_port_of(&b.config)),
             CheckState {
                 health: b.health,
