@@ -169,6 +169,8 @@ pub mod meta {
     pub const CONNTRACK_ENTRIES: u32 = 3;
     /// `MODE_NATIVE` or `MODE_GENERIC`: how the pinned link was attached.
     pub const XDP_MODE: u32 = 4;
+    /// The interface index the program was attached to.
+    pub const IFINDEX: u32 = 5;
     pub const COUNT: u32 = 8;
     pub const MODE_NATIVE: u64 = 1;
     pub const MODE_GENERIC: u64 = 2;

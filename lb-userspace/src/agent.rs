@@ -583,7 +583,8 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         None => None,
     };
 
-    let options = LoadOptions::from_config(&config, interface.mac.0);
+    let mut options = LoadOptions::from_config(&config, interface.mac.0);
+    options.ifindex = interface.index;
     let pin_dir = config.dataplane.pin_dir();
     ensure_bpffs(&pin_dir)?;
     let (mut dataplane, found) = AyaDataplane::load_pinned(EBPF_OBJECT, options, &pin_dir)
@@ -605,9 +606,10 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
                 adopted.backends.len()
             );
             writer.adopt(&adopted);
+            // The pinned maps' capacity, which may exceed what this config needs.
             let mut fresh = Model::new(
                 config.dataplane.maglev_table_size,
-                vip_capacity(config.vips.len()),
+                dataplane.options().vip_capacity,
                 config.dataplane.flow_idle_timeout,
             );
             fresh.adopt(&adopted);
@@ -634,8 +636,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         report.tables_switched,
         report.backends_written
     );
-    let mode =
-        dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode, &found, &options)?;
+    let mode = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode, &found)?;
 
     let mut shared = Shared::new(
         config_path,

@@ -137,6 +137,9 @@ pub struct LoadOptions {
     pub capture_rate: u64,
     /// One new flow in this many is counted for heavy hitters.
     pub source_sample: u32,
+    /// The interface the program is for (0: not known, as in tests without one); pinned
+    /// state of another interface is not adopted.
+    pub ifindex: u32,
 }
 
 impl LoadOptions {
@@ -151,6 +154,7 @@ impl LoadOptions {
             conntrack_insert_limit: config.dataplane.conntrack_insert_limit,
             capture_rate: config.debug.program_rate(),
             source_sample: lb_common::DEFAULT_SOURCE_SAMPLE,
+            ifindex: 0,
         }
     }
 }
@@ -177,6 +181,8 @@ pub struct AyaDataplane {
     meta: Array<MapData, u64>,
     /// Where the maps and the link are pinned, if they are.
     pin_dir: Option<PathBuf>,
+    /// The options in force (adopted pins may have a larger VIP capacity than asked).
+    options: LoadOptions,
 }
 
 /// What a pinned load found in its pin directory.
@@ -199,6 +205,9 @@ pub struct Adopted {
     pub backends: Vec<(u32, BackendInfo, BackendIdentity)>,
     /// By vip id, the slots of the table the VIP points at.
     pub tables: Vec<(u32, Vec<u32>)>,
+    /// Backend ids a previous agent used and freed: connection-table entries may still
+    /// name them, so they are reused last, after the quarantine.
+    pub freed: Vec<u32>,
 }
 
 /// The name the link is pinned under, next to the maps.
@@ -230,7 +239,8 @@ impl AyaDataplane {
         options: LoadOptions,
         dir: &Path,
     ) -> Result<(Self, Found), DataplaneError> {
-        let found = inspect_pins(dir, &options);
+        let mut options = options;
+        let found = inspect_pins(dir, &mut options);
         if let Found::Incompatible(_) = found {
             remove_pins(dir)?;
         }
@@ -296,6 +306,7 @@ impl AyaDataplane {
             identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
             meta: take_map(&mut ebpf, MAP_META)?,
             pin_dir: pins.map(Path::to_path_buf),
+            options,
             ebpf,
         })
     }
@@ -310,6 +321,7 @@ impl AyaDataplane {
             (meta::MAGLEV_SIZE, options.maglev_table_size as u64),
             (meta::VIP_CAPACITY, options.vip_capacity as u64),
             (meta::CONNTRACK_ENTRIES, options.conntrack_entries as u64),
+            (meta::IFINDEX, options.ifindex as u64),
         ];
         if let Some(mode) = mode {
             values.push((meta::XDP_MODE, mode_code(mode)));
@@ -318,6 +330,11 @@ impl AyaDataplane {
             self.meta.set(index, value, 0).map_err(in_map(MAP_META))?;
         }
         Ok(())
+    }
+
+    /// The options in force: as asked, except a larger VIP capacity adopted from pins.
+    pub fn options(&self) -> &LoadOptions {
+        &self.options
     }
 
     /// Reads back what adopted maps hold: VIPs, backends in use and each VIP's live table.
@@ -334,6 +351,8 @@ impl AyaDataplane {
             if identity.in_use == 1 {
                 let info = self.backends.get(&id, 0).map_err(in_map(MAP_BACKENDS))?;
                 adopted.backends.push((id, info, identity));
+            } else if identity.addr != [0; 16] {
+                adopted.freed.push(id);
             }
         }
         for (_, info) in &adopted.vips {
@@ -354,7 +373,6 @@ impl AyaDataplane {
         interface: &str,
         mode: XdpModeSetting,
         found: &Found,
-        options: &LoadOptions,
     ) -> Result<AttachedMode, DataplaneError> {
         let dir = self
             .pin_dir
@@ -415,7 +433,8 @@ impl AyaDataplane {
                 path: link_path.clone(),
                 source,
             })?;
-        self.write_meta(options, Some(attached))?;
+        let options = self.options;
+        self.write_meta(&options, Some(attached))?;
         Ok(attached)
     }
 
@@ -763,7 +782,9 @@ fn mode_code(mode: AttachedMode) -> u64 {
 }
 
 /// What is pinned in `dir`, compared with what `options` ask for.
-fn inspect_pins(dir: &Path, options: &LoadOptions) -> Found {
+/// A larger pinned VIP capacity than asked is adopted into `options` (the agent then
+/// uses it).
+fn inspect_pins(dir: &Path, options: &mut LoadOptions) -> Found {
     let meta_path = dir.join(MAP_META);
     if !meta_path.exists() {
         return Found::Nothing;
@@ -790,11 +811,6 @@ fn inspect_pins(dir: &Path, options: &LoadOptions) -> Found {
             options.maglev_table_size as u64,
         ),
         (
-            "VIP capacity",
-            meta::VIP_CAPACITY,
-            options.vip_capacity as u64,
-        ),
-        (
             "conntrack_entries",
             meta::CONNTRACK_ENTRIES,
             options.conntrack_entries as u64,
@@ -808,6 +824,21 @@ fn inspect_pins(dir: &Path, options: &LoadOptions) -> Found {
             ));
         }
     }
+    let pinned_capacity = values[meta::VIP_CAPACITY as usize];
+    if pinned_capacity < options.vip_capacity as u64 {
+        return Found::Incompatible(format!(
+            "pinned VIP capacity is {pinned_capacity}, this configuration needs {}",
+            options.vip_capacity
+        ));
+    }
+    let pinned_ifindex = values[meta::IFINDEX as usize];
+    if pinned_ifindex != 0 && options.ifindex != 0 && pinned_ifindex != options.ifindex as u64 {
+        return Found::Incompatible(format!(
+            "pinned for interface index {pinned_ifindex}, this agent attaches to {}",
+            options.ifindex
+        ));
+    }
+    options.vip_capacity = pinned_capacity as u32;
     match values[meta::XDP_MODE as usize] {
         meta::MODE_NATIVE => Found::Compatible(AttachedMode::Native),
         meta::MODE_GENERIC => Found::Compatible(AttachedMode::Generic),

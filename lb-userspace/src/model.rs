@@ -204,6 +204,12 @@ impl Model {
                     .insert((identity.vip_id, identity.addr), (*id, *info));
             }
         }
+        let now = Instant::now();
+        for id in &adopted.freed {
+            if self.backend_ids.take_specific(*id) {
+                self.backend_ids.give_back(*id, now);
+            }
+        }
     }
 
     /// Makes the model follow `config`'s VIPs and backends. VIPs (by name) and backends
@@ -472,10 +478,30 @@ mod tests {
     }
 
     #[test]
+    fn ids_a_previous_agent_freed_are_reused_last() {
+        let mut model = Model::new(7, 16, Duration::from_secs(30));
+        let adopted = crate::dataplane::Adopted {
+            freed: vec![0, 1],
+            ..Default::default()
+        };
+        model.adopt(&adopted);
+        model.update(&config(&[("10.0.0.11", "")], "none")).unwrap();
+        assert_eq!(
+            model.vips[0].backends[0].id, 2,
+            "ids 0 and 1 wait out their quarantine"
+        );
+    }
+
+    #[test]
     fn a_backends_own_checks_decide_its_initial_health() {
         let mut model = Model::new(7, 16, Duration::ZERO);
         let unchecked = "[vip.backend.health]\nkind = \"none\"";
-        model.update(&config(&[("10.0.0.11", ""), ("10.0.0.12", unchecked)], "tcp")).unwrap();
+        model
+            .update(&config(
+                &[("10.0.0.11", ""), ("10.0.0.12", unchecked)],
+                "tcp",
+            ))
+            .unwrap();
         let health: Vec<Health> = model.vips[0].backends.iter().map(|b| b.health).collect();
         assert_eq!(health, [Health::Down, Health::Unknown]);
     }

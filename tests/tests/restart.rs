@@ -238,6 +238,7 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
         conntrack_insert_limit: 0,
         capture_rate: 0,
         source_sample: 1,
+        ifindex: 0,
     };
     let key = lb_common::FlowKey {
         src: [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
@@ -268,6 +269,14 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
         "the connection table was adopted"
     );
     drop(second);
+
+    // A configuration that needs fewer VIPs adopts the larger pinned capacity.
+    let mut smaller = options(251);
+    smaller.vip_capacity = 8;
+    let (fourth, found) = AyaDataplane::load_pinned(object, smaller, pins.path()).unwrap();
+    assert!(matches!(found, Found::Compatible(_)), "{found:?}");
+    assert_eq!(fourth.options().vip_capacity, 16);
+    drop(fourth);
 
     let (third, found) = AyaDataplane::load_pinned(object, options(257), pins.path()).unwrap();
     assert_eq!(
