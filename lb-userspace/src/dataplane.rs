@@ -50,6 +50,8 @@ pub enum DataplaneError {
         mode: &'static str,
         source: aya::programs::ProgramError,
     },
+    #[error("counting the possible CPUs")]
+    Cpus(#[source] std::io::Error),
     #[error("map {map} missing from the eBPF object")]
     MissingMap { map: &'static str },
     #[error("pin directory {path}")]
@@ -91,6 +93,10 @@ pub trait Dataplane {
         info: &BackendInfo,
         identity: &BackendIdentity,
     ) -> Result<(), DataplaneError>;
+    /// Zeroes a VIP id's traffic counters (a new VIP must not inherit an old one's).
+    fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError>;
+    /// Zeroes a backend id's traffic counters.
+    fn reset_backend_counters(&mut self, backend_id: u32) -> Result<(), DataplaneError>;
     /// Counters of the given VIP and backend ids.
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError>;
     /// The connection-table entry of one flow.
@@ -544,6 +550,18 @@ where
     T::try_from(map).map_err(in_map(name))
 }
 
+/// Zeroes entry `index` of a per-CPU counter map on every CPU.
+fn zero(
+    map: &mut PerCpuArray<MapData, TrafficCounters>,
+    name: &'static str,
+    index: u32,
+) -> Result<(), DataplaneError> {
+    let cpus = aya::util::nr_cpus().map_err(|(_, source)| DataplaneError::Cpus(source))?;
+    let zeros = aya::maps::PerCpuValues::try_from(vec![TrafficCounters::default(); cpus])
+        .map_err(DataplaneError::Cpus)?;
+    map.set(index, zeros, 0).map_err(in_map(name))
+}
+
 /// Names the map a map operation failed on.
 fn in_map(map: &'static str) -> impl Fn(aya::maps::MapError) -> DataplaneError {
     move |source| DataplaneError::Map { map, source }
@@ -613,6 +631,14 @@ impl Dataplane for AyaDataplane {
         Ok(counters)
     }
 
+    fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError> {
+        zero(&mut self.vip_stats, MAP_VIP_STATS, vip_id)
+    }
+
+    fn reset_backend_counters(&mut self, backend_id: u32) -> Result<(), DataplaneError> {
+        zero(&mut self.backend_stats, MAP_BACKEND_STATS, backend_id)
+    }
+
     fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError> {
         match self.conntrack.get(key, 0) {
             Ok(entry) => Ok(Some(entry)),
@@ -668,6 +694,8 @@ pub enum Write {
     Vip(VipKey, VipInfo),
     RemoveVip(VipKey),
     Backend(u32, BackendInfo, BackendIdentity),
+    ResetVip(u32),
+    ResetBackend(u32),
 }
 
 /// An in-memory data path that does what the kernel's maps do and records every write.
@@ -716,6 +744,16 @@ impl Dataplane for MemoryDataplane {
             outcomes: vec![0; stat::COUNT as usize],
             ..Counters::default()
         })
+    }
+
+    fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError> {
+        self.log.push(Write::ResetVip(vip_id));
+        Ok(())
+    }
+
+    fn reset_backend_counters(&mut self, backend_id: u32) -> Result<(), DataplaneError> {
+        self.log.push(Write::ResetBackend(backend_id));
+        Ok(())
     }
 
     fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError> {

@@ -106,6 +106,11 @@ impl TableWriter {
 
         // Backends before the tables that name them.
         for (&id, backend) in &desired.backends {
+            if !self.backends.contains_key(&id) {
+                // A new backend on this id: it starts from zero, not from a previous
+                // owner's counts.
+                dataplane.reset_backend_counters(id)?;
+            }
             if self.backends.get(&id) != Some(backend) {
                 dataplane.set_backend(id, &backend.info, &backend.identity)?;
                 self.backends.insert(id, *backend);
@@ -178,6 +183,9 @@ impl TableWriter {
                 flags: vip.flags,
                 _pad: 0,
             };
+            if !self.vips.values().any(|v| v.vip_id == vip.vip_id) {
+                dataplane.reset_vip_counters(vip.vip_id)?;
+            }
             if self.vips.get(&vip.key) != Some(&info) {
                 dataplane.set_vip(&vip.key, &info)?;
                 self.vips.insert(vip.key, info);
@@ -381,6 +389,38 @@ mod tests {
             }
         }
         assert_eq!(lookup(&dp, &key(101), 0), 2);
+    }
+
+    #[test]
+    fn new_ids_start_their_counters_from_zero() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        writer
+            .apply(&mut dp, &desired([1, 2, 1, 2, 1, 2, 1]))
+            .unwrap();
+        let resets: Vec<&Write> = dp
+            .log
+            .iter()
+            .filter(|w| matches!(w, Write::ResetBackend(_) | Write::ResetVip(_)))
+            .collect();
+        assert_eq!(
+            resets,
+            [
+                &Write::ResetBackend(1),
+                &Write::ResetBackend(2),
+                &Write::ResetVip(3)
+            ]
+        );
+        dp.log.clear();
+        writer
+            .apply(&mut dp, &desired([1, 1, 1, 2, 2, 2, 1]))
+            .unwrap();
+        assert!(
+            !dp.log
+                .iter()
+                .any(|w| matches!(w, Write::ResetBackend(_) | Write::ResetVip(_))),
+            "known ids keep counting"
+        );
     }
 
     #[test]
