@@ -618,6 +618,17 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
             "adopted".to_string()
         }
         Found::Incompatible(why) => {
+            if let Some(previous) = dataplane.previous() {
+                // Keep serving the backends the replaced program served while checks start.
+                let mut fresh = Model::new(
+                    config.dataplane.maglev_table_size,
+                    dataplane.options().vip_capacity,
+                    config.dataplane.flow_idle_timeout,
+                );
+                fresh.adopt(previous);
+                fresh.update(&config)?;
+                model = fresh;
+            }
             tracing::warn!(
                 "replacing the pinned data path in {}: {why}; its connection table is lost",
                 pin_dir.display()
@@ -636,7 +647,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         report.tables_switched,
         report.backends_written
     );
-    let mode = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode, &found)?;
+    let mode = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode)?;
 
     let mut shared = Shared::new(
         config_path,

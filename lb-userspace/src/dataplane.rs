@@ -189,6 +189,10 @@ pub struct AyaDataplane {
     pin_dir: Option<PathBuf>,
     /// The options in force (adopted pins may have a larger VIP capacity than asked).
     options: LoadOptions,
+    /// The mode of a pinned link on this interface that the program can take over.
+    link_mode: Option<AttachedMode>,
+    /// When incompatible pins were replaced: the backends the old program served.
+    previous: Option<Adopted>,
 }
 
 /// What a pinned load found in its pin directory.
@@ -246,15 +250,37 @@ impl AyaDataplane {
         dir: &Path,
     ) -> Result<(Self, Found), DataplaneError> {
         let mut options = options;
+        let mut previous = None;
+        let link_mode = pinned_link_mode(dir, &options);
         let found = inspect_pins(dir, &mut options);
         if let Found::Incompatible(_) = found {
-            remove_pins(dir)?;
+            if link_mode.is_some() {
+                // The backends the running program serves (ids, MACs, serving state), read
+                // through the old maps while they are still pinned, so the new tables are
+                // not empty while health checks start again. Unreadable (another layout):
+                // backends start as a fresh agent's do.
+                previous = Self::load_with(object, options, Some(dir))
+                    .and_then(|old| old.adopted(0))
+                    .ok()
+                    .map(|adopted| Adopted {
+                        backends: adopted.backends,
+                        freed: adopted.freed,
+                        ..Adopted::default()
+                    });
+                // New maps, same link: `attach_pinned` swaps the new program onto it, so
+                // the interface is never without a program.
+                remove_map_pins(dir)?;
+            } else {
+                remove_pins(dir)?;
+            }
         }
         std::fs::create_dir_all(dir).map_err(|source| DataplaneError::Pin {
             path: dir.to_path_buf(),
             source,
         })?;
         let mut dataplane = Self::load_with(object, options, Some(dir))?;
+        dataplane.link_mode = link_mode;
+        dataplane.previous = previous;
         if !matches!(found, Found::Compatible(_)) {
             dataplane.write_meta(&options, None)?;
         }
@@ -313,6 +339,8 @@ impl AyaDataplane {
             meta: take_map(&mut ebpf, MAP_META)?,
             pin_dir: pins.map(Path::to_path_buf),
             options,
+            link_mode: None,
+            previous: None,
             ebpf,
         })
     }
@@ -336,6 +364,11 @@ impl AyaDataplane {
             self.meta.set(index, value, 0).map_err(in_map(MAP_META))?;
         }
         Ok(())
+    }
+
+    /// After replacing incompatible pins: the backends the replaced program served.
+    pub fn previous(&self) -> Option<&Adopted> {
+        self.previous.as_ref()
     }
 
     /// The options in force: as asked, except a larger VIP capacity adopted from pins.
@@ -378,14 +411,20 @@ impl AyaDataplane {
         &mut self,
         interface: &str,
         mode: XdpModeSetting,
-        found: &Found,
     ) -> Result<AttachedMode, DataplaneError> {
         let dir = self
             .pin_dir
             .clone()
             .expect("attach_pinned after load_pinned");
         let link_path = dir.join(LINK_PIN);
-        if let Found::Compatible(mode) = found
+        // Take over a pinned link of a mode the configuration accepts; otherwise (a
+        // changed xdp_mode) attach afresh.
+        let wanted = |m: AttachedMode| match mode {
+            XdpModeSetting::Auto => true,
+            XdpModeSetting::Native => m == AttachedMode::Native,
+            XdpModeSetting::Generic => m == AttachedMode::Generic,
+        };
+        if let Some(mode) = self.link_mode.filter(|m| wanted(*m))
             && link_path.exists()
         {
             let pinned =
@@ -413,7 +452,9 @@ impl AyaDataplane {
                     source,
                 })?;
             std::mem::forget(link);
-            return Ok(*mode);
+            let options = self.options;
+            self.write_meta(&options, Some(mode))?;
+            return Ok(mode);
         }
         if link_path.exists() {
             std::fs::remove_file(&link_path).map_err(|source| DataplaneError::Pin {
@@ -883,6 +924,38 @@ fn inspect_pins(dir: &Path, options: &mut LoadOptions) -> Found {
         // Maps were pinned but the program never attached: adopt the maps.
         _ => Found::Compatible(AttachedMode::Generic),
     }
+}
+
+/// The mode of the link pinned in `dir` when it is on the interface `options` names (or
+/// either index is unknown) and its mode is recorded.
+fn pinned_link_mode(dir: &Path, options: &LoadOptions) -> Option<AttachedMode> {
+    if !dir.join(LINK_PIN).exists() {
+        return None;
+    }
+    let map = MapData::from_pin(dir.join(MAP_META)).ok()?;
+    let array: Array<MapData, u64> = Array::try_from(aya::maps::Map::Array(map)).ok()?;
+    let ifindex = array.get(&meta::IFINDEX, 0).ok()?;
+    if ifindex != 0 && options.ifindex != 0 && ifindex != options.ifindex as u64 {
+        return None;
+    }
+    match array.get(&meta::XDP_MODE, 0).ok()? {
+        meta::MODE_NATIVE => Some(AttachedMode::Native),
+        meta::MODE_GENERIC => Some(AttachedMode::Generic),
+        _ => None,
+    }
+}
+
+/// Removes the pinned maps but not the link (the program stays attached).
+fn remove_map_pins(dir: &Path) -> Result<(), DataplaneError> {
+    for name in PINNED_MAPS {
+        let path = dir.join(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(DataplaneError::Pin { path, source }),
+        }
+    }
+    Ok(())
 }
 
 /// Removes everything lb pinned in `dir` (the link first: that detaches the program).
