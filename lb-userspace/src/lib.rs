@@ -1,8 +1,8 @@
 //! The `lb` agent: configuration, the data-plane loader, health checks and control.
 
 pub mod agent;
-pub mod capture;
 pub mod announce;
+pub mod capture;
 pub mod config;
 pub mod control;
 pub mod dataplane;
