@@ -95,14 +95,12 @@ mod program {
         count_traffic(&LB_BACKEND_STATS, backend_id, bytes, new_flow);
         // Heavy hitters are sampled: one new flow in SOURCE_SAMPLE is counted, with that
         // weight, so most new flows skip the map.
-        let sample = read(&SOURCE_SAMPLE).max(1);
-        if new_flow && unsafe { bpf_get_prandom_u32() } % sample == 0 {
-            count_source(
-                vip.vip_id,
-                packet.src_addr,
-                packet.flow.family,
-                sample as u64,
-            );
+        if new_flow {
+            let sample = read(&SOURCE_SAMPLE).max(1);
+            if unsafe { bpf_get_prandom_u32() } % sample == 0 {
+                let weight = sample as u64;
+                count_source(vip.vip_id, packet.src_addr, packet.flow.family, weight);
+            }
         }
         if packet.vlan {
             stats.count(stat::SEEN_VLAN);

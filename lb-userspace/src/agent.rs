@@ -51,7 +51,7 @@ pub struct Shared {
     pub interface: Interface,
     pub mode: AttachedMode,
     /// Per backend id: connection-table entries seen within `flow_idle_timeout`, as of
-    /// the last scan (`scan_flows`).
+    /// the last scan (`record_flows`).
     pub active_flows: HashMap<u32, u64>,
     /// Connection-table entries at the last scan.
     pub conntrack_size: u64,
@@ -357,13 +357,6 @@ impl Shared {
         if changed {
             self.sync()?;
         }
-        Ok(())
-    }
-
-    /// Counts live connection-table entries per backend.
-    pub fn scan_flows(&mut self, now_ns: u64) -> anyhow::Result<()> {
-        let flows = self.dataplane.flows()?;
-        self.record_flows(flows, now_ns);
         Ok(())
     }
 
@@ -680,7 +673,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         health_tasks.clone(),
     )
     .await?;
-    health::spawn_checks(&shared, &health_tasks.running, &shutdown);
+    health::spawn_checks(&shared, &health_tasks);
     let metrics = match config.control.metrics {
         Some(address) => Some(metrics::serve(address, shared.clone(), shutdown.clone()).await?),
         None => None,
@@ -938,7 +931,7 @@ pub fn reload(
             return Err(error);
         }
     };
-    health::spawn_checks(shared, &health_tasks.running, &health_tasks.shutdown);
+    health::spawn_checks(shared, health_tasks);
     if changes.is_empty() {
         tracing::info!("reload: no change");
     }

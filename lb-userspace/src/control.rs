@@ -246,48 +246,38 @@ async fn backend_state(
     let state = request
         .state
         .ok_or((StatusCode::BAD_REQUEST, "missing \"state\"".to_string()))?;
-    let change = {
-        let mut shared = api.shared.lock().expect("agent state poisoned");
-        shared
-            .set_admin_state(&request.vip, request.backend, state)
-            .map_err(refused)?
-    };
-    // Out of maintenance, a backend is checked again.
-    crate::health::spawn_checks(
-        &api.shared,
-        &api.health_tasks.running,
-        &api.health_tasks.shutdown,
-    );
-    Ok(Json(ChangeAnswer { change }))
+    api.change(|shared| shared.set_admin_state(&request.vip, request.backend, state))
 }
 
 async fn backend_add(
     State(api): State<Api>,
     Json(request): Json<BackendRequest>,
 ) -> Result<Json<ChangeAnswer>, (StatusCode, String)> {
-    let change = {
-        let mut shared = api.shared.lock().expect("agent state poisoned");
-        shared
-            .add_backend(&request.vip, request.backend, request.weight.unwrap_or(1))
-            .map_err(refused)?
-    };
-    crate::health::spawn_checks(
-        &api.shared,
-        &api.health_tasks.running,
-        &api.health_tasks.shutdown,
-    );
-    Ok(Json(ChangeAnswer { change }))
+    let weight = request.weight.unwrap_or(1);
+    api.change(|shared| shared.add_backend(&request.vip, request.backend, weight))
 }
 
 async fn backend_remove(
     State(api): State<Api>,
     Json(request): Json<BackendRequest>,
 ) -> Result<Json<ChangeAnswer>, (StatusCode, String)> {
-    let mut shared = api.shared.lock().expect("agent state poisoned");
-    let change = shared
-        .remove_backend(&request.vip, request.backend)
-        .map_err(refused)?;
-    Ok(Json(ChangeAnswer { change }))
+    api.change(|shared| shared.remove_backend(&request.vip, request.backend))
+}
+
+impl Api {
+    /// Applies a runtime change under the lock, then starts checks for backends that
+    /// became checked (added, or back from maintenance).
+    fn change(
+        &self,
+        apply: impl FnOnce(&mut Shared) -> Result<String, ControlError>,
+    ) -> Result<Json<ChangeAnswer>, (StatusCode, String)> {
+        let change = {
+            let mut shared = self.shared.lock().expect("agent state poisoned");
+            apply(&mut shared).map_err(refused)?
+        };
+        crate::health::spawn_checks(&self.shared, &self.health_tasks);
+        Ok(Json(ChangeAnswer { change }))
+    }
 }
 
 /// How long `/node/drain` and `/node/ready` wait for the routes to follow.

@@ -101,8 +101,6 @@ pub trait Dataplane {
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError>;
     /// The connection-table entry of one flow.
     fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError>;
-    /// Every connection-table entry (a syscall or two per entry: call it off the hot path).
-    fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError>;
     /// A handle that reads the connection table on its own, so a long scan need not
     /// hold the agent's lock.
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError>;
@@ -708,10 +706,6 @@ impl Dataplane for AyaDataplane {
         Ok(sources)
     }
 
-    fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
-        read_flows(&self.conntrack)
-    }
-
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {
         let fd = aya::maps::IterableMap::map(&self.conntrack)
             .fd()
@@ -801,12 +795,10 @@ impl Dataplane for MemoryDataplane {
         Ok(self.flows.get(key).copied())
     }
 
-    fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
-        Ok(self.flows.iter().map(|(k, v)| (*k, *v)).collect())
-    }
-
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {
-        Ok(FlowReader(FlowSource::Snapshot(self.flows()?)))
+        Ok(FlowReader(FlowSource::Snapshot(
+            self.flows.iter().map(|(k, v)| (*k, *v)).collect(),
+        )))
     }
 
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {

@@ -21,7 +21,7 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    agent::Shared,
+    agent::{HealthTasks, Shared},
     config::{HealthConfig, HealthKind},
     model::{CheckRecord, Health},
 };
@@ -150,23 +150,19 @@ fn describe_io(error: std::io::Error) -> String {
 
 /// Starts a check task for every checked backend that has none yet. Tasks end by
 /// themselves when their backend leaves the model or stops being checked.
-pub fn spawn_checks(
-    shared: &Arc<Mutex<Shared>>,
-    running: &Arc<Mutex<HashSet<u32>>>,
-    shutdown: &CancellationToken,
-) {
+pub fn spawn_checks(shared: &Arc<Mutex<Shared>>, tasks: &HealthTasks) {
     // Both locks, shared first (as a finishing task takes them): a task deciding to end
     // and this deciding not to start one cannot interleave.
     let guard = shared.lock().expect("agent state poisoned");
-    let mut running_ids = running.lock().expect("health task set poisoned");
+    let mut running_ids = tasks.running.lock().expect("health task set poisoned");
     for vip in &guard.model.vips {
         for backend in vip.backends.iter().filter(|b| is_checked(vip, b)) {
             if running_ids.insert(backend.id) {
                 tokio::spawn(check_loop(
                     backend.id,
                     shared.clone(),
-                    running.clone(),
-                    shutdown.clone(),
+                    tasks.running.clone(),
+                    tasks.shutdown.clone(),
                 ));
             }
         }

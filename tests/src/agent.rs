@@ -58,29 +58,10 @@ impl Agent {
     ) -> Result<Agent> {
         let log =
             File::create(log_path).with_context(|| format!("create {}", log_path.display()))?;
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns.name()])
-            .arg(lb_bin)
-            .arg("run")
-            .arg("--config")
-            .arg(config)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            // Its own process group: a Ctrl-C in the terminal reaches the lab, which then
-            // stops the agent in order, instead of reaching both at once.
-            .process_group(0);
-        // SAFETY: prctl is async-signal-safe. If the test process dies without running
-        // Drop, the agent gets SIGTERM instead of living on (and keeping the namespace).
-        // `ip netns exec` execs the agent in place, so the setting reaches it.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        // SIGTERM if the test process dies without running Drop: the agent must not
+        // live on (and keep the namespace).
+        let mut cmd = ns.daemon_command(lb_bin, &log, libc::SIGTERM)?;
+        cmd.arg("run").arg("--config").arg(config);
         let child = cmd
             .spawn()
             .with_context(|| format!("spawn {}", lb_bin.display()))?;

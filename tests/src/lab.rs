@@ -35,7 +35,8 @@ pub const VIP4: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 100);
 pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x99, 0, 0, 0, 0, 0, 0x100);
 /// The balancer's interface inside its namespace (and every host's).
 pub const IFACE: &str = "eth0";
-const BRIDGE: &str = "br0";
+/// The bridge in the switch namespace that joins every host.
+pub const BRIDGE: &str = "br0";
 const LB_PORT: &str = "p-lb";
 const CLIENT_PORT: &str = "p-client";
 
@@ -103,24 +104,7 @@ impl Lab {
             .prefix("lbt-lab-")
             .tempdir()
             .context("tempdir")?;
-        let switch = Netns::new("sw")?;
-        // No IPv6 on the bridge and its ports (no stray router solicitations in captures);
-        // no multicast snooping, so neighbour discovery floods like ARP does.
-        switch.sysctl("net.ipv6.conf.default.disable_ipv6", "1")?;
-        switch.sysctl("net.ipv6.conf.all.disable_ipv6", "1")?;
-        let sw = switch.name();
-        ip(&[
-            "-n",
-            sw,
-            "link",
-            "add",
-            BRIDGE,
-            "type",
-            "bridge",
-            "mcast_snooping",
-            "0",
-        ])?;
-        ip(&["-n", sw, "link", "set", BRIDGE, "up"])?;
+        let switch = switch_namespace()?;
 
         let client = host(&switch, "client", CLIENT_PORT, host_v4(1), host_v6(1))?;
         let lb = host(&switch, "lb", LB_PORT, host_v4(2), host_v6(2))?;
@@ -153,10 +137,7 @@ impl Lab {
                 "lo",
                 "nodad",
             ])?;
-            for conf in ["all", IFACE] {
-                ns.sysctl(&format!("net.ipv4.conf.{conf}.arp_ignore"), "1")?;
-                ns.sysctl(&format!("net.ipv4.conf.{conf}.arp_announce"), "2")?;
-            }
+            arp_for_dsr(&ns, IFACE)?;
             backends.push(ns);
         }
 
@@ -538,6 +519,38 @@ impl Drop for XdpPass {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// A namespace holding the bridge `BRIDGE` (up) that joins a lab's hosts. No IPv6 on the
+/// bridge and its ports (no stray router solicitations in captures); no multicast
+/// snooping, so neighbour discovery floods like ARP does.
+pub fn switch_namespace() -> Result<Netns> {
+    let switch = Netns::new("sw")?;
+    switch.sysctl("net.ipv6.conf.default.disable_ipv6", "1")?;
+    switch.sysctl("net.ipv6.conf.all.disable_ipv6", "1")?;
+    let sw = switch.name();
+    ip(&[
+        "-n",
+        sw,
+        "link",
+        "add",
+        BRIDGE,
+        "type",
+        "bridge",
+        "mcast_snooping",
+        "0",
+    ])?;
+    ip(&["-n", sw, "link", "set", BRIDGE, "up"])?;
+    Ok(switch)
+}
+
+/// A DSR backend's ARP settings: never answer ARP for (or announce) the VIP held on `lo`.
+pub fn arp_for_dsr(ns: &Netns, iface: &str) -> Result<()> {
+    for conf in ["all", iface] {
+        ns.sysctl(&format!("net.ipv4.conf.{conf}.arp_ignore"), "1")?;
+        ns.sysctl(&format!("net.ipv4.conf.{conf}.arp_announce"), "2")?;
+    }
+    Ok(())
 }
 
 fn load_xdp_pass(ifname: &str) -> Result<aya::Ebpf> {

@@ -91,6 +91,35 @@ impl Netns {
             .context("spawn thread")
     }
 
+    /// `ip netns exec NAME program` for a long-running process: no stdin, stdout and
+    /// stderr to `log`, its own process group (a Ctrl-C reaches the test, which stops it
+    /// in order), and `on_parent_death` if the test process dies without running its
+    /// guards (`ip netns exec` execs the program in place, so the setting reaches it).
+    pub fn daemon_command(
+        &self,
+        program: impl AsRef<std::ffi::OsStr>,
+        log: &File,
+        on_parent_death: libc::c_int,
+    ) -> Result<Command> {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", self.name()])
+            .arg(program)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log.try_clone()?)
+            .process_group(0);
+        // SAFETY: prctl is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, on_parent_death) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        Ok(cmd)
+    }
+
     /// Runs `ip netns exec NAME cmd args...`; returns stdout, or fails with stderr.
     pub fn exec(&self, cmd: &str, args: &[&str]) -> Result<String> {
         let mut all = vec!["netns", "exec", &self.name, cmd];

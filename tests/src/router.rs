@@ -21,9 +21,8 @@
 //! `define` lines set to this topology's addresses, so the examples are what is tested.
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 
 use std::thread::sleep;
 use std::time::{Duration, Instant};
@@ -32,7 +31,7 @@ use anyhow::{Context, Result, bail, ensure};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use crate::lab::XdpPass;
+use crate::lab::{BRIDGE, XdpPass, arp_for_dsr, switch_namespace};
 use crate::netns::{ip, run_cmd};
 use crate::{Netns, TcpServer};
 
@@ -47,7 +46,6 @@ pub const ROUTER: Ipv4Addr = Ipv4Addr::new(10, 97, 0, 1);
 pub const IFACE: &str = "eth0";
 /// The router's fabric interface.
 const ROUTER_FABRIC: &str = "eth1";
-const BRIDGE: &str = "br0";
 /// Balancer nodes in the topology (the shipped router config names two).
 pub const NODES: usize = 2;
 
@@ -167,27 +165,14 @@ impl Bird {
         let out = dir.join(format!("{name}.out"));
         let _ = std::fs::remove_file(&socket);
         let output = std::fs::File::create(&out)?;
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns.name(), "bird", "-f", "-c"])
+        // SIGKILL if the test process dies without running Drop: BIRD goes too.
+        let mut cmd = ns.daemon_command("bird", &output, libc::SIGKILL)?;
+        cmd.args(["-f", "-c"])
             .arg(&conf)
             .arg("-s")
             .arg(&socket)
             .arg("-P")
-            .arg(&pid_file)
-            .stdin(Stdio::null())
-            .stdout(output.try_clone()?)
-            .stderr(output)
-            .process_group(0);
-        // SAFETY: prctl is async-signal-safe. If the test process dies without running
-        // Drop, BIRD goes too (`ip netns exec` execs it in place).
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+            .arg(&pid_file);
         let child = cmd.spawn().context("spawn bird")?;
         let mut bird = Bird {
             name: name.into(),
@@ -333,12 +318,7 @@ impl EcmpLab {
             .prefix("lbt-bgp-")
             .tempdir()
             .context("tempdir")?;
-        let switch = Netns::new("sw")?;
-        switch.sysctl("net.ipv6.conf.default.disable_ipv6", "1")?;
-        switch.sysctl("net.ipv6.conf.all.disable_ipv6", "1")?;
-        let sw = switch.name();
-        ip(&["-n", sw, "link", "add", BRIDGE, "type", "bridge"])?;
-        ip(&["-n", sw, "link", "set", BRIDGE, "up"])?;
+        let switch = switch_namespace()?;
 
         let router = Netns::new("rtr")?;
         router.sysctl("net.ipv4.ip_forward", "1")?;
@@ -384,10 +364,7 @@ impl EcmpLab {
             addr_up(&ns, IFACE, backend_addr(i))?;
             let n = ns.name();
             ip(&["-n", n, "addr", "add", &format!("{VIP}/32"), "dev", "lo"])?;
-            for conf in ["all", IFACE] {
-                ns.sysctl(&format!("net.ipv4.conf.{conf}.arp_ignore"), "1")?;
-                ns.sysctl(&format!("net.ipv4.conf.{conf}.arp_announce"), "2")?;
-            }
+            arp_for_dsr(&ns, IFACE)?;
             // Direct server return: replies go to the client through the router.
             ip(&[
                 "-n",

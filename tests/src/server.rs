@@ -31,9 +31,8 @@ const POLL: Duration = Duration::from_millis(50);
 pub struct TcpServer {
     name: String,
     addr: SocketAddr,
-    stop: Arc<AtomicBool>,
     accepted: Arc<AtomicUsize>,
-    handle: Option<JoinHandle<Result<()>>>,
+    running: Option<Running>,
 }
 
 impl TcpServer {
@@ -68,9 +67,8 @@ impl TcpServer {
         let server = TcpServer {
             name: name.into(),
             addr,
-            stop,
             accepted,
-            handle: Some(handle),
+            running: Some(Running { stop, handle }),
         };
         ready??;
         Ok(server)
@@ -95,13 +93,7 @@ impl TcpServer {
     }
 
     fn shutdown(&mut self) -> Result<()> {
-        self.stop.store(true, Ordering::Relaxed);
-        match self.handle.take() {
-            Some(h) => h
-                .join()
-                .map_err(|_| anyhow!("tcp server {} panicked", self.name))?,
-            None => Ok(()),
-        }
+        Running::stop(&mut self.running, "tcp server", &self.name)
     }
 }
 
@@ -335,9 +327,24 @@ pub struct HttpServer {
     running: Option<Running>,
 }
 
+/// A server's thread and the flag that ends it.
 struct Running {
     stop: Arc<AtomicBool>,
     handle: JoinHandle<Result<()>>,
+}
+
+impl Running {
+    /// Ends the thread in `running`, if any, and joins it. Idempotent.
+    fn stop(running: &mut Option<Running>, what: &str, name: &str) -> Result<()> {
+        let Some(running) = running.take() else {
+            return Ok(());
+        };
+        running.stop.store(true, Ordering::Relaxed);
+        running
+            .handle
+            .join()
+            .map_err(|_| anyhow!("{what} {name} panicked"))?
+    }
 }
 
 impl HttpServer {
@@ -453,14 +460,7 @@ impl HttpServer {
     /// threads. Connections to its port are refused from when this returns. Does
     /// nothing when it is stopped already.
     pub fn stop(&mut self) -> Result<()> {
-        let Some(running) = self.running.take() else {
-            return Ok(());
-        };
-        running.stop.store(true, Ordering::Relaxed);
-        running
-            .handle
-            .join()
-            .map_err(|_| anyhow!("http server {} panicked", self.name))?
+        Running::stop(&mut self.running, "http server", &self.name)
     }
 }
 
@@ -580,9 +580,8 @@ fn serve_http(mut stream: TcpStream, path: &str, control: &HttpControl, stop: &A
 /// IPv6-only; start one of each family when both are needed.
 pub struct UdpServer {
     name: String,
-    stop: Arc<AtomicBool>,
     answered: Arc<AtomicUsize>,
-    handle: Option<JoinHandle<Result<()>>>,
+    running: Option<Running>,
 }
 
 impl UdpServer {
@@ -611,9 +610,8 @@ impl UdpServer {
             .map_err(|_| anyhow!("udp server {name} ended before binding"));
         let server = UdpServer {
             name: name.into(),
-            stop,
             answered,
-            handle: Some(handle),
+            running: Some(Running { stop, handle }),
         };
         ready??;
         Ok(server)
@@ -633,13 +631,7 @@ impl UdpServer {
     }
 
     fn shutdown(&mut self) -> Result<()> {
-        self.stop.store(true, Ordering::Relaxed);
-        match self.handle.take() {
-            Some(h) => h
-                .join()
-                .map_err(|_| anyhow!("udp server {} panicked", self.name))?,
-            None => Ok(()),
-        }
+        Running::stop(&mut self.running, "udp server", &self.name)
     }
 }
 

@@ -330,17 +330,25 @@ fn bpf_linker(ctx: &Ctx) -> Result<()> {
 }
 
 fn apt_packages(ctx: &Ctx) -> Result<()> {
+    let needed_for = "the lab and the root test tiers need them";
+    install_missing(ctx, APT_PACKAGES, "", needed_for).map(drop)
+}
+
+/// Installs with apt-get those of `packages` that are missing (one `apt-get update` first),
+/// one line per package saying what it found; as non-root it only says what to run.
+/// Returns whether it installed anything.
+fn install_missing(ctx: &Ctx, packages: &[&str], label: &str, needed_for: &str) -> Result<bool> {
     let mut missing = Vec::new();
-    for &pkg in APT_PACKAGES {
-        let what = format!("apt package {pkg}");
+    for &pkg in packages {
+        let what = format!("apt package {pkg}{label}");
         let status = match probe(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg])) {
             Ok(status) => status.unwrap_or_default(),
             Err(_) => {
                 warn_loud(&[
                     "dpkg-query not found: not a Debian system?".into(),
-                    format!("install these yourself: {}", APT_PACKAGES.join(" ")),
+                    format!("install these yourself: {}", packages.join(" ")),
                 ]);
-                return Ok(());
+                return Ok(false);
             }
         };
         if status.trim() == "install ok installed" {
@@ -351,7 +359,7 @@ fn apt_packages(ctx: &Ctx) -> Result<()> {
         }
     }
     if missing.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     if !ctx.is_root {
         warn_loud(&[
@@ -359,13 +367,13 @@ fn apt_packages(ctx: &Ctx) -> Result<()> {
                 "not root: NOT installing apt packages {}",
                 missing.join(" ")
             ),
-            "the lab and the root test tiers need them; as root run:".into(),
+            format!("{needed_for}; as root run:"),
             format!(
                 "  apt-get install -y --no-install-recommends {}",
                 missing.join(" ")
             ),
         ]);
-        return Ok(());
+        return Ok(false);
     }
     let apt = |args: &[&str]| {
         let mut cmd = ctx.command("apt-get");
@@ -379,7 +387,7 @@ fn apt_packages(ctx: &Ctx) -> Result<()> {
     install.extend(&missing);
     run_cmd(&mut apt(&install))?;
     step(&format!("apt packages {}", missing.join(" ")), "installed");
-    Ok(())
+    Ok(true)
 }
 
 fn bpffs_mounted() -> Result<bool> {
@@ -573,49 +581,19 @@ fn bench(ctx: &Ctx, bench_args: &[OsString]) -> Result<()> {
 
 /// wrk, haproxy and nginx through apt-get, only those missing, saying what it does.
 fn bench_packages(ctx: &Ctx) -> Result<()> {
-    let mut missing = Vec::new();
-    for &pkg in BENCH_APT_PACKAGES {
-        let what = format!("apt package {pkg} (benchmarks)");
-        let status = probe(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]))
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        if status.trim() == "install ok installed" {
-            step(&what, "already installed");
-        } else {
-            step(&what, "missing");
-            missing.push(pkg);
-        }
+    let installed = install_missing(
+        ctx,
+        BENCH_APT_PACKAGES,
+        " (benchmarks)",
+        "the benchmarks need them",
+    )?;
+    if installed {
+        println!(
+            "xtask: note: where an init system runs, Debian starts the nginx and haproxy \
+             services on install; the benchmarks do not use them (they start their own inside \
+             namespaces)"
+        );
     }
-    if missing.is_empty() {
-        return Ok(());
-    }
-    if !ctx.is_root {
-        warn_loud(&[
-            format!("not root: NOT installing {}", missing.join(" ")),
-            format!(
-                "as root run: apt-get install -y --no-install-recommends {}",
-                missing.join(" ")
-            ),
-        ]);
-        return Ok(());
-    }
-    let apt = |args: &[&str]| {
-        let mut cmd = ctx.command("apt-get");
-        cmd.args(args)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .stdin(Stdio::null());
-        cmd
-    };
-    run_cmd(&mut apt(&["update"]))?;
-    let mut install = vec!["install", "-y", "--no-install-recommends"];
-    install.extend(&missing);
-    run_cmd(&mut apt(&install))?;
-    step(&format!("apt packages {}", missing.join(" ")), "installed");
-    println!(
-        "xtask: note: where an init system runs, Debian starts the nginx and haproxy services \
-         on install; the benchmarks do not use them (they start their own inside namespaces)"
-    );
     Ok(())
 }
 

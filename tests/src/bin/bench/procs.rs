@@ -2,9 +2,8 @@
 //! running in a namespace through `ip netns exec`, with its files in a private directory.
 
 use std::fs::File;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
@@ -30,23 +29,10 @@ impl Daemon {
         log: &Path,
     ) -> Result<Daemon> {
         let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns.name(), program])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .process_group(0);
-        // SAFETY: prctl is async-signal-safe. The server dies with the benchmark even if
-        // the benchmark is killed before its guards run.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        // SIGTERM: the server dies with the benchmark even if it is killed before its
+        // guards run.
+        let mut cmd = ns.daemon_command(program, &out, libc::SIGTERM)?;
+        cmd.args(args);
         let child = cmd
             .spawn()
             .with_context(|| format!("start {program} in {}", ns.name()))?;
