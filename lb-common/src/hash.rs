@@ -66,6 +66,17 @@ pub fn flow_hash(flow: &FlowTuple, src_only: bool) -> u32 {
     finish(mix(h, flow.proto as u32))
 }
 
+/// The hash of a VIP key (for `VipFilter`).
+#[inline(always)]
+pub fn vip_key_hash(key: &crate::VipKey) -> u32 {
+    let a = &key.addr;
+    let word = |i: usize| u32::from_le_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+    let addr = [word(0), word(4), word(8), word(12)];
+    let h = mix_addr(SEED, &addr, key.family);
+    let tail = (key.port as u32) << 16 | (key.proto as u32) << 8 | key.family as u32;
+    finish(mix(h, tail))
+}
+
 /// A 64-bit hash that never changes between runs, builds or machines (FNV-1a, then the
 /// splitmix64 finalizer to spread FNV's weak low bits). Seeds Maglev permutations, so
 /// identically configured balancers build identical tables.

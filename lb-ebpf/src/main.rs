@@ -10,22 +10,19 @@ mod parse;
 #[cfg(target_arch = "bpf")]
 mod program {
     use aya_ebpf::{
-        bindings::xdp_action,
-        helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_xdp_load_bytes},
-        macros::xdp,
-        maps::PerCpuArray,
+        bindings::xdp_action, helpers::bpf_xdp_load_bytes, macros::xdp, maps::PerCpuArray,
         programs::XdpContext,
     };
     use lb_common::{
         BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord,
         FLOW_F_CLOSING, FlowEntry, FlowKey, InsertWindow, LAST_SEEN_GRANULARITY_NS, PROTO_UDP,
-        VIP_F_HASH_SRC_IP, VipInfo, VipKey, flow_hash, maglev_slot, stat,
+        VIP_F_HASH_SRC_IP, VipKey, flow_hash, maglev_slot, stat,
     };
 
     use crate::maps::{
-        LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
-        LB_MAGLEV, LB_VIP_STATS, LB_VIPS, Stats, count_sink, count_source, count_traffic,
-        next_sink_sequence,
+        Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
+        LB_MAGLEV, LB_VIP_FILTER, LB_VIP_STATS, LB_VIPS, Stats, count_sink, count_source,
+        count_traffic, next_sink_sequence,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -69,6 +66,11 @@ mod program {
     }
 
     /// `Ok` when forwarded (XDP_TX); `Err` for everything else, with its reason.
+    ///
+    /// A packet that is not a SYN follows its connection-table entry while the entry's
+    /// backend still serves flows (and, for UDP, while the entry is not idle-expired);
+    /// otherwise, and always for a SYN, the VIP's Maglev table chooses, and the entry is
+    /// written (a RST never creates one).
     #[inline(always)]
     fn balance(ctx: &XdpContext, stats: &Stats) -> Result<Verdict, Verdict> {
         let packet = parse(ctx)?;
@@ -78,30 +80,157 @@ mod program {
             proto: packet.flow.proto,
             family: packet.flow.family,
         };
+        // Most traffic of a host is not for a VIP: one bit sends it on before any
+        // hash-map lookup.
+        if !vip_filter_may_contain(&vip_key) {
+            return Err(Verdict::pass(stat::PASS_NOT_VIP));
+        }
+        let cpu = Cpu::get();
+        // Coarse time: entries age in seconds.
+        let now = cpu.now_ns();
+        let flow_key = FlowKey {
+            src: packet.src_addr,
+            dst: packet.dst_addr,
+            src_port: packet.src_port_be,
+            dst_port: packet.dst_port_be,
+            proto: packet.flow.proto,
+            family: packet.flow.family,
+            _pad: [0; 2],
+        };
+        // Only VIP traffic has entries. Looked up for a SYN too: a reused tuple's entry
+        // is then re-written in place, which costs far less than an insert.
+        let entry = LB_CONNTRACK.get_ptr_mut(flow_key);
+        let udp = packet.flow.proto == PROTO_UDP;
+        let mut miss = if packet.syn {
+            stat::CT_MISS_SYN
+        } else if udp {
+            stat::CT_MISS_UDP
+        } else {
+            stat::CT_MISS_NON_SYN
+        };
+        if !packet.syn
+            && let Some(entry) = entry
+        {
+            match follow(unsafe { &mut *entry }, &packet, now) {
+                Ok((backend_id, backend)) => {
+                    stats.count(stat::CT_HIT);
+                    // The backend names its VIP: an established flow needs no VIP lookup.
+                    let vip_id = backend.vip_id;
+                    return forward(ctx, stats, &packet, vip_id, backend_id, &backend, false);
+                }
+                Err(reason) => miss = reason,
+            }
+        }
+
         // A copy: the map's element may be reused for a new value while we run.
         let Some(vip) = (unsafe { LB_VIPS.get(vip_key) }).copied() else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
-        let (backend_id, backend, new_flow) = choose_backend(ctx, stats, &packet, &vip)?;
+        stats.count(miss);
+        if miss == stat::CT_MISS_NON_SYN {
+            capture(ctx, stats, now);
+        }
+        let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
+        let table_size = read(&MAGLEV_SIZE);
+        let hash = flow_hash(&packet.flow, vip.flags & VIP_F_HASH_SRC_IP != 0);
+        let slot = vip.table_base + maglev_slot(hash, table_size);
+        let backend_id = match LB_MAGLEV.get(slot) {
+            Some(&id) if id != BACKEND_NONE => id,
+            _ => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
+        };
+        let Some(backend) = LB_BACKENDS.get(backend_id).copied() else {
+            return Err(Verdict::drop(stat::DROP_NO_BACKEND));
+        };
+        let closing = packet.fin || packet.rst;
+        let flags = if closing { FLOW_F_CLOSING } else { 0 };
+        match entry {
+            Some(entry) => {
+                let entry = unsafe { &mut *entry };
+                entry.backend_id = backend_id;
+                entry.flags = flags;
+                entry.last_seen_ns = now;
+                stats.count(stat::CT_CREATED);
+            }
+            // A RST ends a flow: it never creates one.
+            None if !packet.rst && may_insert(stats, now) => {
+                let entry = FlowEntry {
+                    backend_id,
+                    flags,
+                    last_seen_ns: now,
+                };
+                if LB_CONNTRACK.insert(flow_key, entry, 0).is_ok() {
+                    stats.count(stat::CT_CREATED);
+                }
+            }
+            None => {}
+        }
+        // Heavy hitters are sampled: one new flow in SOURCE_SAMPLE is counted, with that
+        // weight, so most new flows skip the map.
+        if new_flow {
+            let sample = read(&SOURCE_SAMPLE).max(1);
+            if cpu.one_in(sample) {
+                let weight = sample as u64;
+                count_source(vip.vip_id, packet.src_addr, packet.flow.family, weight);
+            }
+        }
+        forward(
+            ctx, stats, &packet, vip.vip_id, backend_id, &backend, new_flow,
+        )
+    }
+
+    /// Whether the VIP filter has `key`'s bit: if not, `key` is no VIP.
+    #[inline(always)]
+    fn vip_filter_may_contain(key: &VipKey) -> bool {
+        match LB_VIP_FILTER.get(0) {
+            Some(filter) => filter.may_contain(key),
+            None => true,
+        }
+    }
+
+    /// The backend an existing entry holds the flow to, and the entry refreshed; or why
+    /// the flow is balanced afresh: `CT_MISS_UDP` (idle-expired UDP), `CT_REHASH` (the
+    /// backend no longer serves flows).
+    #[inline(always)]
+    fn follow(entry: &mut FlowEntry, packet: &Packet, now: u64) -> Result<(u32, BackendInfo), u32> {
+        let age = now.saturating_sub(entry.last_seen_ns);
+        if packet.flow.proto == PROTO_UDP && age > read(&UDP_IDLE_NS) {
+            return Err(stat::CT_MISS_UDP);
+        }
+        let backend_id = entry.backend_id;
+        let backend = match LB_BACKENDS.get(backend_id) {
+            Some(backend) if backend.flags & BACKEND_F_SERVES_FLOWS != 0 => *backend,
+            _ => return Err(stat::CT_REHASH),
+        };
+        if age > LAST_SEEN_GRANULARITY_NS {
+            entry.last_seen_ns = now;
+        }
+        if (packet.fin || packet.rst) && entry.flags & FLOW_F_CLOSING == 0 {
+            entry.flags |= FLOW_F_CLOSING;
+        }
+        Ok((backend_id, backend))
+    }
+
+    /// Sends the frame to `backend`: its MAC as destination, ours as source, and counts
+    /// it for the VIP and the backend.
+    #[inline(always)]
+    fn forward(
+        ctx: &XdpContext,
+        stats: &Stats,
+        packet: &Packet,
+        vip_id: u32,
+        backend_id: u32,
+        backend: &BackendInfo,
+        new_flow: bool,
+    ) -> Result<Verdict, Verdict> {
         let eth = ethernet(ctx)?;
         unsafe {
             (*eth).dst_addr = backend.mac;
             (*eth).src_addr = core::ptr::read_volatile(&IFACE_MAC);
         }
-
         let bytes = (ctx.data_end() - ctx.data()) as u64;
-        count_traffic(&LB_VIP_STATS, vip.vip_id, bytes, new_flow);
+        count_traffic(&LB_VIP_STATS, vip_id, bytes, new_flow);
         count_traffic(&LB_BACKEND_STATS, backend_id, bytes, new_flow);
-        // Heavy hitters are sampled: one new flow in SOURCE_SAMPLE is counted, with that
-        // weight, so most new flows skip the map.
-        if new_flow {
-            let sample = read(&SOURCE_SAMPLE).max(1);
-            if unsafe { bpf_get_prandom_u32() } % sample == 0 {
-                let weight = sample as u64;
-                count_source(vip.vip_id, packet.src_addr, packet.flow.family, weight);
-            }
-        }
         if packet.vlan {
             stats.count(stat::SEEN_VLAN);
         }
@@ -112,99 +241,6 @@ mod program {
             action: xdp_action::XDP_TX,
             reason: stat::XDP_TX,
         })
-    }
-
-    /// The flow's backend: a TCP SYN always takes the Maglev table (and (re)creates its
-    /// entry); other packets follow their connection-table entry while its backend still
-    /// serves flows (and, for UDP, while it is not idle-expired), else take the table.
-    #[inline(always)]
-    /// Returns the backend's id and entry, and whether this packet starts a new flow (a
-    /// SYN, or a UDP packet without a live entry).
-    fn choose_backend(
-        ctx: &XdpContext,
-        stats: &Stats,
-        packet: &Packet,
-        vip: &VipInfo,
-    ) -> Result<(u32, BackendInfo, bool), Verdict> {
-        // Coarse (jiffies) time: entries age in seconds, and it costs no clock read.
-        let now = unsafe { bpf_ktime_get_coarse_ns() };
-        let key = FlowKey {
-            src: packet.src_addr,
-            dst: packet.dst_addr,
-            src_port: packet.src_port_be,
-            dst_port: packet.dst_port_be,
-            proto: packet.flow.proto,
-            family: packet.flow.family,
-            _pad: [0; 2],
-        };
-        let udp = packet.flow.proto == PROTO_UDP;
-        let closing = packet.fin || packet.rst;
-        let new_flow;
-        if !packet.syn
-            && let Some(entry) = LB_CONNTRACK.get_ptr_mut(key)
-        {
-            let entry = unsafe { &mut *entry };
-            let idle_expired = udp && now.saturating_sub(entry.last_seen_ns) > read(&UDP_IDLE_NS);
-            if !idle_expired
-                && let Some(backend) = LB_BACKENDS.get(entry.backend_id)
-                && backend.flags & BACKEND_F_SERVES_FLOWS != 0
-            {
-                if now.saturating_sub(entry.last_seen_ns) > LAST_SEEN_GRANULARITY_NS {
-                    entry.last_seen_ns = now;
-                }
-                if closing && entry.flags & FLOW_F_CLOSING == 0 {
-                    entry.flags |= FLOW_F_CLOSING;
-                }
-                stats.count(stat::CT_HIT);
-                return Ok((entry.backend_id, *backend, false));
-            }
-            stats.count(if idle_expired {
-                stat::CT_MISS_UDP
-            } else {
-                stat::CT_REHASH
-            });
-            new_flow = idle_expired;
-        } else {
-            new_flow = packet.syn || udp;
-            stats.count(if packet.syn {
-                stat::CT_MISS_SYN
-            } else if udp {
-                stat::CT_MISS_UDP
-            } else {
-                stat::CT_MISS_NON_SYN
-            });
-            if !packet.syn && !udp {
-                capture(ctx, stats, now);
-            }
-        }
-
-        let table_size = read(&MAGLEV_SIZE);
-        let hash = flow_hash(&packet.flow, vip.flags & VIP_F_HASH_SRC_IP != 0);
-        let slot = vip.table_base + maglev_slot(hash, table_size);
-        let backend_id = match LB_MAGLEV.get(slot) {
-            Some(&id) if id != BACKEND_NONE => id,
-            _ => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
-        };
-        let Some(backend) = LB_BACKENDS.get(backend_id) else {
-            return Err(Verdict::drop(stat::DROP_NO_BACKEND));
-        };
-        if !packet.rst {
-            if may_insert(stats, now) {
-                let entry = FlowEntry {
-                    backend_id,
-                    flags: if closing { FLOW_F_CLOSING } else { 0 },
-                    last_seen_ns: now,
-                };
-                if LB_CONNTRACK.insert(key, entry, 0).is_ok() {
-                    stats.count(stat::CT_CREATED);
-                }
-            } else if packet.syn {
-                // A SYN that may not insert must not leave an older connection's entry
-                // (same 5-tuple, maybe another backend) for the packets that follow it.
-                let _ = LB_CONNTRACK.remove(key);
-            }
-        }
-        Ok((backend_id, *backend, new_flow))
     }
 
     /// Copies the frame's first `CAPTURE_BYTES` to the debug capture, at most

@@ -2,12 +2,13 @@
 //! configuration maps and reads the counters; the program only looks things up and counts.
 
 use aya_ebpf::{
+    helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns},
     macros::map,
     maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS,
-    Outcomes, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, stat,
+    Outcomes, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipFilter, VipInfo, VipKey, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -17,6 +18,11 @@ const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
 /// Maglev table starts. Written by the agent; MAX_VIPS entries.
 #[map(name = "LB_VIPS")]
 pub static LB_VIPS: HashMap<VipKey, VipInfo> = HashMap::with_max_entries(MAX_VIPS, 0);
+
+/// 0 -> VipFilter: a bit for every VIP key's hash; traffic whose bit is clear is no
+/// VIP's. Written by the agent with every VIP change.
+#[map(name = "LB_VIP_FILTER")]
+pub static LB_VIP_FILTER: Array<VipFilter> = Array::with_max_entries(1, 0);
 
 /// slot -> backend id: every VIP's tables, two generations each, back to back
 /// (`VipInfo::table_base_for`). Written by the agent; resized at load time to
@@ -118,6 +124,67 @@ pub fn next_sink_sequence() -> u64 {
 pub fn count_sink() {
     if let Some(counter) = BENCH_SINK.get_ptr_mut(0) {
         unsafe { *counter += 1 };
+    }
+}
+
+/// 0 -> this CPU's `CpuState`: its cached clock and random state. Program only.
+#[map(name = "LB_CPU")]
+pub static LB_CPU: PerCpuArray<CpuState> = PerCpuArray::with_max_entries(1, 0);
+
+#[repr(C)]
+pub struct CpuState {
+    /// The jiffy `now_ns` was read in.
+    jiffies: u64,
+    now_ns: u64,
+    /// xorshift32 state; 0 until seeded.
+    random: u32,
+    _pad: u32,
+}
+
+/// Per-CPU helpers that spare helper calls on the per-packet path.
+pub struct Cpu(*mut CpuState);
+
+impl Cpu {
+    #[inline(always)]
+    pub fn get() -> Self {
+        Self(LB_CPU.get_ptr_mut(0).unwrap_or(core::ptr::null_mut()))
+    }
+
+    /// Coarse monotonic time, as `bpf_ktime_get_coarse_ns` gives it (it moves once per
+    /// jiffy). The verifier inlines `bpf_jiffies64` into a load, so the clock helper is
+    /// called once per jiffy on this CPU instead of once per packet.
+    #[inline(always)]
+    pub fn now_ns(&self) -> u64 {
+        let jiffies = unsafe { bpf_jiffies64() };
+        if self.0.is_null() {
+            return unsafe { bpf_ktime_get_coarse_ns() };
+        }
+        let state = unsafe { &mut *self.0 };
+        if state.jiffies != jiffies {
+            state.jiffies = jiffies;
+            state.now_ns = unsafe { bpf_ktime_get_coarse_ns() };
+        }
+        state.now_ns
+    }
+
+    /// True with probability 1 / `n` (a per-CPU xorshift32, seeded once from
+    /// `bpf_get_prandom_u32`): sampling without a helper call per packet.
+    #[inline(always)]
+    pub fn one_in(&self, n: u32) -> bool {
+        if self.0.is_null() {
+            return unsafe { bpf_get_prandom_u32() } % n.max(1) == 0;
+        }
+        let state = unsafe { &mut *self.0 };
+        let mut x = state.random;
+        if x == 0 {
+            x = unsafe { bpf_get_prandom_u32() } | 1;
+        }
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        state.random = x;
+        // Multiply-shift maps x onto 0..n evenly, without a division.
+        (x as u64 * n as u64) >> 32 == 0
     }
 }
 

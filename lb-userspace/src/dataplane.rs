@@ -4,7 +4,7 @@
 
 use std::os::fd::AsFd;
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -22,8 +22,9 @@ use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE, GLOBAL_CT_INSERT_LIMIT,
     GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, LAYOUT_VERSION, MAP_BACKEND_IDS,
     MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_FLOOD, MAP_MAGLEV, MAP_META,
-    MAP_SOURCES, MAP_STATS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS, Outcomes, SourceKey,
-    TABLE_GENERATIONS, TrafficCounters, VipInfo, VipKey, meta, stat,
+    MAP_SOURCES, MAP_STATS, MAP_VIP_FILTER, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS,
+    Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters, VipFilter, VipInfo, VipKey, meta,
+    stat,
 };
 
 use crate::config::{Config, XdpModeSetting};
@@ -174,6 +175,9 @@ pub struct AyaDataplane {
     // Dropping `Ebpf` detaches the program and frees the maps; keep it for our lifetime.
     ebpf: Ebpf,
     vips: BpfHashMap<MapData, VipKey, VipInfo>,
+    vip_filter: Array<MapData, VipFilter>,
+    /// The keys in `LB_VIPS`, which the filter is built from.
+    vip_keys: HashSet<VipKey>,
     maglev: Array<MapData, u32>,
     backends: Array<MapData, BackendInfo>,
     stats: PerCpuArray<MapData, Outcomes>,
@@ -221,8 +225,9 @@ pub struct Adopted {
 /// The name the link is pinned under, next to the maps.
 const LINK_PIN: &str = "link";
 /// Maps pinned (shared with a restarted agent); the rest are per program instance.
-const PINNED_MAPS: [&str; 10] = [
+const PINNED_MAPS: [&str; 11] = [
     MAP_VIPS,
+    MAP_VIP_FILTER,
     MAP_MAGLEV,
     MAP_BACKENDS,
     MAP_STATS,
@@ -324,8 +329,16 @@ impl AyaDataplane {
             program: "lb_xdp",
             source,
         })?;
+        let vips: BpfHashMap<MapData, VipKey, VipInfo> = take_map(&mut ebpf, MAP_VIPS)?;
+        // Adopted pins: the filter already has these keys' bits.
+        let vip_keys = vips
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(in_map(MAP_VIPS))?;
         Ok(Self {
-            vips: take_map(&mut ebpf, MAP_VIPS)?,
+            vips,
+            vip_filter: take_map(&mut ebpf, MAP_VIP_FILTER)?,
+            vip_keys,
             maglev: take_map(&mut ebpf, MAP_MAGLEV)?,
             backends: take_map(&mut ebpf, MAP_BACKENDS)?,
             stats: take_map(&mut ebpf, MAP_STATS)?,
@@ -341,6 +354,18 @@ impl AyaDataplane {
             previous: None,
             ebpf,
         })
+    }
+
+    /// Writes the filter of the current VIP keys, as one value: a reader sees the old
+    /// or the new bits of each word, and a bit in both is set in either.
+    fn write_vip_filter(&mut self) -> Result<(), DataplaneError> {
+        let mut filter: VipFilter = bytemuck::Zeroable::zeroed();
+        for key in &self.vip_keys {
+            filter.insert(key);
+        }
+        self.vip_filter
+            .set(0, filter, 0)
+            .map_err(in_map(MAP_VIP_FILTER))
     }
 
     fn write_meta(
@@ -631,10 +656,18 @@ impl Dataplane for AyaDataplane {
     }
 
     fn set_vip(&mut self, key: &VipKey, info: &VipInfo) -> Result<(), DataplaneError> {
-        self.vips.insert(key, info, 0).map_err(in_map(MAP_VIPS))
+        self.vips.insert(key, info, 0).map_err(in_map(MAP_VIPS))?;
+        // The VIP is in LB_VIPS before its filter bit lets packets reach the lookup.
+        if self.vip_keys.insert(*key) {
+            self.write_vip_filter()?;
+        }
+        Ok(())
     }
 
     fn remove_vip(&mut self, key: &VipKey) -> Result<(), DataplaneError> {
+        if self.vip_keys.remove(key) {
+            self.write_vip_filter()?;
+        }
         self.vips.remove(key).map_err(in_map(MAP_VIPS))
     }
 

@@ -350,7 +350,11 @@ impl Model {
                     } else {
                         0
                     };
-                    let info = BackendInfo { mac: mac.0, flags };
+                    let info = BackendInfo {
+                        mac: mac.0,
+                        flags,
+                        vip_id: vip.id,
+                    };
                     let identity = identity(b.config.address, vip.id);
                     desired
                         .backends

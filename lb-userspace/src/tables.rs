@@ -238,6 +238,7 @@ mod tests {
             let info = BackendInfo {
                 mac: [2, 0, 0, 0, 0, *id as u8],
                 flags: lb_common::BACKEND_F_SERVES_FLOWS,
+                vip_id: 3,
             };
             let identity = BackendIdentity {
                 addr: [10, 0, 0, *id as u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],

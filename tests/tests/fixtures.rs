@@ -1039,31 +1039,79 @@ fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
     cpus.set(0).unwrap();
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
     let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 3));
-    // An old connection's entry on the last tuple: the SYN that cannot insert must not
-    // leave it for the new connection's packets.
+    // An old connection's entry on the last tuple: its SYN re-writes that entry in place
+    // (no insert, so the guard does not apply), and the new connection's packets follow
+    // the new choice, not the old connection's backend.
     let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
     let reused = explain::flow_key(&vip, "10.0.0.1:45004".parse().unwrap());
     let old_entry = lb_common::FlowEntry {
-        backend_id: 0,
+        backend_id: lb_common::BACKEND_NONE - 1,
         flags: 0,
         last_seen_ns: 1,
     };
     fixture.dataplane.insert_flow(&reused, &old_entry).unwrap();
     let mut created = 0;
     let mut skipped = 0;
+    let mut last = None;
     for port in 45000..45005 {
         let result = run(&mut fixture, &tcp(port, TCP_SYN));
         assert_eq!(result.action, XDP_TX);
         created += counted(&result, "ct_created");
         skipped += counted(&result, "ct_insert_skipped");
+        last = Some(result);
     }
-    // Five SYNs well within one second: three entries, two balanced without one.
-    assert_eq!((created, skipped), (3, 2));
+    // Five SYNs well within one second: three inserted, one balanced without an entry,
+    // one re-written in place.
+    assert_eq!((created, skipped), (4, 1));
+    let rewritten = fixture
+        .dataplane
+        .flow(&reused)
+        .unwrap()
+        .expect("entry kept");
     assert_eq!(
-        fixture.dataplane.flow(&reused).unwrap(),
-        None,
-        "the stale entry went"
+        rewritten.backend_id,
+        backend_named(&fixture, "tcp", backend_of(&last.unwrap())),
+        "the reused tuple's entry names the new connection's backend"
     );
+}
+
+#[test]
+fn a_removed_vips_flows_pass_and_an_added_vip_balances() {
+    if !can_run("a_removed_vips_flows_pass_and_an_added_vip_balances") {
+        return;
+    }
+    // Established flows skip the VIP lookup (their entry's backend names the VIP), so
+    // removing a VIP must still stop its flows at once; the VIP filter must follow adds.
+    let both = sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0);
+    let mut fixture = Fixture::load(&both);
+    let established = run(&mut fixture, &tcp(46000, TCP_SYN));
+    assert_eq!(established.action, XDP_TX);
+    assert_eq!(
+        counted(&run(&mut fixture, &tcp(46000, TCP_ACK)), "ct_hit"),
+        1
+    );
+
+    let udp_only: String = both
+        .split("[[vip]]")
+        .filter(|block| !block.contains("name = \"tcp\""))
+        .collect::<Vec<_>>()
+        .join("[[vip]]");
+    assert!(!udp_only.contains("port = 80") && udp_only.contains("port = 53"));
+    fixture.reconfigure(&udp_only);
+    for flags in [TCP_ACK, TCP_SYN] {
+        let result = run(&mut fixture, &tcp(46000, flags));
+        assert_eq!(result.action, XDP_PASS, "flags {flags:#x}");
+        assert_eq!(counted(&result, "pass_not_vip"), 1);
+        assert_eq!(counted(&result, "ct_hit"), 0);
+    }
+
+    fixture.reconfigure(&both);
+    let result = run(&mut fixture, &tcp(46001, TCP_SYN));
+    assert_eq!(
+        result.action, XDP_TX,
+        "the VIP balances again once added back"
+    );
+    assert_eq!(counted(&result, "ct_miss_syn"), 1);
 }
 
 #[test]
