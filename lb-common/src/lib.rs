@@ -81,7 +81,8 @@ pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
 
 /// Key of `LB_VIPS`: which traffic is balanced.
-#[repr(C)]
+// Aligned beyond its fields so the program copies and compares it a word at a time.
+#[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct VipKey {
     /// IPv4: the first 4 bytes, the rest zero. IPv6: all 16. Network order.
@@ -177,7 +178,8 @@ impl VipFilter {
 
 /// Key of `LB_SOURCES`: a client address of a VIP; its value counts the new flows it
 /// opened (per CPU), so the agent can name the heavy hitters.
-#[repr(C)]
+// Aligned beyond its fields so the program copies and compares it a word at a time.
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct SourceKey {
     /// IPv4: the first 4 bytes. Network order.
@@ -233,7 +235,8 @@ pub struct BackendIdentity {
 const _: () = assert!(size_of::<BackendIdentity>() == 24);
 
 /// Key of `LB_CONNTRACK`: one flow, as it arrives (client to VIP).
-#[repr(C)]
+// Aligned beyond its fields so the program copies and compares it a word at a time.
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct FlowKey {
     /// IPv4: the first 4 bytes. Network order.

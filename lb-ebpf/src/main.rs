@@ -72,6 +72,8 @@ mod program {
     /// otherwise, and always for a SYN, the VIP's Maglev table chooses, and the entry is
     /// written (a RST never creates one).
     #[inline(always)]
+    // Keys go to the maps by reference: by value, each call copies them again on the stack.
+    #[allow(clippy::needless_borrows_for_generic_args)]
     fn balance(ctx: &XdpContext, stats: &Stats) -> Result<Verdict, Verdict> {
         let packet = parse(ctx)?;
         let vip_key = VipKey {
@@ -99,7 +101,7 @@ mod program {
         };
         // Only VIP traffic has entries. Looked up for a SYN too: a reused tuple's entry
         // is then re-written in place, which costs far less than an insert.
-        let entry = LB_CONNTRACK.get_ptr_mut(flow_key);
+        let entry = LB_CONNTRACK.get_ptr_mut(&flow_key);
         let udp = packet.flow.proto == PROTO_UDP;
         let mut miss = if packet.syn {
             stat::CT_MISS_SYN
@@ -123,7 +125,7 @@ mod program {
         }
 
         // A copy: the map's element may be reused for a new value while we run.
-        let Some(vip) = (unsafe { LB_VIPS.get(vip_key) }).copied() else {
+        let Some(vip) = (unsafe { LB_VIPS.get(&vip_key) }).copied() else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
         stats.count(miss);
@@ -159,7 +161,7 @@ mod program {
                     flags,
                     last_seen_ns: now,
                 };
-                if LB_CONNTRACK.insert(flow_key, entry, 0).is_ok() {
+                if LB_CONNTRACK.insert(&flow_key, &entry, 0).is_ok() {
                     stats.count(stat::CT_CREATED);
                 }
             }

@@ -64,6 +64,8 @@ pub static LB_SOURCES: LruPerCpuHashMap<SourceKey, u64> =
 
 /// Counts `weight` new flows from `addr` to VIP `vip_id`.
 #[inline(always)]
+// The key goes by reference: by value, each call copies it again on the stack.
+#[allow(clippy::needless_borrows_for_generic_args)]
 pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8, weight: u64) {
     let key = SourceKey {
         addr,
@@ -71,10 +73,10 @@ pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8, weight: u64) {
         family,
         _pad: [0; 3],
     };
-    match LB_SOURCES.get_ptr_mut(key) {
+    match LB_SOURCES.get_ptr_mut(&key) {
         Some(count) => unsafe { *count += weight },
         None => {
-            let _ = LB_SOURCES.insert(key, weight, 0);
+            let _ = LB_SOURCES.insert(&key, &weight, 0);
         }
     }
 }
