@@ -317,6 +317,9 @@ pub struct Results {
     pub json: Value,
     /// [mode][target] -> median (req/s, p50, p99).
     pub medians: Vec<Vec<(f64, f64, f64)>>,
+    /// Per share of `OPEN_LOOP_SHARES`: lb's keep-alive p99 over HAProxy's at the same
+    /// offered rate.
+    pub open_p99_ratios: Vec<f64>,
 }
 
 /// The agent must already serve the VIP on port 80 in `lab`.
@@ -443,10 +446,14 @@ pub fn run(
          CPUs: figures compare the paths, they are not capacity figures.",
     );
     let (split_table, split_json) = keepalive_split(lab, servers, opts, "native", lb_status)?;
+    let (open_table, open_json, open_p99_ratios) =
+        rate_matched(lab, servers, opts, medians[1][1].0)?;
     Ok(Results {
-        tables: vec![table, split_table],
+        tables: vec![table, split_table, open_table],
+        open_p99_ratios,
         json: json!({
             "keepalive_investigation": split_json,
+            "keepalive_open_loop": open_json,
             "threads": opts.threads,
             "connections": opts.connections,
             "seconds": opts.seconds,
@@ -564,6 +571,124 @@ pub fn keepalive_split(
         num(median(&ratios), 2)
     ));
     Ok((table, json!({ "rounds": rows })))
+}
+
+/// Shares of HAProxy's keep-alive rate (wrk's median) that the open-loop comparison
+/// offers both targets.
+pub const OPEN_LOOP_SHARES: [f64; 3] = [0.25, 0.5, 0.75];
+
+/// Keep-alive latency of lb and HAProxy at the same offered request rates (open loop,
+/// `openloop`), rounds interleaved with the order alternating. Returns the table, the
+/// JSON and, per share of `OPEN_LOOP_SHARES`, the median over rounds of lb's p99 over
+/// HAProxy's.
+pub fn rate_matched(
+    lab: &Lab,
+    servers: &mut Servers,
+    opts: &Options,
+    haproxy_rate: f64,
+) -> Result<(Table, Value, Vec<f64>)> {
+    let targets = [
+        ("lb", SocketAddr::new(lab.vip4(), 80)),
+        ("haproxy", SocketAddr::new(lab.lb_addr(false), 80)),
+    ];
+    let mut table = Table::new(
+        "Keep-alive at the same request rate (open loop), lb against HAProxy (medians)",
+        &[
+            "offered req/s",
+            "share of HAProxy max",
+            "lb p50 / p99 ms",
+            "haproxy p50 / p99 ms",
+            "lb / haproxy p99",
+            "answered req/s lb / hap",
+            "errors lb / hap",
+        ],
+    );
+    let mut rows = Vec::new();
+    let mut p99_ratios = Vec::new();
+    for share in OPEN_LOOP_SHARES {
+        let load = crate::openloop::Load {
+            rate: (haproxy_rate * share).max(100.0),
+            connections: opts.connections as usize,
+            duration: Duration::from_secs(opts.seconds as u64),
+        };
+        // [target] -> runs
+        let mut runs: Vec<Vec<crate::openloop::Latencies>> = vec![Vec::new(), Vec::new()];
+        for round in 0..opts.rounds {
+            crate::check_cancelled()?;
+            let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+            for ti in order {
+                eprintln!(
+                    "bench: open loop at {:.0} req/s, round {}/{}, {}...",
+                    load.rate,
+                    round + 1,
+                    opts.rounds,
+                    targets[ti].0
+                );
+                servers.check()?;
+                let addr = targets[ti].1;
+                let result = lab.client().run(|| crate::openloop::run(addr, &load))??;
+                rows.push(json!({
+                    "offered_rate": load.rate,
+                    "share_of_haproxy_max": share,
+                    "round": round,
+                    "target": targets[ti].0,
+                    "answered_rate": result.achieved_rate,
+                    "completed": result.completed,
+                    "errors": result.errors,
+                    "p50_ms": result.p50_ms,
+                    "p90_ms": result.p90_ms,
+                    "p99_ms": result.p99_ms,
+                    "max_ms": result.max_ms,
+                }));
+                runs[ti].push(result);
+            }
+        }
+        let med = |ti: usize, f: fn(&crate::openloop::Latencies) -> f64| {
+            median(&runs[ti].iter().map(f).collect::<Vec<_>>())
+        };
+        let ratio = median(
+            &runs[0]
+                .iter()
+                .zip(&runs[1])
+                .map(|(a, b)| a.p99_ms / b.p99_ms)
+                .collect::<Vec<_>>(),
+        );
+        p99_ratios.push(ratio);
+        let errors = |ti: usize| runs[ti].iter().map(|r| r.errors).sum::<u64>();
+        table.row(vec![
+            num(load.rate, 0),
+            num(share, 2),
+            format!(
+                "{} / {}",
+                num(med(0, |r| r.p50_ms), 2),
+                num(med(0, |r| r.p99_ms), 2)
+            ),
+            format!(
+                "{} / {}",
+                num(med(1, |r| r.p50_ms), 2),
+                num(med(1, |r| r.p99_ms), 2)
+            ),
+            num(ratio, 2),
+            format!(
+                "{} / {}",
+                num(med(0, |r| r.achieved_rate), 0),
+                num(med(1, |r| r.achieved_rate), 0)
+            ),
+            format!("{} / {}", errors(0), errors(1)),
+        ]);
+    }
+    table.note(format!(
+        "{} keep-alive connections, each sending on a fixed schedule; latency from when a \
+         request was due to its whole answer (a slow answer delays the requests behind it, \
+         and they count it); {} rounds of {} s per rate, lb and HAProxy alternating first. \
+         Offered rates are shares of HAProxy's keep-alive req/s under wrk above.",
+        opts.connections, opts.rounds, opts.seconds
+    ));
+    Ok((
+        table,
+        json!({ "haproxy_wrk_rate": haproxy_rate, "runs": rows }),
+        p99_ratios,
+    ))
 }
 
 /// New flows per backend of the first VIP between two `lb status --json` answers.
