@@ -56,6 +56,9 @@ pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
 pub const LAYOUT_VERSION: u64 = 3;
+/// Global set at load time: how many flows (source ports) the benchmark generator
+/// (`xdp_bench_tx`) cycles through.
+pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
 /// Frames counted by the benchmark sink program (`xdp_bench_sink`).
 pub const MAP_BENCH_SINK: &str = "BENCH_SINK";
 /// Default size of the connection table.

@@ -79,8 +79,8 @@ mod program {
         let vip_key = VipKey {
             addr: packet.dst_addr,
             port: packet.dst_port_be,
-            proto: packet.flow.proto,
-            family: packet.flow.family,
+            proto: packet.proto,
+            family: packet.family,
         };
         // Most traffic of a host is not for a VIP: one bit sends it on before any
         // hash-map lookup.
@@ -95,14 +95,14 @@ mod program {
             dst: packet.dst_addr,
             src_port: packet.src_port_be,
             dst_port: packet.dst_port_be,
-            proto: packet.flow.proto,
-            family: packet.flow.family,
+            proto: packet.proto,
+            family: packet.family,
             _pad: [0; 2],
         };
         // Only VIP traffic has entries. Looked up for a SYN too: a reused tuple's entry
         // is then re-written in place, which costs far less than an insert.
         let entry = LB_CONNTRACK.get_ptr_mut(&flow_key);
-        let udp = packet.flow.proto == PROTO_UDP;
+        let udp = packet.proto == PROTO_UDP;
         let mut miss = if packet.syn {
             stat::CT_MISS_SYN
         } else if udp {
@@ -135,7 +135,7 @@ mod program {
         let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
         let table_size = read(&MAGLEV_SIZE);
-        let hash = flow_hash(&packet.flow, vip.flags & VIP_F_HASH_SRC_IP != 0);
+        let hash = flow_hash(&packet.flow_tuple(), vip.flags & VIP_F_HASH_SRC_IP != 0);
         let slot = vip.table_base + maglev_slot(hash, table_size);
         let backend_id = match LB_MAGLEV.get(slot) {
             Some(&id) if id != BACKEND_NONE => id,
@@ -173,7 +173,7 @@ mod program {
             let sample = read(&SOURCE_SAMPLE).max(1);
             if cpu.one_in(sample) {
                 let weight = sample as u64;
-                count_source(vip.vip_id, packet.src_addr, packet.flow.family, weight);
+                count_source(vip.vip_id, packet.src_addr, packet.family, weight);
             }
         }
         forward(
@@ -196,7 +196,7 @@ mod program {
     #[inline(always)]
     fn follow(entry: &mut FlowEntry, packet: &Packet, now: u64) -> Result<(u32, BackendInfo), u32> {
         let age = now.saturating_sub(entry.last_seen_ns);
-        if packet.flow.proto == PROTO_UDP && age > read(&UDP_IDLE_NS) {
+        if packet.proto == PROTO_UDP && age > read(&UDP_IDLE_NS) {
             return Err(stat::CT_MISS_UDP);
         }
         let backend_id = entry.backend_id;
@@ -327,7 +327,7 @@ mod program {
 
     /// Benchmark traffic generator: run with BPF_PROG_TEST_RUN live frames, it sends its
     /// test frame (untagged IPv4, no options, TCP or UDP) out of the interface given in
-    /// the context, with the source port stepped through `BENCH_PORTS` values so the
+    /// the context, with the source port stepped through `BENCH_FLOWS` values so the
     /// balancer sees many flows.
     #[xdp]
     pub fn xdp_bench_tx(ctx: XdpContext) -> u32 {
@@ -337,15 +337,19 @@ mod program {
         if start + SRC_PORT_AT + 2 > ctx.data_end() {
             return xdp_action::XDP_DROP;
         }
-        let port = 1024 + (next_sink_sequence() % BENCH_PORTS) as u16;
+        let flows = read(&BENCH_FLOWS).clamp(1, 64512);
+        // checked: a plain `%` by a variable carries a panic path the verifier rejects.
+        let port = 1024 + next_sink_sequence().checked_rem(flows).unwrap_or(0) as u16;
         unsafe {
             core::ptr::write_unaligned((start + SRC_PORT_AT) as *mut [u8; 2], port.to_be_bytes())
         };
         xdp_action::XDP_TX
     }
 
-    /// Distinct source ports the generator cycles through.
-    const BENCH_PORTS: u64 = 16384;
+    /// Distinct source ports (flows) the generator cycles through; set at load time
+    /// (`lb_common::GLOBAL_BENCH_FLOWS`).
+    #[unsafe(no_mangle)]
+    static BENCH_FLOWS: u64 = 16384;
 
     /// Benchmark sink: counts every frame (`BENCH_SINK`, per CPU) and drops it.
     #[xdp]

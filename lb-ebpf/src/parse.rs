@@ -55,10 +55,13 @@ impl Verdict {
 
 /// A parsed packet that may be for a VIP.
 pub struct Packet {
-    pub flow: FlowTuple,
-    /// The addresses as they sit in the packet (IPv4: first 4 bytes).
+    /// The addresses as they sit in the packet (IPv4: first 4 bytes, the rest zero).
     pub src_addr: [u8; 16],
     pub dst_addr: [u8; 16],
+    /// `ADDR_FAMILY_V4` or `ADDR_FAMILY_V6`.
+    pub family: u8,
+    /// `PROTO_TCP` or `PROTO_UDP`.
+    pub proto: u8,
     /// Network order, as in the packet.
     pub src_port_be: u16,
     pub dst_port_be: u16,
@@ -70,6 +73,27 @@ pub struct Packet {
     pub fin: bool,
     pub vlan: bool,
     pub ipv4_options: bool,
+}
+
+impl Packet {
+    /// The fields the flow hash takes, in host order. Built only when a packet is
+    /// balanced by the table: an established flow's packets never need it.
+    #[inline(always)]
+    pub fn flow_tuple(&self) -> FlowTuple {
+        FlowTuple {
+            src: words(&self.src_addr),
+            dst: words(&self.dst_addr),
+            src_port: u16::from_be(self.src_port_be),
+            dst_port: u16::from_be(self.dst_port_be),
+            proto: self.proto,
+            family: self.family,
+        }
+    }
+}
+
+#[inline(always)]
+fn words(addr: &[u8; 16]) -> [u32; 4] {
+    unsafe { core::mem::transmute::<[u8; 16], [u32; 4]>(*addr) }.map(u32::from_be)
 }
 
 /// A pointer to a `T` at `offset` bytes into the frame, if the frame is long enough.
@@ -134,13 +158,13 @@ fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     }
     let src_addr = as_bytes([src, 0, 0, 0]);
     let dst_addr = as_bytes([dst, 0, 0, 0]);
-    let flow = FlowTuple {
-        src: [u32::from_be(src), 0, 0, 0],
-        dst: [u32::from_be(dst), 0, 0, 0],
-        family: ADDR_FAMILY_V4,
-        ..FlowTuple::default()
-    };
-    let mut packet = transport(ctx, offset + header_len, proto, flow, src_addr, dst_addr)?;
+    let mut packet = transport(
+        ctx,
+        offset + header_len,
+        (ADDR_FAMILY_V4, proto),
+        src_addr,
+        dst_addr,
+    )?;
     packet.ipv4_options = header_len > Ipv4Hdr::LEN;
     Ok(packet)
 }
@@ -161,15 +185,8 @@ fn ipv6(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     }
     // Source and destination: bytes 8..40 of the header.
     let [s0, s1, s2, s3, d0, d1, d2, d3] = load_words::<8>(ip as *const u8, 8);
-    let (src, dst) = ([s0, s1, s2, s3], [d0, d1, d2, d3]);
-    let flow = FlowTuple {
-        src: src.map(u32::from_be),
-        dst: dst.map(u32::from_be),
-        family: ADDR_FAMILY_V6,
-        ..FlowTuple::default()
-    };
-    let (src, dst) = (as_bytes(src), as_bytes(dst));
-    transport(ctx, offset + Ipv6Hdr::LEN, next, flow, src, dst)
+    let (src, dst) = (as_bytes([s0, s1, s2, s3]), as_bytes([d0, d1, d2, d3]));
+    transport(ctx, offset + Ipv6Hdr::LEN, (ADDR_FAMILY_V6, next), src, dst)
 }
 
 /// Hop-by-hop, routing, fragment, ESP, AH, destination options, mobility, HIP, shim6.
@@ -202,8 +219,7 @@ fn as_bytes(words: [u32; 4]) -> [u8; 16] {
 fn transport(
     ctx: &XdpContext,
     offset: usize,
-    proto: u8,
-    mut flow: FlowTuple,
+    (family, proto): (u8, u8),
     src_addr: [u8; 16],
     dst_addr: [u8; 16],
 ) -> Result<Packet, Verdict> {
@@ -226,13 +242,11 @@ fn transport(
         }
         _ => return Err(Verdict::pass(stat::PASS_OTHER_PROTO)),
     };
-    flow.src_port = u16::from_be_bytes(src_port);
-    flow.dst_port = u16::from_be_bytes(dst_port);
-    flow.proto = proto;
     Ok(Packet {
-        flow,
         src_addr,
         dst_addr,
+        family,
+        proto,
         src_port_be: u16::from_ne_bytes(src_port),
         dst_port_be: u16::from_ne_bytes(dst_port),
         syn,

@@ -165,18 +165,20 @@ fn run(args: &Args) -> Result<()> {
                 rounds: 2,
                 frames: 500_000,
                 batch: 64,
+                flows: vec![256, 16384],
             }
         } else {
             veth::Options {
                 rounds: 5,
                 frames: 4_000_000,
                 batch: 64,
+                flows: vec![256, 16384],
             }
         };
         let r = veth::run(&opts)?;
-        for (proto, lb, base, ratio) in &r.ratios {
+        for (proto, flows, lb, base, ratio) in &r.ratios {
             goals.push(Goal {
-                what: format!("veth {proto}: lb_xdp / xdp_mac_swap Mpps"),
+                what: format!("veth {proto}, {flows} flows: lb_xdp / xdp_mac_swap Mpps"),
                 measured: format!(
                     "{} ({} / {} Mpps)",
                     num(*ratio, 3),

@@ -122,8 +122,14 @@ impl Instance {
 
 /// `xdp_pass` on its own (the empty program), with a tiny connection table.
 pub fn load_program(name: &str) -> Result<aya::Ebpf> {
+    load_generator(name, 1)
+}
+
+/// `load_program`, with the benchmark generator set to cycle through `flows` flows.
+pub fn load_generator(name: &str, flows: u64) -> Result<aya::Ebpf> {
     ensure!(!EBPF_OBJECT.is_empty(), "the eBPF object is empty");
     let mut ebpf = aya::EbpfLoader::new()
+        .override_global(lb_common::GLOBAL_BENCH_FLOWS, &flows, true)
         .map_max_entries(lb_common::MAP_CONNTRACK, 64)
         .load(EBPF_OBJECT)
         .context("load the eBPF object")?;

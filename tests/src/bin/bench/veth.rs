@@ -25,7 +25,7 @@ use lb_userspace::dataplane::Dataplane;
 use serde_json::{Value, json};
 
 use crate::frames::{Frame, L4, TCP_ACK};
-use crate::packet::{Instance, load_program, xdp};
+use crate::packet::{Instance, load_generator, load_program, xdp};
 use crate::report::{Table, median, num, range};
 
 const GEN_MAC: [u8; 6] = [0x02, 0xbe, 0, 0, 0, 0x01];
@@ -40,6 +40,8 @@ pub struct Options {
     pub frames: u32,
     /// Live-frame batch size (the kernel's default is 64; at most 256).
     pub batch: u32,
+    /// Flow counts the generator cycles through, one set of rounds each.
+    pub flows: Vec<u64>,
 }
 
 fn mac(m: [u8; 6]) -> String {
@@ -98,8 +100,8 @@ struct Run {
 pub struct Results {
     pub tables: Vec<Table>,
     pub json: Value,
-    /// (protocol, lb Mpps, baseline Mpps, ratio).
-    pub ratios: Vec<(String, f64, f64, f64)>,
+    /// (protocol, flows, lb Mpps, baseline Mpps, ratio).
+    pub ratios: Vec<(String, u64, f64, f64, f64)>,
 }
 
 pub fn run(opts: &Options) -> Result<Results> {
@@ -131,8 +133,85 @@ pub fn run(opts: &Options) -> Result<Results> {
     ip(&["-n", gen_ns.name(), "link", "set", IFACE, "up"])?;
     ip(&["-n", lb_ns.name(), "link", "set", IFACE, "up"])?;
 
+    let gen_ifindex = gen_ns.run(|| nix::net::if_::if_nametoindex(IFACE))??;
+    let mut lb = Instance::load(&config_text())?;
+    let mut swap_ebpf = load_program("xdp_mac_swap")?;
+    let mut runs: Vec<Value> = Vec::new();
+    let mut table = Table::new(
+        "Through a veth pair, native XDP (Mpps received back, medians)",
+        &[
+            "traffic",
+            "lb_xdp Mpps",
+            "lb loss",
+            "mac_swap Mpps",
+            "mac_swap loss",
+            "lb / baseline",
+        ],
+    );
+    let mut ratios = Vec::new();
+    let mut summary = Vec::new();
+    for &flows in &opts.flows {
+        measure(
+            opts,
+            flows,
+            (&gen_ns, &lb_ns, gen_ifindex),
+            (&mut lb, &mut swap_ebpf),
+            &mut runs,
+            &mut table,
+            &mut ratios,
+            &mut summary,
+        )?;
+    }
+    let lb_counters = lb.dataplane.counters(&[], &[])?.outcomes;
+    let lb_counters: serde_json::Map<String, Value> = stat::NAMES
+        .iter()
+        .zip(&lb_counters)
+        .filter(|(_, v)| **v != 0)
+        .map(|(k, v)| (k.to_string(), json!(v)))
+        .collect();
+    let ethtool = json!({ "gen": ethtool_stats(&gen_ns), "lb": ethtool_stats(&lb_ns) });
+    table.note(format!(
+        "{} rounds of {} frames per program, protocol and flow count (live-frame batch {}), \
+         lb and baseline alternating; ratio = median over rounds of lb / baseline of that \
+         round. The generator steps the source port through the flows, so every frame is \
+         another flow than the one before.",
+        opts.rounds, opts.frames, opts.batch
+    ));
+    table.note(
+        "Generator and both programs share the machine's CPUs; Mpps = frames received by \
+         the sink / duration of the generator's call.",
+    );
+    drop(lb);
+    drop(swap_ebpf);
+    Ok(Results {
+        tables: vec![table],
+        json: json!({
+            "frames_per_run": opts.frames,
+            "batch": opts.batch,
+            "backends": BACKENDS,
+            "summary": summary,
+            "runs": runs,
+            "lb_counters_total": lb_counters,
+            "ethtool_nonzero_total": ethtool,
+        }),
+        ratios,
+    })
+}
+
+/// Rounds of lb against the baseline with the generator cycling through `flows` flows.
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    opts: &Options,
+    flows: u64,
+    (gen_ns, lb_ns, gen_ifindex): (&Netns, &Netns, u32),
+    (lb, swap_ebpf): (&mut Instance, &mut aya::Ebpf),
+    runs: &mut Vec<Value>,
+    table: &mut Table,
+    ratios: &mut Vec<(String, u64, f64, f64, f64)>,
+    summary: &mut Vec<Value>,
+) -> Result<()> {
     // Generator and sink share one object instance, so one BENCH_SINK: 0 received, 1 sent.
-    let mut gen_ebpf = load_program("xdp_bench_sink")?;
+    let mut gen_ebpf = load_generator("xdp_bench_sink", flows)?;
     {
         let tx: &mut Xdp = xdp(&mut gen_ebpf, "xdp_bench_tx")?;
         tx.load().context("load xdp_bench_tx")?;
@@ -142,15 +221,11 @@ pub fn run(opts: &Options) -> Result<Results> {
         gen_ns.run(|| sink.attach(IFACE, XdpMode::Driver))?
     }
     .context("attach xdp_bench_sink (native) on gen's eth0")?;
-    let gen_ifindex = gen_ns.run(|| nix::net::if_::if_nametoindex(IFACE))??;
     let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(
         gen_ebpf
             .take_map(MAP_BENCH_SINK)
             .ok_or_else(|| anyhow!("no map {MAP_BENCH_SINK}"))?,
     )?;
-
-    let mut lb = Instance::load(&config_text())?;
-    let mut swap_ebpf = load_program("xdp_mac_swap")?;
 
     let frame = |l4: L4, dport: u16| {
         Frame {
@@ -206,13 +281,16 @@ pub fn run(opts: &Options) -> Result<Results> {
         })
     };
 
-    let mut runs: Vec<Value> = Vec::new();
     // [proto][0 = lb, 1 = baseline] -> (received Mpps, sent Mpps, loss) per round.
     let mut mpps: Vec<[Vec<f64>; 2]> = protos.iter().map(|_| [vec![], vec![]]).collect();
     let mut sent_mpps: Vec<[Vec<f64>; 2]> = protos.iter().map(|_| [vec![], vec![]]).collect();
     let mut loss: Vec<[Vec<f64>; 2]> = protos.iter().map(|_| [vec![], vec![]]).collect();
     for round in 0..opts.rounds {
-        eprintln!("bench: veth pps, round {}/{}...", round + 1, opts.rounds);
+        eprintln!(
+            "bench: veth pps, {flows} flows, round {}/{}...",
+            round + 1,
+            opts.rounds
+        );
         for (pi, (proto, frame)) in protos.iter().enumerate() {
             // Alternate which program goes first.
             let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
@@ -228,10 +306,10 @@ pub fn run(opts: &Options) -> Result<Results> {
                     run.lb_tx = Some(tx_after - tx_before);
                     run
                 } else {
-                    let program = xdp(&mut swap_ebpf, "xdp_mac_swap")?;
+                    let program = xdp(swap_ebpf, "xdp_mac_swap")?;
                     let link = lb_ns.run(|| program.attach(IFACE, XdpMode::Driver))??;
                     let run = send(frame);
-                    xdp(&mut swap_ebpf, "xdp_mac_swap")?.detach(link)?;
+                    xdp(swap_ebpf, "xdp_mac_swap")?.detach(link)?;
                     run?
                 };
                 ensure!(run.sent > 0, "the generator sent nothing");
@@ -243,6 +321,7 @@ pub fn run(opts: &Options) -> Result<Results> {
                 loss[pi][which].push(lost);
                 runs.push(json!({
                     "round": round,
+                    "flows": flows,
                     "proto": proto,
                     "program": if which == 0 { "lb_xdp" } else { "xdp_mac_swap" },
                     "sent": run.sent,
@@ -256,28 +335,6 @@ pub fn run(opts: &Options) -> Result<Results> {
             }
         }
     }
-    let lb_counters = lb.dataplane.counters(&[], &[])?.outcomes;
-    let lb_counters: serde_json::Map<String, Value> = stat::NAMES
-        .iter()
-        .zip(&lb_counters)
-        .filter(|(_, v)| **v != 0)
-        .map(|(k, v)| (k.to_string(), json!(v)))
-        .collect();
-    let ethtool = json!({ "gen": ethtool_stats(&gen_ns), "lb": ethtool_stats(&lb_ns) });
-
-    let mut table = Table::new(
-        "Through a veth pair, native XDP (Mpps received back, medians)",
-        &[
-            "traffic",
-            "lb_xdp Mpps",
-            "lb loss",
-            "mac_swap Mpps",
-            "mac_swap loss",
-            "lb / baseline",
-        ],
-    );
-    let mut ratios = Vec::new();
-    let mut summary = Vec::new();
     for (pi, (proto, _)) in protos.iter().enumerate() {
         let r: Vec<f64> = mpps[pi][0]
             .iter()
@@ -287,17 +344,18 @@ pub fn run(opts: &Options) -> Result<Results> {
         let (lb_m, base_m) = (median(&mpps[pi][0]), median(&mpps[pi][1]));
         let ratio = median(&r);
         table.row(vec![
-            format!("{proto} ({} flows)", 16384),
+            format!("{proto} ({flows} flows)"),
             num(lb_m, 2),
             format!("{}%", num(median(&loss[pi][0]) * 100.0, 2)),
             num(base_m, 2),
             format!("{}%", num(median(&loss[pi][1]) * 100.0, 2)),
             num(ratio, 3),
         ]);
-        ratios.push((proto.to_string(), lb_m, base_m, ratio));
+        ratios.push((proto.to_string(), flows, lb_m, base_m, ratio));
         let (lo, hi) = range(&r);
         summary.push(json!({
             "proto": proto,
+            "flows": flows,
             "lb_received_mpps": median(&mpps[pi][0]),
             "lb_sent_mpps": median(&sent_mpps[pi][0]),
             "lb_loss": median(&loss[pi][0]),
@@ -309,32 +367,6 @@ pub fn run(opts: &Options) -> Result<Results> {
             "ratio_max": hi,
         }));
     }
-    table.note(format!(
-        "{} rounds of {} frames per program and protocol (live-frame batch {}), lb and \
-         baseline alternating; ratio = median over rounds of lb / baseline of that round.",
-        opts.rounds, opts.frames, opts.batch
-    ));
-    table.note(
-        "Generator and both programs share the machine's CPUs; Mpps = frames received by \
-         the sink / duration of the generator's call.",
-    );
-
     xdp(&mut gen_ebpf, "xdp_bench_sink")?.detach(sink_link)?;
-    drop(lb);
-    drop(swap_ebpf);
-    drop(gen_ebpf);
-    Ok(Results {
-        tables: vec![table],
-        json: json!({
-            "frames_per_run": opts.frames,
-            "batch": opts.batch,
-            "backends": BACKENDS,
-            "flows": 16384,
-            "summary": summary,
-            "runs": runs,
-            "lb_counters_total": lb_counters,
-            "ethtool_nonzero_total": ethtool,
-        }),
-        ratios,
-    })
+    Ok(())
 }
