@@ -66,7 +66,7 @@ pub fn flow_hash(flow: &FlowTuple, src_only: bool) -> u32 {
     finish(mix(h, flow.proto as u32))
 }
 
-/// The hash of a VIP key (for `VipFilter`).
+/// The hash of a VIP key (for `VipSlot::index`).
 #[inline(always)]
 pub fn vip_key_hash(key: &crate::VipKey) -> u32 {
     let a = &key.addr;

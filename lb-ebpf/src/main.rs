@@ -16,12 +16,13 @@ mod program {
     use lb_common::{
         BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord,
         FLOW_F_CLOSING, FlowEntry, FlowKey, InsertWindow, LAST_SEEN_GRANULARITY_NS, PROTO_UDP,
-        VIP_F_HASH_SRC_IP, VipKey, flow_hash, maglev_slot, stat,
+        VIP_F_HASH_SRC_IP, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot, flow_hash,
+        maglev_slot, stat,
     };
 
     use crate::maps::{
         Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
-        LB_MAGLEV, LB_VIP_FILTER, LB_VIP_STATS, LB_VIPS, Stats, count_sink, count_source,
+        LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_sink, count_source,
         count_traffic, next_sink_sequence,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
@@ -82,11 +83,11 @@ mod program {
             proto: packet.proto,
             family: packet.family,
         };
-        // Most traffic of a host is not for a VIP: one bit sends it on before any
-        // hash-map lookup.
-        if !vip_filter_may_contain(&vip_key) {
+        // Most traffic of a host is not for a VIP: one array read and a key compare
+        // send it on, before any hash-map lookup.
+        let Some(slot) = vip_slot(&vip_key) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
-        }
+        };
         let cpu = Cpu::get();
         // Coarse time: entries age in seconds.
         let now = cpu.now_ns();
@@ -124,8 +125,7 @@ mod program {
             }
         }
 
-        // A copy: the map's element may be reused for a new value while we run.
-        let Some(vip) = (unsafe { LB_VIPS.get(&vip_key) }).copied() else {
+        let Some(vip) = vip_info(&slot, &vip_key) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
         stats.count(miss);
@@ -181,13 +181,34 @@ mod program {
         )
     }
 
-    /// Whether the VIP filter has `key`'s bit: if not, `key` is no VIP.
+    /// A copy of the VIP slot `key` hashes to, if it may be `key`'s: used, and either
+    /// holding `key` or shared (several keys: `LB_VIPS` decides). Copied at once, so the
+    /// agent's next change to it cannot mix into what this packet reads.
     #[inline(always)]
-    fn vip_filter_may_contain(key: &VipKey) -> bool {
-        match LB_VIP_FILTER.get(0) {
-            Some(filter) => filter.may_contain(key),
-            None => true,
+    fn vip_slot(key: &VipKey) -> Option<VipSlot> {
+        let slot = *LB_VIP_SLOTS.get(VipSlot::index(key))?;
+        let mine = slot.state == VIP_SLOT_USED && slot.key.same(key);
+        let shared = slot.state & VIP_SLOT_USED != 0 && slot.state & VIP_SLOT_SHARED != 0;
+        (mine || shared).then_some(slot)
+    }
+
+    /// The VIP of `key`: from its slot, or, when the slot is shared, from `LB_VIPS`.
+    #[inline(always)]
+    // Keys go to the maps by reference: by value, each call copies them again.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    fn vip_info(slot: &VipSlot, key: &VipKey) -> Option<VipInfo> {
+        if slot.state & VIP_SLOT_SHARED == 0 {
+            let table_base =
+                VipInfo::table_base_for(slot.vip_id, slot.generation, read(&MAGLEV_SIZE));
+            return Some(VipInfo {
+                vip_id: slot.vip_id,
+                table_base,
+                flags: slot.flags,
+                _pad: 0,
+            });
         }
+        // A copy: the map's element may be reused for a new value while we run.
+        unsafe { LB_VIPS.get(key) }.copied()
     }
 
     /// The backend an existing entry holds the flow to, and the entry refreshed; or why

@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS,
-    Outcomes, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipFilter, VipInfo, VipKey, stat,
+    Outcomes, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, VipSlot, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -19,10 +19,10 @@ const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
 #[map(name = "LB_VIPS")]
 pub static LB_VIPS: HashMap<VipKey, VipInfo> = HashMap::with_max_entries(MAX_VIPS, 0);
 
-/// 0 -> VipFilter: a bit for every VIP key's hash; traffic whose bit is clear is no
-/// VIP's. Written by the agent with every VIP change.
-#[map(name = "LB_VIP_FILTER")]
-pub static LB_VIP_FILTER: Array<VipFilter> = Array::with_max_entries(1, 0);
+/// `VipSlot::index(key)` -> VipSlot: the VIP a key hashes to, read by every packet
+/// before any hash-map lookup. Written by the agent with every VIP change.
+#[map(name = "LB_VIP_SLOTS")]
+pub static LB_VIP_SLOTS: Array<VipSlot> = Array::with_max_entries(lb_common::VIP_SLOTS, 0);
 
 /// slot -> backend id: every VIP's tables, two generations each, back to back
 /// (`VipInfo::table_base_for`). Written by the agent; resized at load time to

@@ -3,8 +3,10 @@
 //! and in which order).
 
 use std::os::fd::AsFd;
+
+use bytemuck::Zeroable;
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -22,9 +24,9 @@ use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE, GLOBAL_CT_INSERT_LIMIT,
     GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, LAYOUT_VERSION, MAP_BACKEND_IDS,
     MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_FLOOD, MAP_MAGLEV, MAP_META,
-    MAP_SOURCES, MAP_STATS, MAP_VIP_FILTER, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS,
-    Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters, VipFilter, VipInfo, VipKey, meta,
-    stat,
+    MAP_SOURCES, MAP_STATS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, MAX_VIPS,
+    Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters, VIP_SLOT_SHARED, VIP_SLOT_USED,
+    VIP_SLOTS, VipInfo, VipKey, VipSlot, meta, stat,
 };
 
 use crate::config::{Config, XdpModeSetting};
@@ -175,9 +177,11 @@ pub struct AyaDataplane {
     // Dropping `Ebpf` detaches the program and frees the maps; keep it for our lifetime.
     ebpf: Ebpf,
     vips: BpfHashMap<MapData, VipKey, VipInfo>,
-    vip_filter: Array<MapData, VipFilter>,
-    /// The keys in `LB_VIPS`, which the filter is built from.
-    vip_keys: HashSet<VipKey>,
+    vip_slots: Array<MapData, VipSlot>,
+    /// What `LB_VIPS` holds, which the slots are built from.
+    vip_infos: HashMap<VipKey, VipInfo>,
+    /// What each written slot of `LB_VIP_SLOTS` holds (absent: zeroes).
+    slots: HashMap<u32, VipSlot>,
     maglev: Array<MapData, u32>,
     backends: Array<MapData, BackendInfo>,
     stats: PerCpuArray<MapData, Outcomes>,
@@ -227,7 +231,7 @@ const LINK_PIN: &str = "link";
 /// Maps pinned (shared with a restarted agent); the rest are per program instance.
 const PINNED_MAPS: [&str; 11] = [
     MAP_VIPS,
-    MAP_VIP_FILTER,
+    MAP_VIP_SLOTS,
     MAP_MAGLEV,
     MAP_BACKENDS,
     MAP_STATS,
@@ -330,15 +334,24 @@ impl AyaDataplane {
             source,
         })?;
         let vips: BpfHashMap<MapData, VipKey, VipInfo> = take_map(&mut ebpf, MAP_VIPS)?;
-        // Adopted pins: the filter already has these keys' bits.
-        let vip_keys = vips
-            .keys()
+        let vip_slots: Array<MapData, VipSlot> = take_map(&mut ebpf, MAP_VIP_SLOTS)?;
+        // Adopted pins: what the slots and LB_VIPS hold already.
+        let vip_infos = vips
+            .iter()
             .collect::<Result<_, _>>()
             .map_err(in_map(MAP_VIPS))?;
-        Ok(Self {
+        let mut slots = HashMap::new();
+        for index in 0..VIP_SLOTS {
+            let slot = vip_slots.get(&index, 0).map_err(in_map(MAP_VIP_SLOTS))?;
+            if slot != VipSlot::zeroed() {
+                slots.insert(index, slot);
+            }
+        }
+        let mut dataplane = Self {
             vips,
-            vip_filter: take_map(&mut ebpf, MAP_VIP_FILTER)?,
-            vip_keys,
+            vip_slots,
+            vip_infos,
+            slots,
             maglev: take_map(&mut ebpf, MAP_MAGLEV)?,
             backends: take_map(&mut ebpf, MAP_BACKENDS)?,
             stats: take_map(&mut ebpf, MAP_STATS)?,
@@ -353,19 +366,39 @@ impl AyaDataplane {
             link_mode: None,
             previous: None,
             ebpf,
-        })
+        };
+        // Mend any slot that does not match LB_VIPS (none, when the pins were ours).
+        let mut indexes: Vec<u32> = dataplane.slots.keys().copied().collect();
+        indexes.extend(dataplane.vip_infos.keys().map(VipSlot::index));
+        indexes.sort_unstable();
+        indexes.dedup();
+        for index in indexes {
+            dataplane.write_slot(index)?;
+        }
+        Ok(dataplane)
     }
 
-    /// Writes the filter of the current VIP keys, as one value: a reader sees the old
-    /// or the new bits of each word, and a bit in both is set in either.
-    fn write_vip_filter(&mut self) -> Result<(), DataplaneError> {
-        let mut filter: VipFilter = bytemuck::Zeroable::zeroed();
-        for key in &self.vip_keys {
-            filter.insert(key);
+    /// Brings slot `index` to what `vip_infos` says it should hold, in steps the program
+    /// can read at any point (`slot_steps`).
+    fn write_slot(&mut self, index: u32) -> Result<(), DataplaneError> {
+        let current = self
+            .slots
+            .get(&index)
+            .copied()
+            .unwrap_or_else(VipSlot::zeroed);
+        let keys: Vec<(&VipKey, &VipInfo)> = self
+            .vip_infos
+            .iter()
+            .filter(|(key, _)| VipSlot::index(key) == index)
+            .collect();
+        let target = target_slot(&current, &keys, self.options.maglev_table_size);
+        for step in slot_steps(&current, &target) {
+            self.vip_slots
+                .set(index, step, 0)
+                .map_err(in_map(MAP_VIP_SLOTS))?;
+            self.slots.insert(index, step);
         }
-        self.vip_filter
-            .set(0, filter, 0)
-            .map_err(in_map(MAP_VIP_FILTER))
+        Ok(())
     }
 
     fn write_meta(
@@ -626,6 +659,79 @@ fn zero(
     map.set(index, zeros, 0).map_err(in_map(name))
 }
 
+/// What a VIP slot should hold, given what it holds and the VIP keys that hash to it:
+/// nothing (the content stays, unused); one VIP; or, for several, the marker that sends
+/// the program to `LB_VIPS`. A VIP whose table base is not one of its own generations'
+/// is also left to `LB_VIPS`.
+fn target_slot(current: &VipSlot, keys: &[(&VipKey, &VipInfo)], table_size: u32) -> VipSlot {
+    match keys {
+        [] => VipSlot {
+            state: 0,
+            ..*current
+        },
+        [(key, info)] => {
+            let generation = (info.table_base / table_size.max(1)) % TABLE_GENERATIONS;
+            let regular =
+                VipInfo::table_base_for(info.vip_id, generation, table_size) == info.table_base;
+            let slot = VipSlot {
+                key: **key,
+                vip_id: info.vip_id,
+                generation,
+                flags: info.flags,
+                state: VIP_SLOT_USED,
+                _pad: 0,
+            };
+            if regular {
+                slot
+            } else {
+                VipSlot {
+                    state: VIP_SLOT_USED | VIP_SLOT_SHARED,
+                    ..*current
+                }
+            }
+        }
+        _ => VipSlot {
+            state: VIP_SLOT_USED | VIP_SLOT_SHARED,
+            ..*current
+        },
+    }
+}
+
+/// The writes that take a slot from `current` to `target`. The program reads a slot's
+/// content only while its state is `VIP_SLOT_USED` alone, so the content changes only
+/// while the slot is unused or marked shared, and every write changes either the state
+/// or the content: a packet sees the slot before or after each write, and both are
+/// right.
+fn slot_steps(current: &VipSlot, target: &VipSlot) -> Vec<VipSlot> {
+    let content = |s: &VipSlot| VipSlot {
+        state: 0,
+        _pad: 0,
+        ..*s
+    };
+    let mut steps = Vec::new();
+    if content(current) != content(target) {
+        let hidden = if current.state & VIP_SLOT_USED != 0 {
+            VIP_SLOT_USED | VIP_SLOT_SHARED
+        } else {
+            0
+        };
+        if current.state != hidden {
+            steps.push(VipSlot {
+                state: hidden,
+                ..*current
+            });
+        }
+        steps.push(VipSlot {
+            state: hidden,
+            ..*target
+        });
+    }
+    if steps.last().unwrap_or(current) != target {
+        steps.push(*target);
+    }
+    steps
+}
+
 /// Names the map a map operation failed on.
 fn in_map(map: &'static str) -> impl Fn(aya::maps::MapError) -> DataplaneError {
     move |source| DataplaneError::Map { map, source }
@@ -656,18 +762,16 @@ impl Dataplane for AyaDataplane {
     }
 
     fn set_vip(&mut self, key: &VipKey, info: &VipInfo) -> Result<(), DataplaneError> {
+        // LB_VIPS first: a slot being rewritten sends packets there.
         self.vips.insert(key, info, 0).map_err(in_map(MAP_VIPS))?;
-        // The VIP is in LB_VIPS before its filter bit lets packets reach the lookup.
-        if self.vip_keys.insert(*key) {
-            self.write_vip_filter()?;
-        }
-        Ok(())
+        self.vip_infos.insert(*key, *info);
+        self.write_slot(VipSlot::index(key))
     }
 
     fn remove_vip(&mut self, key: &VipKey) -> Result<(), DataplaneError> {
-        if self.vip_keys.remove(key) {
-            self.write_vip_filter()?;
-        }
+        // The slot first: once it no longer names the key, nothing asks LB_VIPS for it.
+        self.vip_infos.remove(key);
+        self.write_slot(VipSlot::index(key))?;
         self.vips.remove(key).map_err(in_map(MAP_VIPS))
     }
 
@@ -995,4 +1099,92 @@ pub fn remove_pins(dir: &Path) -> Result<(), DataplaneError> {
     }
     let _ = std::fs::remove_dir(dir);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SIZE: u32 = 7;
+
+    fn key(last: u8) -> VipKey {
+        VipKey {
+            addr: [10, 0, 0, last, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            port: 80u16.to_be(),
+            proto: 6,
+            family: 4,
+        }
+    }
+
+    fn info(vip_id: u32, generation: u32) -> VipInfo {
+        VipInfo {
+            vip_id,
+            table_base: VipInfo::table_base_for(vip_id, generation, SIZE),
+            flags: 0,
+            _pad: 0,
+        }
+    }
+
+    /// Writes from `current` to the slot for `keys`, checked as the program reads them:
+    /// each write changes the state or the content, never both, and the content only
+    /// while the program does not read it. Returns the final slot.
+    fn apply(current: VipSlot, keys: &[(VipKey, VipInfo)]) -> VipSlot {
+        let keys: Vec<(&VipKey, &VipInfo)> = keys.iter().map(|(k, i)| (k, i)).collect();
+        let target = target_slot(&current, &keys, SIZE);
+        let steps = slot_steps(&current, &target);
+        let content = |s: &VipSlot| (s.key, s.vip_id, s.generation, s.flags);
+        let mut before = current;
+        for step in &steps {
+            let content_changed = content(&before) != content(step);
+            assert!(
+                !(content_changed && before.state != step.state),
+                "one write changed state and content: {before:?} -> {step:?}"
+            );
+            if content_changed {
+                assert_ne!(
+                    before.state, VIP_SLOT_USED,
+                    "content changed under a reader"
+                );
+                assert_ne!(step.state, VIP_SLOT_USED, "content changed under a reader");
+            }
+            before = *step;
+        }
+        assert_eq!(before, target);
+        target
+    }
+
+    #[test]
+    fn slot_writes_never_show_a_packet_a_mixed_slot() {
+        let (a, b) = (key(1), key(2));
+        let empty = VipSlot::zeroed();
+        let one = apply(empty, &[(a, info(3, 0))]);
+        assert_eq!((one.state, one.key, one.vip_id), (VIP_SLOT_USED, a, 3));
+        // A table switch: the new generation reaches the slot.
+        let switched = apply(one, &[(a, info(3, 1))]);
+        assert_eq!((switched.state, switched.generation), (VIP_SLOT_USED, 1));
+        // A second key on the slot: shared, LB_VIPS decides.
+        let shared = apply(switched, &[(a, info(3, 1)), (b, info(4, 0))]);
+        assert_eq!(shared.state, VIP_SLOT_USED | VIP_SLOT_SHARED);
+        // The first key leaves: the slot is the second key's alone.
+        let only_b = apply(shared, &[(b, info(4, 0))]);
+        assert_eq!(
+            (only_b.state, only_b.key, only_b.vip_id),
+            (VIP_SLOT_USED, b, 4)
+        );
+        // One key replaced by another in one step (an address change keeps the id).
+        let moved = apply(only_b, &[(a, info(4, 0))]);
+        assert_eq!((moved.state, moved.key), (VIP_SLOT_USED, a));
+        let gone = apply(moved, &[]);
+        assert_eq!(gone.state, 0);
+        assert_eq!(slot_steps(&gone, &gone), Vec::new());
+        // A table base that is not one of the VIP's generations: LB_VIPS decides.
+        let odd = VipInfo {
+            table_base: 5,
+            ..info(3, 0)
+        };
+        assert_eq!(
+            apply(gone, &[(a, odd)]).state,
+            VIP_SLOT_USED | VIP_SLOT_SHARED
+        );
+    }
 }

@@ -1115,6 +1115,73 @@ fn a_removed_vips_flows_pass_and_an_added_vip_balances() {
 }
 
 #[test]
+fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
+    if !can_run("vips_sharing_a_slot_both_balance_and_part_cleanly") {
+        return;
+    }
+    // Two VIP keys (same address, two ports) that hash to one slot of LB_VIP_SLOTS: the
+    // slot is shared and the program asks LB_VIPS; once one VIP goes, the slot is the
+    // other's alone.
+    let key = |port: u16| lb_common::VipKey {
+        addr: [10, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        port: port.to_be(),
+        proto: lb_common::PROTO_TCP,
+        family: lb_common::ADDR_FAMILY_V4,
+    };
+    let slot = lb_common::VipSlot::index(&key(80));
+    let other = (81..u16::MAX)
+        .find(|&p| lb_common::VipSlot::index(&key(p)) == slot)
+        .expect("a port whose key shares port 80's slot");
+    let config = |ports: &[(u16, &str)]| {
+        let mut text = String::from(
+            "[dataplane]\ninterface = \"lo\"\nmaglev_table_size = 251\nconntrack_entries = 4096\n",
+        );
+        for (port, backend) in ports {
+            let last: u8 = backend.rsplit('.').next().unwrap().parse().unwrap();
+            text += &format!(
+                "[[vip]]\nname = \"p{port}\"\naddress = \"10.0.0.100\"\nport = {port}\n\
+                 protocol = \"tcp\"\n[vip.health]\nkind = \"none\"\n\
+                 [[vip.backend]]\naddress = \"{backend}\"\nmac = \"02:00:00:00:00:{last:02x}\"\n"
+            );
+        }
+        text
+    };
+    let syn = |port: u16| {
+        ipv4(
+            VIP,
+            L4::Tcp {
+                src: 47000,
+                dst: port,
+                flags: TCP_SYN,
+            },
+        )
+    };
+    let mut fixture = Fixture::load(&config(&[(80, "10.0.0.41"), (other, "10.0.0.42")]));
+    assert_eq!(backend_of(&run(&mut fixture, &syn(80))), 41);
+    assert_eq!(backend_of(&run(&mut fixture, &syn(other))), 42);
+    let stranger = (other + 1..u16::MAX)
+        .find(|&p| lb_common::VipSlot::index(&key(p)) == slot)
+        .expect("a third port on the slot");
+    let result = run(&mut fixture, &syn(stranger));
+    assert_eq!(
+        (result.action, counted(&result, "pass_not_vip")),
+        (XDP_PASS, 1),
+        "a non-VIP key on a shared slot is passed"
+    );
+
+    fixture.reconfigure(&config(&[(other, "10.0.0.42")]));
+    let result = run(&mut fixture, &syn(80));
+    assert_eq!(
+        (result.action, counted(&result, "pass_not_vip")),
+        (XDP_PASS, 1)
+    );
+    assert_eq!(backend_of(&run(&mut fixture, &syn(other))), 42);
+    // A table switch on the slot's one VIP (another backend): packets follow it.
+    fixture.reconfigure(&config(&[(other, "10.0.0.43")]));
+    assert_eq!(backend_of(&run(&mut fixture, &syn(other))), 43);
+}
+
+#[test]
 fn new_flows_are_counted_per_client_source() {
     if !can_run("new_flows_are_counted_per_client_source") {
         return;
