@@ -154,9 +154,10 @@ pub const VIP_SLOT_SHARED: u32 = 2;
 /// packet finds its VIP with one array read and a key compare, and traffic for no VIP is
 /// passed after it, before any hash-map lookup.
 ///
-/// The agent changes one field per update, and the content only while the program does
-/// not read it (`state` not `VIP_SLOT_USED` alone), so a slot the program copies is
-/// never a mix of two VIPs.
+/// Every update by the agent changes either the state or the content, and the content
+/// only while the program does not read it (`state` not `VIP_SLOT_USED` alone); the
+/// program copies a slot twice and trusts it only if both copies agree. So a packet
+/// never takes one VIP's key with another VIP's table.
 #[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct VipSlot {
@@ -173,6 +174,14 @@ pub struct VipSlot {
 const _: () = assert!(size_of::<VipSlot>() == 40);
 
 impl VipSlot {
+    /// Equality word by word, without branches.
+    #[inline(always)]
+    pub fn same(&self, other: &VipSlot) -> bool {
+        let a = bytemuck::cast::<VipSlot, [u64; 5]>(*self);
+        let b = bytemuck::cast::<VipSlot, [u64; 5]>(*other);
+        (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) == 0
+    }
+
     /// The slot of a VIP key: MurmurHash3 over its words (IPv4: the one address word),
     /// so keys that differ in any field land on unrelated slots.
     #[inline(always)]

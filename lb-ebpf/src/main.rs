@@ -88,6 +88,11 @@ mod program {
         let Some(slot) = vip_slot(&vip_key) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
+        // From the slot, or from LB_VIPS when the slot is shared: a key LB_VIPS lacks is
+        // no VIP's, whatever connection-table entries it left.
+        let Some(vip) = vip_info(&slot, &vip_key) else {
+            return Err(Verdict::pass(stat::PASS_NOT_VIP));
+        };
         let cpu = Cpu::get();
         // Coarse time: entries age in seconds.
         let now = cpu.now_ns();
@@ -100,8 +105,8 @@ mod program {
             family: packet.family,
             _pad: [0; 2],
         };
-        // Only VIP traffic has entries. Looked up for a SYN too: a reused tuple's entry
-        // is then re-written in place, which costs far less than an insert.
+        // Looked up for a SYN too: a reused tuple's entry is then refreshed in place,
+        // which costs far less than an insert.
         let entry = LB_CONNTRACK.get_ptr_mut(&flow_key);
         let udp = packet.proto == PROTO_UDP;
         let mut miss = if packet.syn {
@@ -114,20 +119,14 @@ mod program {
         if !packet.syn
             && let Some(entry) = entry
         {
-            match follow(unsafe { &mut *entry }, &packet, now) {
+            match follow(unsafe { &mut *entry }, &packet, vip.vip_id, now) {
                 Ok((backend_id, backend)) => {
                     stats.count(stat::CT_HIT);
-                    // The backend names its VIP: an established flow needs no VIP lookup.
-                    let vip_id = backend.vip_id;
-                    return forward(ctx, stats, &packet, vip_id, backend_id, &backend, false);
+                    return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
                 }
                 Err(reason) => miss = reason,
             }
         }
-
-        let Some(vip) = vip_info(&slot, &vip_key) else {
-            return Err(Verdict::pass(stat::PASS_NOT_VIP));
-        };
         stats.count(miss);
         if miss == stat::CT_MISS_NON_SYN {
             capture(ctx, stats, now);
@@ -136,8 +135,8 @@ mod program {
 
         let table_size = read(&MAGLEV_SIZE);
         let hash = flow_hash(&packet.flow_tuple(), vip.flags & VIP_F_HASH_SRC_IP != 0);
-        let slot = vip.table_base + maglev_slot(hash, table_size);
-        let backend_id = match LB_MAGLEV.get(slot) {
+        let table_slot = vip.table_base + maglev_slot(hash, table_size);
+        let backend_id = match LB_MAGLEV.get(table_slot) {
             Some(&id) if id != BACKEND_NONE => id,
             _ => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
         };
@@ -146,26 +145,32 @@ mod program {
         };
         let closing = packet.fin || packet.rst;
         let flags = if closing { FLOW_F_CLOSING } else { 0 };
-        match entry {
-            Some(entry) => {
+        let written = match entry {
+            // The backend it already names (a SYN on a reused tuple while the table
+            // stands): refreshed in place.
+            Some(entry) if unsafe { (*entry).backend_id } == backend_id => {
                 let entry = unsafe { &mut *entry };
-                entry.backend_id = backend_id;
                 entry.flags = flags;
                 entry.last_seen_ns = now;
-                stats.count(stat::CT_CREATED);
+                true
             }
-            // A RST ends a flow: it never creates one.
-            None if !packet.rst && may_insert(stats, now) => {
-                let entry = FlowEntry {
-                    backend_id,
-                    flags,
-                    last_seen_ns: now,
-                };
-                if LB_CONNTRACK.insert(&flow_key, &entry, 0).is_ok() {
-                    stats.count(stat::CT_CREATED);
-                }
+            // A RST ends a flow: it never creates an entry.
+            None if packet.rst => false,
+            // A new entry, or another backend for an existing one, goes through the map:
+            // a pointer into the LRU may meanwhile name a node recycled for another flow.
+            _ if may_insert(stats, now) => LB_CONNTRACK
+                .insert(&flow_key, &entry_for(backend_id, flags, now), 0)
+                .is_ok(),
+            // No room this second: a SYN must not leave an older connection's entry
+            // (another backend) for the packets that follow it.
+            Some(_) if packet.syn => {
+                let _ = LB_CONNTRACK.remove(&flow_key);
+                false
             }
-            None => {}
+            _ => false,
+        };
+        if written {
+            stats.count(stat::CT_CREATED);
         }
         // Heavy hitters are sampled: one new flow in SOURCE_SAMPLE is counted, with that
         // weight, so most new flows skip the map.
@@ -182,11 +187,28 @@ mod program {
     }
 
     /// A copy of the VIP slot `key` hashes to, if it may be `key`'s: used, and either
-    /// holding `key` or shared (several keys: `LB_VIPS` decides). Copied at once, so the
-    /// agent's next change to it cannot mix into what this packet reads.
+    /// holding `key` or shared (several keys: `LB_VIPS` decides).
     #[inline(always)]
     fn vip_slot(key: &VipKey) -> Option<VipSlot> {
-        let slot = *LB_VIP_SLOTS.get(VipSlot::index(key))?;
+        let live = LB_VIP_SLOTS.get(VipSlot::index(key))? as *const VipSlot as *const u64;
+        // Read twice: a copy that differs from the second reading (the agent rewrote
+        // the slot meanwhile) may mix two VIPs and is not trusted; LB_VIPS decides, as
+        // for a shared slot.
+        let mut words = [0u64; 5];
+        for (i, word) in words.iter_mut().enumerate() {
+            *word = unsafe { core::ptr::read_volatile(live.add(i)) };
+        }
+        let mut changed = 0;
+        for (i, word) in words.iter().enumerate() {
+            changed |= unsafe { core::ptr::read_volatile(live.add(i)) } ^ word;
+        }
+        let slot = unsafe { core::mem::transmute::<[u64; 5], VipSlot>(words) };
+        if changed != 0 {
+            return Some(VipSlot {
+                state: VIP_SLOT_USED | VIP_SLOT_SHARED,
+                ..slot
+            });
+        }
         let mine = slot.state == VIP_SLOT_USED && slot.key.same(key);
         let shared = slot.state & VIP_SLOT_USED != 0 && slot.state & VIP_SLOT_SHARED != 0;
         (mine || shared).then_some(slot)
@@ -211,18 +233,37 @@ mod program {
         unsafe { LB_VIPS.get(key) }.copied()
     }
 
+    /// A connection-table entry.
+    #[inline(always)]
+    fn entry_for(backend_id: u32, flags: u32, now: u64) -> FlowEntry {
+        FlowEntry {
+            backend_id,
+            flags,
+            last_seen_ns: now,
+        }
+    }
+
     /// The backend an existing entry holds the flow to, and the entry refreshed; or why
     /// the flow is balanced afresh: `CT_MISS_UDP` (idle-expired UDP), `CT_REHASH` (the
-    /// backend no longer serves flows).
+    /// backend no longer serves flows, or serves another VIP: its id was reused).
     #[inline(always)]
-    fn follow(entry: &mut FlowEntry, packet: &Packet, now: u64) -> Result<(u32, BackendInfo), u32> {
+    fn follow(
+        entry: &mut FlowEntry,
+        packet: &Packet,
+        vip_id: u32,
+        now: u64,
+    ) -> Result<(u32, BackendInfo), u32> {
         let age = now.saturating_sub(entry.last_seen_ns);
         if packet.proto == PROTO_UDP && age > read(&UDP_IDLE_NS) {
             return Err(stat::CT_MISS_UDP);
         }
         let backend_id = entry.backend_id;
         let backend = match LB_BACKENDS.get(backend_id) {
-            Some(backend) if backend.flags & BACKEND_F_SERVES_FLOWS != 0 => *backend,
+            Some(backend)
+                if backend.flags & BACKEND_F_SERVES_FLOWS != 0 && backend.vip_id == vip_id =>
+            {
+                *backend
+            }
             _ => return Err(stat::CT_REHASH),
         };
         if age > LAST_SEEN_GRANULARITY_NS {

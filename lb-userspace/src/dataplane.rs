@@ -246,7 +246,9 @@ const PINNED_MAPS: [&str; 11] = [
 impl AyaDataplane {
     /// Loads (not attaches) the `lb_xdp` program from `object`, with maps of its own.
     pub fn load(object: &[u8], options: LoadOptions) -> Result<Self, DataplaneError> {
-        Self::load_with(object, options, None)
+        let mut dataplane = Self::load_with(object, options, None)?;
+        dataplane.mend_slots()?;
+        Ok(dataplane)
     }
 
     /// Loads the program with its maps pinned in `dir`, adopting what a previous agent
@@ -286,6 +288,7 @@ impl AyaDataplane {
             source,
         })?;
         let mut dataplane = Self::load_with(object, options, Some(dir))?;
+        dataplane.mend_slots()?;
         dataplane.link_mode = link_mode;
         dataplane.previous = previous;
         if !matches!(found, Found::Compatible(_)) {
@@ -347,7 +350,7 @@ impl AyaDataplane {
                 slots.insert(index, slot);
             }
         }
-        let mut dataplane = Self {
+        let dataplane = Self {
             vips,
             vip_slots,
             vip_infos,
@@ -367,15 +370,20 @@ impl AyaDataplane {
             previous: None,
             ebpf,
         };
-        // Mend any slot that does not match LB_VIPS (none, when the pins were ours).
-        let mut indexes: Vec<u32> = dataplane.slots.keys().copied().collect();
-        indexes.extend(dataplane.vip_infos.keys().map(VipSlot::index));
+        Ok(dataplane)
+    }
+
+    /// Mends any slot that does not match LB_VIPS (none, when adopted pins were ours).
+    /// Not for an instance that only reads a running program's maps.
+    fn mend_slots(&mut self) -> Result<(), DataplaneError> {
+        let mut indexes: Vec<u32> = self.slots.keys().copied().collect();
+        indexes.extend(self.vip_infos.keys().map(VipSlot::index));
         indexes.sort_unstable();
         indexes.dedup();
         for index in indexes {
-            dataplane.write_slot(index)?;
+            self.write_slot(index)?;
         }
-        Ok(dataplane)
+        Ok(())
     }
 
     /// Brings slot `index` to what `vip_infos` says it should hold, in steps the program
@@ -1076,7 +1084,22 @@ fn pinned_link_mode(dir: &Path, options: &LoadOptions) -> Option<AttachedMode> {
 
 /// Removes the pinned maps but not the link (the program stays attached).
 fn remove_map_pins(dir: &Path) -> Result<(), DataplaneError> {
-    for name in PINNED_MAPS {
+    // Every map lb pins is named LB_*: maps of other layouts (names since gone) too.
+    let names = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("LB_"))
+            .collect::<Vec<_>>(),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(source) => {
+            return Err(DataplaneError::Pin {
+                path: dir.to_path_buf(),
+                source,
+            });
+        }
+    };
+    for name in names {
         let path = dir.join(name);
         match std::fs::remove_file(&path) {
             Ok(()) => {}
@@ -1089,14 +1112,13 @@ fn remove_map_pins(dir: &Path) -> Result<(), DataplaneError> {
 
 /// Removes everything lb pinned in `dir` (the link first: that detaches the program).
 pub fn remove_pins(dir: &Path) -> Result<(), DataplaneError> {
-    for name in std::iter::once(LINK_PIN).chain(PINNED_MAPS) {
-        let path = dir.join(name);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(DataplaneError::Pin { path, source }),
-        }
+    let link = dir.join(LINK_PIN);
+    match std::fs::remove_file(&link) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => return Err(DataplaneError::Pin { path: link, source }),
     }
+    remove_map_pins(dir)?;
     let _ = std::fs::remove_dir(dir);
     Ok(())
 }

@@ -1039,9 +1039,8 @@ fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
     cpus.set(0).unwrap();
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
     let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 3));
-    // An old connection's entry on the last tuple: its SYN re-writes that entry in place
-    // (no insert, so the guard does not apply), and the new connection's packets follow
-    // the new choice, not the old connection's backend.
+    // An old connection's entry (another backend) on the last tuple: the SYN that may
+    // not insert must not leave it for the new connection's packets.
     let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
     let reused = explain::flow_key(&vip, "10.0.0.1:45004".parse().unwrap());
     let old_entry = lb_common::FlowEntry {
@@ -1052,26 +1051,18 @@ fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
     fixture.dataplane.insert_flow(&reused, &old_entry).unwrap();
     let mut created = 0;
     let mut skipped = 0;
-    let mut last = None;
     for port in 45000..45005 {
         let result = run(&mut fixture, &tcp(port, TCP_SYN));
         assert_eq!(result.action, XDP_TX);
         created += counted(&result, "ct_created");
         skipped += counted(&result, "ct_insert_skipped");
-        last = Some(result);
     }
-    // Five SYNs well within one second: three inserted, one balanced without an entry,
-    // one re-written in place.
-    assert_eq!((created, skipped), (4, 1));
-    let rewritten = fixture
-        .dataplane
-        .flow(&reused)
-        .unwrap()
-        .expect("entry kept");
+    // Five SYNs well within one second: three entries, two balanced without one.
+    assert_eq!((created, skipped), (3, 2));
     assert_eq!(
-        rewritten.backend_id,
-        backend_named(&fixture, "tcp", backend_of(&last.unwrap())),
-        "the reused tuple's entry names the new connection's backend"
+        fixture.dataplane.flow(&reused).unwrap(),
+        None,
+        "the stale entry went"
     );
 }
 
@@ -1081,7 +1072,7 @@ fn a_removed_vips_flows_pass_and_an_added_vip_balances() {
         return;
     }
     // Established flows skip the VIP lookup (their entry's backend names the VIP), so
-    // removing a VIP must still stop its flows at once; the VIP filter must follow adds.
+    // removing a VIP must still stop its flows at once; its slot must follow adds.
     let both = sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0);
     let mut fixture = Fixture::load(&both);
     let established = run(&mut fixture, &tcp(46000, TCP_SYN));
@@ -1168,6 +1159,33 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
         (XDP_PASS, 1),
         "a non-VIP key on a shared slot is passed"
     );
+
+    // A third VIP on the slot, and an established flow of the port-80 VIP.
+    let ack80 = ipv4(
+        VIP,
+        L4::Tcp {
+            src: 47000,
+            dst: 80,
+            flags: TCP_ACK,
+        },
+    );
+    fixture.reconfigure(&config(&[
+        (80, "10.0.0.41"),
+        (other, "10.0.0.42"),
+        (stranger, "10.0.0.43"),
+    ]));
+    assert_eq!(counted(&run(&mut fixture, &ack80), "ct_hit"), 1);
+    // The port-80 VIP goes; the slot stays shared by the other two: its established
+    // flow is passed, not forwarded by its old entry.
+    fixture.reconfigure(&config(&[(other, "10.0.0.42"), (stranger, "10.0.0.43")]));
+    for frame in [&ack80, &syn(80)] {
+        let result = run(&mut fixture, frame);
+        assert_eq!(
+            (result.action, counted(&result, "pass_not_vip")),
+            (XDP_PASS, 1)
+        );
+    }
+    assert_eq!(backend_of(&run(&mut fixture, &syn(stranger))), 43);
 
     fixture.reconfigure(&config(&[(other, "10.0.0.42")]));
     let result = run(&mut fixture, &syn(80));
