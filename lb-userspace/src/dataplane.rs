@@ -2,7 +2,7 @@
 //! (`AyaDataplane`) and in memory (`MemoryDataplane`, for unit tests of what is written
 //! and in which order).
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 
 use bytemuck::Zeroable;
 use std::{
@@ -13,7 +13,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap as BpfHashMap, IterableMap, MapData, PerCpuArray, PerCpuHashMap},
     programs::{
         Xdp, XdpMode,
         links::{FdLink, PinnedLink},
@@ -199,6 +199,8 @@ pub struct AyaDataplane {
     link_mode: Option<AttachedMode>,
     /// When incompatible pins were replaced: the backends the old program served.
     previous: Option<Adopted>,
+    /// Whether the kernel takes batch map updates (BPF_MAP_UPDATE_BATCH).
+    batch_writes: bool,
 }
 
 /// What a pinned load found in its pin directory.
@@ -368,6 +370,7 @@ impl AyaDataplane {
             options,
             link_mode: None,
             previous: None,
+            batch_writes: true,
             ebpf,
         };
         Ok(dataplane)
@@ -740,6 +743,55 @@ fn slot_steps(current: &VipSlot, target: &VipSlot) -> Vec<VipSlot> {
     steps
 }
 
+/// Writes `(index, value)` pairs into the array map `fd` with BPF_MAP_UPDATE_BATCH
+/// (Linux 5.6), in chunks; each element is written as a single update would write it.
+fn update_batch(fd: std::os::fd::RawFd, slots: &[(u32, u32)]) -> std::io::Result<()> {
+    const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+    // The `batch` member of `union bpf_attr`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    for chunk in slots.chunks(8192) {
+        let keys: Vec<u32> = chunk.iter().map(|&(slot, _)| slot).collect();
+        let values: Vec<u32> = chunk.iter().map(|&(_, id)| id).collect();
+        let mut attr = BatchAttr {
+            keys: keys.as_ptr() as u64,
+            values: values.as_ptr() as u64,
+            count: chunk.len() as u32,
+            map_fd: fd as u32,
+            ..BatchAttr::default()
+        };
+        let done = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_UPDATE_BATCH,
+                &mut attr as *mut BatchAttr,
+                std::mem::size_of::<BatchAttr>() as u32,
+            )
+        };
+        if done != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if attr.count as usize != chunk.len() {
+            return Err(std::io::Error::other(format!(
+                "batch update wrote {} of {} slots",
+                attr.count,
+                chunk.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Names the map a map operation failed on.
 fn in_map(map: &'static str) -> impl Fn(aya::maps::MapError) -> DataplaneError {
     move |source| DataplaneError::Map { map, source }
@@ -763,6 +815,26 @@ fn sum_per_cpu(
 
 impl Dataplane for AyaDataplane {
     fn write_slots(&mut self, slots: &[(u32, u32)]) -> Result<(), DataplaneError> {
+        // One bpf() call per chunk instead of one per slot (a full table is 65537).
+        if slots.len() > 1 && self.batch_writes {
+            let fd = IterableMap::map(&self.maglev).fd().as_fd().as_raw_fd();
+            match update_batch(fd, slots) {
+                Ok(()) => return Ok(()),
+                // An old kernel: each slot on its own from now on.
+                Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
+                    self.batch_writes = false;
+                }
+                Err(source) => {
+                    return Err(DataplaneError::Map {
+                        map: MAP_MAGLEV,
+                        source: aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+                            call: "bpf_map_update_batch",
+                            io_error: source,
+                        }),
+                    });
+                }
+            }
+        }
         for &(slot, id) in slots {
             self.maglev.set(slot, id, 0).map_err(in_map(MAP_MAGLEV))?;
         }

@@ -81,7 +81,19 @@ fn metrics_count_exactly_the_packets_sent() {
 
     let scrape = scrape(&lab);
     let dns = [("vip", "dns")];
-    assert_eq!(value(&scrape, "lb_vip_packets_total", &dns), n as f64);
+    // Everything the data path counted, for the message if a count is off.
+    let counted: Vec<String> = scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric.starts_with("lb_") && s.metric.ends_with("_total"))
+        .map(|s| format!("{}{:?} = {:?}", s.metric, s.labels, s.value))
+        .collect();
+    assert_eq!(
+        value(&scrape, "lb_vip_packets_total", &dns),
+        n as f64,
+        "{}",
+        counted.join("\n")
+    );
     assert_eq!(value(&scrape, "lb_vip_new_flows_total", &dns), n as f64);
     let per_backend: f64 = (0..3)
         .map(|i| {
