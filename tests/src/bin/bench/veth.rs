@@ -151,16 +151,20 @@ pub fn run(opts: &Options) -> Result<Results> {
     let mut ratios = Vec::new();
     let mut summary = Vec::new();
     for &flows in &opts.flows {
-        measure(
-            opts,
-            flows,
-            (&gen_ns, &lb_ns, gen_ifindex),
-            (&mut lb, &mut swap_ebpf),
-            &mut runs,
-            &mut table,
-            &mut ratios,
-            &mut summary,
-        )?;
+        let mut bed = Bed {
+            gen_ns: &gen_ns,
+            lb_ns: &lb_ns,
+            gen_ifindex,
+            lb: &mut lb,
+            swap_ebpf: &mut swap_ebpf,
+        };
+        let measured = measure(opts, flows, &mut bed)?;
+        runs.extend(measured.runs);
+        for row in measured.rows {
+            table.row(row);
+        }
+        ratios.extend(measured.ratios);
+        summary.extend(measured.summary);
     }
     let lb_counters = lb.dataplane.counters(&[], &[])?.outcomes;
     let lb_counters: serde_json::Map<String, Value> = stat::NAMES
@@ -198,18 +202,37 @@ pub fn run(opts: &Options) -> Result<Results> {
     })
 }
 
+/// The veth pair and the programs on it.
+struct Bed<'a> {
+    gen_ns: &'a Netns,
+    lb_ns: &'a Netns,
+    gen_ifindex: u32,
+    lb: &'a mut Instance,
+    swap_ebpf: &'a mut aya::Ebpf,
+}
+
+/// What the rounds for one flow count measured.
+#[derive(Default)]
+struct Measured {
+    runs: Vec<Value>,
+    /// Table rows, one per protocol.
+    rows: Vec<Vec<String>>,
+    /// (protocol, flows, lb Mpps, baseline Mpps, ratio).
+    ratios: Vec<(String, u64, f64, f64, f64)>,
+    summary: Vec<Value>,
+}
+
 /// Rounds of lb against the baseline with the generator cycling through `flows` flows.
-#[allow(clippy::too_many_arguments)]
-fn measure(
-    opts: &Options,
-    flows: u64,
-    (gen_ns, lb_ns, gen_ifindex): (&Netns, &Netns, u32),
-    (lb, swap_ebpf): (&mut Instance, &mut aya::Ebpf),
-    runs: &mut Vec<Value>,
-    table: &mut Table,
-    ratios: &mut Vec<(String, u64, f64, f64, f64)>,
-    summary: &mut Vec<Value>,
-) -> Result<()> {
+fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
+    let Bed {
+        gen_ns,
+        lb_ns,
+        gen_ifindex,
+        lb,
+        swap_ebpf,
+    } = bed;
+    let (gen_ns, lb_ns, gen_ifindex) = (*gen_ns, *lb_ns, *gen_ifindex);
+    let mut out = Measured::default();
     // Generator and sink share one object instance, so one BENCH_SINK: 0 received, 1 sent.
     let mut gen_ebpf = load_generator("xdp_bench_sink", flows)?;
     {
@@ -319,7 +342,7 @@ fn measure(
                 mpps[pi][which].push(recv);
                 sent_mpps[pi][which].push(sent);
                 loss[pi][which].push(lost);
-                runs.push(json!({
+                out.runs.push(json!({
                     "round": round,
                     "flows": flows,
                     "proto": proto,
@@ -343,7 +366,7 @@ fn measure(
             .collect();
         let (lb_m, base_m) = (median(&mpps[pi][0]), median(&mpps[pi][1]));
         let ratio = median(&r);
-        table.row(vec![
+        out.rows.push(vec![
             format!("{proto} ({flows} flows)"),
             num(lb_m, 2),
             format!("{}%", num(median(&loss[pi][0]) * 100.0, 2)),
@@ -351,9 +374,10 @@ fn measure(
             format!("{}%", num(median(&loss[pi][1]) * 100.0, 2)),
             num(ratio, 3),
         ]);
-        ratios.push((proto.to_string(), flows, lb_m, base_m, ratio));
+        out.ratios
+            .push((proto.to_string(), flows, lb_m, base_m, ratio));
         let (lo, hi) = range(&r);
-        summary.push(json!({
+        out.summary.push(json!({
             "proto": proto,
             "flows": flows,
             "lb_received_mpps": median(&mpps[pi][0]),
@@ -368,5 +392,5 @@ fn measure(
         }));
     }
     xdp(&mut gen_ebpf, "xdp_bench_sink")?.detach(sink_link)?;
-    Ok(())
+    Ok(out)
 }
