@@ -2,9 +2,10 @@
 //! configuration maps and reads the counters; the program only looks things up and counts.
 //!
 //! Lookups in array and hash maps are inlined by the verifier, but only where each call
-//! site names one map: code that picks the map by a branch (say, one table per address
-//! family) may be merged by LLVM into one call with either map, which the verifier then
-//! leaves a full helper call, 20 ns or more dearer. Measured; keep one map per call site.
+//! site names one map: code that picks the map by a branch (say, one connection table
+//! per address family) may be merged by LLVM into one call with either map, which the
+//! verifier then leaves a full helper call. An attempt at a 16-byte IPv4 key in a table
+//! of its own measured 20-30 ns more per packet here, not less.
 
 use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns},
