@@ -262,10 +262,15 @@ pub fn udp_request(ns: &Netns, addr: SocketAddr, timeout: Duration) -> io::Resul
 
 /// [`udp_request`] from the calling thread's namespace.
 pub fn udp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<String> {
+    udp_request_from_port(addr, 0, timeout)
+}
+
+/// [`udp_request_here`] from source port `port` (0: a new ephemeral port).
+fn udp_request_from_port(addr: SocketAddr, port: u16, timeout: Duration) -> io::Result<String> {
     let local: SocketAddr = if addr.is_ipv4() {
-        (Ipv4Addr::UNSPECIFIED, 0).into()
+        (Ipv4Addr::UNSPECIFIED, port).into()
     } else {
-        (Ipv6Addr::UNSPECIFIED, 0).into()
+        (Ipv6Addr::UNSPECIFIED, port).into()
     };
     let socket = UdpSocket::bind(local)?;
     socket.connect(addr)?;
@@ -352,9 +357,21 @@ pub fn spread(ns: &Netns, addr: SocketAddr, n: usize) -> Result<Spread> {
     spread_with(ns, n, |_| tcp_request_here(addr, REQUEST_TIMEOUT), || false)
 }
 
-/// `n` UDP requests to `addr`, each from a new ephemeral port.
+/// First source port of [`udp_spread`]'s requests: below the kernel's ephemeral range
+/// (32768 and up), so no other socket of the namespace holds one of them.
+const UDP_SPREAD_FIRST_PORT: u16 = 20000;
+
+/// `n` UDP requests to `addr` (at most 10000), each from a source port of its own: `n`
+/// distinct flows. Ephemeral ports would not do: the kernel may hand out a port again,
+/// and a datagram on an earlier request's 5-tuple is that flow again, not a new one.
 pub fn udp_spread(ns: &Netns, addr: SocketAddr, n: usize) -> Result<Spread> {
-    spread_with(ns, n, |_| udp_request_here(addr, REQUEST_TIMEOUT), || false)
+    anyhow::ensure!(n <= 10000, "udp_spread: at most 10000 requests");
+    spread_with(
+        ns,
+        n,
+        |i| udp_request_from_port(addr, UDP_SPREAD_FIRST_PORT + i as u16, REQUEST_TIMEOUT),
+        || false,
+    )
 }
 
 /// Runs `request(i)` for `i in 0..n` inside `ns`, stopping early when `cancelled()` or

@@ -72,7 +72,8 @@ fn metrics_count_exactly_the_packets_sent() {
             lab.vip("dns", false, 53, Protocol::Udp, lb_tests::Health::None),
         ]
     });
-    // 40 UDP requests, each from a new port: exactly 40 packets, 40 new flows, to the VIP.
+    // 40 UDP requests, each from a port of its own: exactly 40 packets, 40 new flows, to
+    // the VIP.
     let n = 40;
     let udp = udp_spread(lab.client(), SocketAddr::new(lab.vip4(), 53), n).expect("udp requests");
     assert_eq!(udp.failures, 0, "{}", udp.table());
@@ -94,7 +95,12 @@ fn metrics_count_exactly_the_packets_sent() {
         "{}",
         counted.join("\n")
     );
-    assert_eq!(value(&scrape, "lb_vip_new_flows_total", &dns), n as f64);
+    assert_eq!(
+        value(&scrape, "lb_vip_new_flows_total", &dns),
+        n as f64,
+        "{}",
+        counted.join("\n")
+    );
     let per_backend: f64 = (0..3)
         .map(|i| {
             let backend = lab.backend_addr(i, false).to_string();
