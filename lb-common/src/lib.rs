@@ -174,14 +174,6 @@ pub struct VipSlot {
 const _: () = assert!(size_of::<VipSlot>() == 40);
 
 impl VipSlot {
-    /// Equality word by word, without branches.
-    #[inline(always)]
-    pub fn same(&self, other: &VipSlot) -> bool {
-        let a = bytemuck::cast::<VipSlot, [u64; 5]>(*self);
-        let b = bytemuck::cast::<VipSlot, [u64; 5]>(*other);
-        (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) == 0
-    }
-
     /// The slot of a VIP key: MurmurHash3 over its words (IPv4: the one address word),
     /// so keys that differ in any field land on unrelated slots.
     #[inline(always)]

@@ -21,9 +21,9 @@ mod program {
     };
 
     use crate::maps::{
-        Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
-        LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_sink, count_source,
-        count_traffic, next_sink_sequence,
+        BENCH_RECEIVED, BENCH_SENT, Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN,
+        LB_CONNTRACK, LB_FLOOD, LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats,
+        bump_bench_counter, count_source, count_traffic,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -48,7 +48,7 @@ mod program {
 
     /// One new flow in this many is counted for heavy hitters (`GLOBAL_SOURCE_SAMPLE`).
     #[unsafe(no_mangle)]
-    static SOURCE_SAMPLE: u32 = 8;
+    static SOURCE_SAMPLE: u32 = lb_common::DEFAULT_SOURCE_SAMPLE;
 
     /// Debug captures per second per CPU; 0: off (`lb_common::GLOBAL_CAPTURE_RATE`).
     #[unsafe(no_mangle)]
@@ -90,7 +90,8 @@ mod program {
         };
         // From the slot, or from LB_VIPS when the slot is shared: a key LB_VIPS lacks is
         // no VIP's, whatever connection-table entries it left.
-        let Some(vip) = vip_info(&slot, &vip_key) else {
+        let table_size = read(&MAGLEV_SIZE);
+        let Some(vip) = vip_info(&slot, &vip_key, table_size) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
         let cpu = Cpu::get();
@@ -133,7 +134,6 @@ mod program {
         }
         let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
-        let table_size = read(&MAGLEV_SIZE);
         let hash = flow_hash(&packet.flow_tuple(), vip.flags & VIP_F_HASH_SRC_IP != 0);
         let table_slot = vip.table_base + maglev_slot(hash, table_size);
         let backend_id = match LB_MAGLEV.get(table_slot) {
@@ -143,8 +143,7 @@ mod program {
         let Some(backend) = LB_BACKENDS.get(backend_id).copied() else {
             return Err(Verdict::drop(stat::DROP_NO_BACKEND));
         };
-        let closing = packet.fin || packet.rst;
-        let flags = if closing { FLOW_F_CLOSING } else { 0 };
+        let flags = if packet.closing() { FLOW_F_CLOSING } else { 0 };
         let written = match entry {
             // The backend it already names (a SYN on a reused tuple while the table
             // stands): refreshed in place.
@@ -218,10 +217,9 @@ mod program {
     #[inline(always)]
     // Keys go to the maps by reference: by value, each call copies them again.
     #[allow(clippy::needless_borrows_for_generic_args)]
-    fn vip_info(slot: &VipSlot, key: &VipKey) -> Option<VipInfo> {
+    fn vip_info(slot: &VipSlot, key: &VipKey, table_size: u32) -> Option<VipInfo> {
         if slot.state & VIP_SLOT_SHARED == 0 {
-            let table_base =
-                VipInfo::table_base_for(slot.vip_id, slot.generation, read(&MAGLEV_SIZE));
+            let table_base = VipInfo::table_base_for(slot.vip_id, slot.generation, table_size);
             return Some(VipInfo {
                 vip_id: slot.vip_id,
                 table_base,
@@ -269,7 +267,7 @@ mod program {
         if age > LAST_SEEN_GRANULARITY_NS {
             entry.last_seen_ns = now;
         }
-        if (packet.fin || packet.rst) && entry.flags & FLOW_F_CLOSING == 0 {
+        if packet.closing() && entry.flags & FLOW_F_CLOSING == 0 {
             entry.flags |= FLOW_F_CLOSING;
         }
         Ok((backend_id, backend))
@@ -401,7 +399,10 @@ mod program {
         }
         let flows = read(&BENCH_FLOWS).clamp(1, 64512);
         // checked: a plain `%` by a variable carries a panic path the verifier rejects.
-        let port = 1024 + next_sink_sequence().checked_rem(flows).unwrap_or(0) as u16;
+        let port = 1024
+            + bump_bench_counter(BENCH_SENT)
+                .checked_rem(flows)
+                .unwrap_or(0) as u16;
         unsafe {
             core::ptr::write_unaligned((start + SRC_PORT_AT) as *mut [u8; 2], port.to_be_bytes())
         };
@@ -416,7 +417,7 @@ mod program {
     /// Benchmark sink: counts every frame (`BENCH_SINK`, per CPU) and drops it.
     #[xdp]
     pub fn xdp_bench_sink(_ctx: XdpContext) -> u32 {
-        count_sink();
+        bump_bench_counter(BENCH_RECEIVED);
         xdp_action::XDP_DROP
     }
 

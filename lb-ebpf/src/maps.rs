@@ -59,7 +59,7 @@ pub static LB_BACKEND_STATS: PerCpuArray<TrafficCounters> =
 /// at load time to `conntrack_entries`; the least recently used entries go first.
 #[map(name = "LB_CONNTRACK")]
 pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
-    LruHashMap::with_max_entries(1 << 20, BPF_F_NO_COMMON_LRU);
+    LruHashMap::with_max_entries(lb_common::DEFAULT_CONNTRACK_ENTRIES, BPF_F_NO_COMMON_LRU);
 
 /// SourceKey (VIP, client address) -> new flows it opened, per CPU: the heavy hitters.
 /// Written by the program on each new flow; read (and diffed) by the agent. LRU, so
@@ -116,22 +116,19 @@ pub static LB_BACKEND_IDS: Array<BackendIdentity> = Array::with_max_entries(MAX_
 #[map(name = "BENCH_SINK")]
 pub static BENCH_SINK: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
 
-/// The generator's per-CPU sequence number (also its sent count).
+/// `BENCH_SINK` indices: frames the sink saw, frames the generator sent.
+pub const BENCH_RECEIVED: u32 = 0;
+pub const BENCH_SENT: u32 = 1;
+
+/// Adds one to `BENCH_SINK[index]` on this CPU and returns the new count.
 #[inline(always)]
-pub fn next_sink_sequence() -> u64 {
-    match BENCH_SINK.get_ptr_mut(1) {
+pub fn bump_bench_counter(index: u32) -> u64 {
+    match BENCH_SINK.get_ptr_mut(index) {
         Some(counter) => unsafe {
             *counter += 1;
             *counter
         },
         None => 0,
-    }
-}
-
-#[inline(always)]
-pub fn count_sink() {
-    if let Some(counter) = BENCH_SINK.get_ptr_mut(0) {
-        unsafe { *counter += 1 };
     }
 }
 

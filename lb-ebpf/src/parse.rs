@@ -76,6 +76,12 @@ pub struct Packet {
 }
 
 impl Packet {
+    /// A TCP FIN or RST: the client is closing (or aborting) the connection.
+    #[inline(always)]
+    pub fn closing(&self) -> bool {
+        self.fin || self.rst
+    }
+
     /// The fields the flow hash takes, in host order. Built only when a packet is
     /// balanced by the table: an established flow's packets never need it.
     #[inline(always)]
@@ -146,8 +152,6 @@ fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     let ip = ptr_at::<Ipv4Hdr>(ctx, offset)?;
     let (vihl, frags, proto) =
         unsafe { ((*ip).vihl, u16::from_be_bytes((*ip).frags), (*ip).proto) };
-    // Source and destination: bytes 12..20 of the header.
-    let [src, dst] = load_words::<2>(ip as *const u8, 12);
     // Masked to 4 bits so the verifier sees the header length bounded by 60.
     let header_len = ((vihl & 0x0f) as usize) * 4;
     if vihl >> 4 != 4 || header_len < Ipv4Hdr::LEN {
@@ -156,6 +160,8 @@ fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     if frags & IPV4_MF_AND_OFFSET != 0 {
         return Err(Verdict::pass(stat::PASS_FRAGMENT));
     }
+    // Source and destination: bytes 12..20 of the header.
+    let [src, dst] = load_words::<2>(ip as *const u8, 12);
     let src_addr = as_bytes([src, 0, 0, 0]);
     let dst_addr = as_bytes([dst, 0, 0, 0]);
     let mut packet = transport(

@@ -280,10 +280,15 @@ impl Shared {
         backend: IpAddr,
     ) -> Result<String, ControlError> {
         let name = find_vip(&mut self.config, vip)?.name.clone();
-        let what = self.set_admin_state(vip, backend, AdminState::Drain)?;
-        self.runtime_changes.pop();
-        let what = format!("{what}; removed once drained");
-        self.runtime_changes.push(what.clone());
+        let what = format!(
+            "{vip} backend {backend} -> {}; removed once drained",
+            AdminState::Drain
+        );
+        let target = *vip;
+        let what = self.change(what, |config| {
+            find_backend(config, &target, backend)?.state = AdminState::Drain;
+            Ok(())
+        })?;
         self.remove_when_drained.insert((name, backend));
         Ok(what)
     }
@@ -1039,9 +1044,7 @@ fn find_vip<'a>(
     config
         .vips
         .iter_mut()
-        .find(|v| {
-            v.address == target.address && v.port == target.port && v.protocol == target.protocol
-        })
+        .find(|v| VipTarget::of(v) == *target)
         .ok_or(ControlError::UnknownVip(*target))
 }
 

@@ -294,7 +294,7 @@ impl AyaDataplane {
         dataplane.link_mode = link_mode;
         dataplane.previous = previous;
         if !matches!(found, Found::Compatible(_)) {
-            dataplane.write_meta(&options, None)?;
+            dataplane.write_meta(None)?;
         }
         Ok((dataplane, found))
     }
@@ -334,10 +334,7 @@ impl AyaDataplane {
         }
         let mut ebpf = loader.load(object)?;
         let program: &mut Xdp = program(&mut ebpf)?;
-        program.load().map_err(|source| DataplaneError::Program {
-            program: "lb_xdp",
-            source,
-        })?;
+        program.load().map_err(lb_xdp_error)?;
         let vips: BpfHashMap<MapData, VipKey, VipInfo> = take_map(&mut ebpf, MAP_VIPS)?;
         let vip_slots: Array<MapData, VipSlot> = take_map(&mut ebpf, MAP_VIP_SLOTS)?;
         // Adopted pins: what the slots and LB_VIPS hold already.
@@ -412,11 +409,10 @@ impl AyaDataplane {
         Ok(())
     }
 
-    fn write_meta(
-        &mut self,
-        options: &LoadOptions,
-        mode: Option<AttachedMode>,
-    ) -> Result<(), DataplaneError> {
+    /// Records the layout, sizes and interface in force (and the attach mode, once
+    /// attached) in `LB_META`, for a restarted agent.
+    fn write_meta(&mut self, mode: Option<AttachedMode>) -> Result<(), DataplaneError> {
+        let options = self.options;
         let mut values = vec![
             (meta::LAYOUT, LAYOUT_VERSION),
             (meta::MAGLEV_SIZE, options.maglev_table_size as u64),
@@ -505,22 +501,11 @@ impl AyaDataplane {
                     source,
                 })?;
             let program = program(&mut self.ebpf)?;
-            let id = program
-                .attach_to_link(link)
-                .map_err(|source| DataplaneError::Program {
-                    program: "lb_xdp",
-                    source,
-                })?;
+            let id = program.attach_to_link(link).map_err(lb_xdp_error)?;
             // The link stays pinned; our handle to it must not detach it on exit.
-            let link = program
-                .take_link(id)
-                .map_err(|source| DataplaneError::Program {
-                    program: "lb_xdp",
-                    source,
-                })?;
+            let link = program.take_link(id).map_err(lb_xdp_error)?;
             std::mem::forget(link);
-            let options = self.options;
-            self.write_meta(&options, Some(mode))?;
+            self.write_meta(Some(mode))?;
             return Ok(mode);
         }
         if link_path.exists() {
@@ -530,13 +515,9 @@ impl AyaDataplane {
             })?;
         }
         let (attached, id) = self.attach_link(interface, mode)?;
-        let link =
-            program(&mut self.ebpf)?
-                .take_link(id)
-                .map_err(|source| DataplaneError::Program {
-                    program: "lb_xdp",
-                    source,
-                })?;
+        let link = program(&mut self.ebpf)?
+            .take_link(id)
+            .map_err(lb_xdp_error)?;
         let fd_link = FdLink::try_from(link).map_err(|source| DataplaneError::Link {
             path: link_path.clone(),
             source,
@@ -547,8 +528,7 @@ impl AyaDataplane {
                 path: link_path.clone(),
                 source,
             })?;
-        let options = self.options;
-        self.write_meta(&options, Some(attached))?;
+        self.write_meta(Some(attached))?;
         Ok(attached)
     }
 
@@ -636,16 +616,10 @@ impl AyaDataplane {
 }
 
 fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
-    let program = ebpf.program_mut("lb_xdp").ok_or(DataplaneError::Program {
-        program: "lb_xdp",
-        source: aya::programs::ProgramError::NotLoaded,
-    })?;
-    program
-        .try_into()
-        .map_err(|source| DataplaneError::Program {
-            program: "lb_xdp",
-            source,
-        })
+    let program = ebpf
+        .program_mut("lb_xdp")
+        .ok_or_else(|| lb_xdp_error(aya::programs::ProgramError::NotLoaded))?;
+    program.try_into().map_err(lb_xdp_error)
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DataplaneError>
@@ -792,6 +766,14 @@ fn update_batch(fd: std::os::fd::RawFd, slots: &[(u32, u32)]) -> std::io::Result
     Ok(())
 }
 
+/// An error of the `lb_xdp` program (loading, attaching, links).
+fn lb_xdp_error(source: aya::programs::ProgramError) -> DataplaneError {
+    DataplaneError::Program {
+        program: "lb_xdp",
+        source,
+    }
+}
+
 /// Names the map a map operation failed on.
 fn in_map(map: &'static str) -> impl Fn(aya::maps::MapError) -> DataplaneError {
     move |source| DataplaneError::Map { map, source }
@@ -825,13 +807,12 @@ impl Dataplane for AyaDataplane {
                     self.batch_writes = false;
                 }
                 Err(source) => {
-                    return Err(DataplaneError::Map {
-                        map: MAP_MAGLEV,
-                        source: aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+                    return Err(in_map(MAP_MAGLEV)(aya::maps::MapError::SyscallError(
+                        aya::sys::SyscallError {
                             call: "bpf_map_update_batch",
                             io_error: source,
-                        }),
-                    });
+                        },
+                    )));
                 }
             }
         }
@@ -899,10 +880,7 @@ impl Dataplane for AyaDataplane {
         match self.conntrack.get(key, 0) {
             Ok(entry) => Ok(Some(entry)),
             Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-            Err(source) => Err(DataplaneError::Map {
-                map: MAP_CONNTRACK,
-                source,
-            }),
+            Err(source) => Err(in_map(MAP_CONNTRACK)(source)),
         }
     }
 
@@ -913,10 +891,7 @@ impl Dataplane for AyaDataplane {
                 Ok((key, per_cpu)) => sources.push((key, per_cpu.iter().sum())),
                 Err(aya::maps::MapError::KeyNotFound) => continue,
                 Err(source) => {
-                    return Err(DataplaneError::Map {
-                        map: MAP_SOURCES,
-                        source,
-                    });
+                    return Err(in_map(MAP_SOURCES)(source));
                 }
             }
         }
@@ -1052,10 +1027,7 @@ fn read_flows(
             // An entry evicted between listing its key and reading it.
             Err(aya::maps::MapError::KeyNotFound) => continue,
             Err(source) => {
-                return Err(DataplaneError::Map {
-                    map: MAP_CONNTRACK,
-                    source,
-                });
+                return Err(in_map(MAP_CONNTRACK)(source));
             }
         }
     }
@@ -1172,24 +1144,26 @@ fn remove_map_pins(dir: &Path) -> Result<(), DataplaneError> {
         }
     };
     for name in names {
-        let path = dir.join(name);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(DataplaneError::Pin { path, source }),
-        }
+        remove_pin(&dir.join(name))?;
     }
     Ok(())
 }
 
+/// Removes one pinned file; one already gone is no error.
+fn remove_pin(path: &Path) -> Result<(), DataplaneError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(DataplaneError::Pin {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
 /// Removes everything lb pinned in `dir` (the link first: that detaches the program).
 pub fn remove_pins(dir: &Path) -> Result<(), DataplaneError> {
-    let link = dir.join(LINK_PIN);
-    match std::fs::remove_file(&link) {
-        Ok(()) => {}
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => return Err(DataplaneError::Pin { path: link, source }),
-    }
+    remove_pin(&dir.join(LINK_PIN))?;
     remove_map_pins(dir)?;
     let _ = std::fs::remove_dir(dir);
     Ok(())
@@ -1202,12 +1176,7 @@ mod tests {
     const SIZE: u32 = 7;
 
     fn key(last: u8) -> VipKey {
-        VipKey {
-            addr: [10, 0, 0, last, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-            port: 80u16.to_be(),
-            proto: 6,
-            family: 4,
-        }
+        crate::model::vip_key([10, 0, 0, last].into(), 80, lb_common::PROTO_TCP)
     }
 
     fn info(vip_id: u32, generation: u32) -> VipInfo {

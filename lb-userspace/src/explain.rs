@@ -27,6 +27,17 @@ pub struct VipTarget {
     pub protocol: Protocol,
 }
 
+impl VipTarget {
+    /// The (address, port, protocol) of a configured VIP.
+    pub fn of(vip: &crate::config::VipConfig) -> Self {
+        Self {
+            address: vip.address,
+            port: vip.port,
+            protocol: vip.protocol,
+        }
+    }
+}
+
 impl std::str::FromStr for VipTarget {
     type Err = String;
 
@@ -123,14 +134,8 @@ fn words(address: IpAddr) -> ([u32; 4], u8) {
 
 /// The connection-table key of a flow from `source` to the VIP.
 pub fn flow_key(vip: &VipTarget, source: SocketAddr) -> FlowKey {
-    let bytes = |a: IpAddr| {
-        let mut out = [0u8; 16];
-        match a {
-            IpAddr::V4(a) => out[..4].copy_from_slice(&a.octets()),
-            IpAddr::V6(a) => out.copy_from_slice(&a.octets()),
-        }
-        out
-    };
+    // Addresses as the maps hold them (IPv4: the first 4 bytes), as for a VIP key.
+    let bytes = |a: IpAddr| crate::model::vip_key(a, 0, 0).addr;
     FlowKey {
         src: bytes(source.ip()),
         dst: bytes(vip.address),
@@ -148,12 +153,7 @@ pub fn flow_key(vip: &VipTarget, source: SocketAddr) -> FlowKey {
 
 /// The backend id the table gives a flow (`BACKEND_NONE` when none).
 pub fn table_choice(vip: &VipState, table: &[u32], source: SocketAddr) -> (u32, u32, u32) {
-    let target = VipTarget {
-        address: vip.config.address,
-        port: vip.config.port,
-        protocol: vip.config.protocol,
-    };
-    let tuple = flow_tuple(&target, source);
+    let tuple = flow_tuple(&VipTarget::of(&vip.config), source);
     let hash = flow_hash(&tuple, vip.config.hash == HashMode::SrcIp);
     let slot = maglev_slot(hash, table.len() as u32);
     (hash, slot, table[slot as usize])
@@ -189,11 +189,7 @@ pub fn explain(
         .model
         .vips
         .iter()
-        .find(|v| {
-            v.config.address == target.address
-                && v.config.port == target.port
-                && v.config.protocol == target.protocol
-        })
+        .find(|v| VipTarget::of(&v.config) == target)
         .ok_or(ExplainError::UnknownVip(target))?;
     if request.source.is_ipv4() != target.address.is_ipv4() {
         return Err(ExplainError::FamilyMismatch {

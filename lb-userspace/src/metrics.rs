@@ -354,7 +354,21 @@ mod tests {
 
     #[test]
     fn the_exposition_parses_and_names_every_series() {
-        let shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        // One backend in maintenance, then the other failed its checks: the gauges say so.
+        let web = "10.0.0.100:80/tcp".parse().unwrap();
+        shared
+            .set_admin_state(
+                &web,
+                "10.0.0.12".parse().unwrap(),
+                crate::config::AdminState::Maint,
+            )
+            .unwrap();
+        for b in shared.model.backends_mut() {
+            if b.config.address.to_string() == "10.0.0.11" {
+                b.health = Health::Down;
+            }
+        }
         observe_check(
             &shared.observed,
             "web",
@@ -396,14 +410,56 @@ mod tests {
             .find(|s| s.metric == "lb_vip_healthy_backends")
             .unwrap();
         assert_eq!(healthy.labels.get("vip"), Some("web"));
-        assert!(matches!(healthy.value, prometheus_parse::Value::Gauge(v) if v == 2.0));
-        let misses: std::collections::BTreeSet<_> = scrape
-            .samples
-            .iter()
-            .filter(|s| s.metric == "lb_conntrack_misses_total")
-            .filter_map(|s| s.labels.get("kind"))
-            .collect();
-        assert_eq!(misses, ["non_syn", "syn", "udp"].into());
+        // 10.0.0.11 failed its checks; maintenance is an admin state, not health.
+        assert!(matches!(healthy.value, prometheus_parse::Value::Gauge(v) if v == 1.0));
+        let kinds = |metric: &str| -> std::collections::BTreeSet<String> {
+            scrape
+                .samples
+                .iter()
+                .filter(|s| s.metric == metric)
+                .filter_map(|s| s.labels.get("kind").map(str::to_string))
+                .collect()
+        };
+        assert_eq!(
+            kinds("lb_conntrack_misses_total"),
+            ["non_syn", "syn", "udp"].map(String::from).into()
+        );
+
+        let gauge = |metric: &str, labels: &[(&str, &str)]| {
+            let sample = scrape
+                .samples
+                .iter()
+                .find(|s| {
+                    s.metric == metric && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))
+                })
+                .unwrap_or_else(|| panic!("no {metric}{labels:?}"));
+            match sample.value {
+                prometheus_parse::Value::Gauge(v) => v,
+                ref other => panic!("{metric}: {other:?}"),
+            }
+        };
+        assert_eq!(gauge("lb_backend_up", &[("backend", "10.0.0.11")]), 0.0);
+        assert_eq!(gauge("lb_backend_up", &[("backend", "10.0.0.12")]), 1.0);
+        let admin = |backend: &str, state: &str| {
+            gauge(
+                "lb_backend_admin_state",
+                &[("backend", backend), ("state", state)],
+            )
+        };
+        assert_eq!(
+            (admin("10.0.0.12", "maint"), admin("10.0.0.12", "ready")),
+            (1.0, 0.0)
+        );
+        assert_eq!(
+            (admin("10.0.0.11", "ready"), admin("10.0.0.11", "maint")),
+            (1.0, 0.0)
+        );
+        assert_eq!(
+            kinds("lb_conntrack_events_total"),
+            ["created", "hit", "insert_skipped", "rehash"]
+                .map(String::from)
+                .into()
+        );
     }
 
     #[test]

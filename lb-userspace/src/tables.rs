@@ -224,12 +224,7 @@ mod tests {
     const SIZE: u32 = 7;
 
     fn key(last: u8) -> VipKey {
-        VipKey {
-            addr: [10, 0, 0, last, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-            port: 80u16.to_be(),
-            proto: 6,
-            family: 4,
-        }
+        crate::model::vip_key([10, 0, 0, last].into(), 80, lb_common::PROTO_TCP)
     }
 
     fn desired(table: [u32; 7]) -> Desired {

@@ -10,8 +10,6 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 
 use crate::Netns;
 use crate::netns::run_cmd;
@@ -195,22 +193,7 @@ impl Agent {
             .child
             .as_mut()
             .ok_or_else(|| anyhow!("no agent process"))?;
-        let pid = Pid::from_raw(child.id() as i32);
-        let _ = kill(pid, Signal::SIGTERM);
-        let start = Instant::now();
-        while start.elapsed() < STOP_TIMEOUT {
-            if let Some(status) = self.try_wait()? {
-                return Ok(status);
-            }
-            sleep(Duration::from_millis(20));
-        }
-        let child = self
-            .child
-            .as_mut()
-            .ok_or_else(|| anyhow!("no agent process"))?;
-        eprintln!("warning: lb run did not exit within {STOP_TIMEOUT:?} of SIGTERM: SIGKILL");
-        let _ = child.kill();
-        let status = child.wait()?;
+        let status = crate::netns::terminate(child, STOP_TIMEOUT, "lb run")?;
         self.exit = Some(status);
         self.child = None;
         Ok(status)

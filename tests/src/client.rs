@@ -404,7 +404,8 @@ pub fn ping(ns: &Netns, dst: IpAddr, timeout: Duration) -> io::Result<Duration> 
     in_ns(ns, || ping_here(dst, timeout))
 }
 
-fn checksum(data: &[u8]) -> u16 {
+/// The Internet checksum (RFC 1071) of `data`: what IPv4 headers and ICMP carry.
+pub fn checksum(data: &[u8]) -> u16 {
     let mut sum: u32 = data
         .chunks(2)
         .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))

@@ -242,16 +242,6 @@ impl Lab {
         VIP6.into()
     }
 
-    /// The balancer's interface, inside [`Lab::lb`].
-    pub fn lb_iface(&self) -> &'static str {
-        IFACE
-    }
-
-    /// The balancer's bridge port (holds `xdp_pass`), inside [`Lab::switch`].
-    pub fn lb_port(&self) -> &'static str {
-        LB_PORT
-    }
-
     /// A private directory that lives as long as the lab.
     pub fn dir(&self) -> &Path {
         self.dir.path()

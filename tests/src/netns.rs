@@ -3,7 +3,7 @@
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, Command, ExitStatus};
 use std::sync::Once;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::thread;
@@ -192,4 +192,25 @@ fn sweep_stale() {
             }
         }
     }
+}
+
+/// Stops a daemon this test bed started: SIGTERM, up to `grace` for it to exit, then
+/// SIGKILL (with a warning naming `what`). Returns how it ended.
+pub fn terminate(
+    child: &mut Child,
+    grace: std::time::Duration,
+    what: &str,
+) -> std::io::Result<ExitStatus> {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let start = std::time::Instant::now();
+    while start.elapsed() < grace {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        thread::sleep(std::time::Duration::from_millis(20));
+    }
+    eprintln!("warning: {what} did not exit within {grace:?} of SIGTERM: SIGKILL");
+    let _ = child.kill();
+    child.wait()
 }

@@ -28,8 +28,6 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 
 use crate::lab::{BRIDGE, XdpPass, arp_for_dsr, switch_namespace};
 use crate::netns::{ip, run_cmd};
@@ -235,17 +233,8 @@ impl Bird {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(3) {
-            if let Ok(Some(_)) = child.try_wait() {
-                return;
-            }
-            sleep(Duration::from_millis(20));
-        }
-        eprintln!("warning: bird {} ignored SIGTERM: SIGKILL", self.name);
-        let _ = child.kill();
-        let _ = child.wait();
+        let what = format!("bird {}", self.name);
+        let _ = crate::netns::terminate(&mut child, Duration::from_secs(3), &what);
     }
 }
 

@@ -267,10 +267,6 @@ impl HttpControl {
         state.alternate = 0;
     }
 
-    pub fn behaviour(&self) -> HttpBehaviour {
-        self.lock().behaviour
-    }
-
     /// Requests to the path so far (every restart included).
     pub fn requests(&self) -> usize {
         self.lock().answers.len()
@@ -397,10 +393,6 @@ impl HttpServer {
     /// Connections accepted so far (every restart included).
     pub fn accepted(&self) -> usize {
         self.accepted.load(Ordering::Relaxed)
-    }
-
-    pub fn is_running(&self) -> bool {
-        self.running.is_some()
     }
 
     /// Starts a new server on the same address (SO_REUSEADDR), with the same behaviour;

@@ -2,6 +2,8 @@
 
 use std::net::IpAddr;
 
+use lb_tests::client::checksum;
+
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_ACK: u8 = 0x10;
 
@@ -26,17 +28,6 @@ pub struct Frame {
     pub sport: u16,
     pub dport: u16,
     pub l4: L4,
-}
-
-fn checksum(data: &[u8]) -> u16 {
-    let mut sum: u32 = data
-        .chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
 }
 
 impl Frame {

@@ -4,13 +4,10 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::Child;
-use std::thread::sleep;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use lb_tests::Netns;
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 
 /// A process started with `ip netns exec NS PROGRAM ARGS...`, its output in `log`.
 /// Dropping it sends SIGTERM, then SIGKILL after 5 s.
@@ -67,17 +64,7 @@ impl Daemon {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(5) {
-            if let Ok(Some(_)) = child.try_wait() {
-                return;
-            }
-            sleep(Duration::from_millis(20));
-        }
-        eprintln!("warning: {} ignored SIGTERM: SIGKILL", self.name);
-        let _ = child.kill();
-        let _ = child.wait();
+        let _ = lb_tests::netns::terminate(&mut child, Duration::from_secs(5), &self.name);
     }
 }
 
