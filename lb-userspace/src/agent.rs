@@ -565,12 +565,15 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         .context("reading the data-path interface")?;
     let interface = neighbors.interface().clone();
 
-    let mut model = Model::new(
-        config.dataplane.maglev_table_size,
-        vip_capacity(config.vips.len()),
-        config.dataplane.flow_idle_timeout,
-    );
-    model.update(&config)?;
+    let new_model = |vip_capacity: u32| {
+        Model::new(
+            config.dataplane.maglev_table_size,
+            vip_capacity,
+            config.dataplane.flow_idle_timeout,
+        )
+    };
+    // A configuration the model refuses stops the start before any pin is touched.
+    new_model(vip_capacity(config.vips.len())).update(&config)?;
     // Before attaching: a device that cannot be made stops the start with nothing changed.
     let announcer = match &config.announce {
         Some(announce) => Some(
@@ -593,6 +596,9 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         None => None,
     };
     let mut writer = TableWriter::new(config.dataplane.maglev_table_size);
+    // What the model starts from: the adopted maps' backends and ids, or, after replacing
+    // incompatible ones, the backends the old program served (kept while checks start).
+    let mut start_from = None;
     let start = match &found {
         Found::Nothing => "fresh".to_string(),
         Found::Compatible(_) => {
@@ -604,29 +610,11 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
                 adopted.backends.len()
             );
             writer.adopt(&adopted);
-            // The pinned maps' capacity, which may exceed what this config needs.
-            let mut fresh = Model::new(
-                config.dataplane.maglev_table_size,
-                dataplane.options().vip_capacity,
-                config.dataplane.flow_idle_timeout,
-            );
-            fresh.adopt(&adopted);
-            fresh.update(&config)?;
-            model = fresh;
+            start_from = Some(adopted);
             "adopted".to_string()
         }
         Found::Incompatible(why) => {
-            if let Some(previous) = dataplane.previous() {
-                // Keep serving the backends the replaced program served while checks start.
-                let mut fresh = Model::new(
-                    config.dataplane.maglev_table_size,
-                    dataplane.options().vip_capacity,
-                    config.dataplane.flow_idle_timeout,
-                );
-                fresh.adopt(previous);
-                fresh.update(&config)?;
-                model = fresh;
-            }
+            start_from = dataplane.previous().cloned();
             tracing::warn!(
                 "replacing the pinned data path in {}: {why}; its connection table is lost",
                 pin_dir.display()
@@ -634,6 +622,12 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
             format!("replaced ({why}); connection table lost")
         }
     };
+    // The pinned maps' VIP capacity, which may exceed what this config needs.
+    let mut model = new_model(dataplane.options().vip_capacity);
+    if let Some(adopted) = &start_from {
+        model.adopt(adopted);
+    }
+    model.update(&config)?;
     resolve_first_macs(&neighbors, &mut model).await;
     // Tables first, then attach (or swap the program on the pinned link): the program
     // never runs on empty maps.
