@@ -16,6 +16,7 @@ pub mod client;
 pub mod config;
 pub mod lab;
 pub mod netns;
+pub mod program;
 pub mod router;
 pub mod server;
 pub mod sniff;

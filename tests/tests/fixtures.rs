@@ -10,14 +10,11 @@ use aya::programs::{TestRun, TestRunOptions};
 use lb_common::stat;
 use lb_userspace::{
     EBPF_OBJECT,
-    config::Config,
-    dataplane::{AyaDataplane, Dataplane, LoadOptions, vip_capacity},
+    dataplane::{Dataplane, LoadOptions},
     explain::{self, ExplainRequest, VipTarget},
-    model::Model,
-    tables::TableWriter,
 };
 
-const IFACE_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x02];
+use lb_tests::program::IFACE_MAC;
 const CLIENT_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x01];
 const BACKEND_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x0b];
 
@@ -255,55 +252,17 @@ fn forwarded(frame: &[u8]) -> Vec<u8> {
 
 // ---- harness ------------------------------------------------------------------------
 
-struct Fixture {
-    dataplane: AyaDataplane,
-    model: Model,
-    writer: TableWriter,
-    config: Config,
+type Fixture = lb_tests::program::Instance;
+
+/// A program instance of its own, its maps written by the agent's code from `text`.
+/// Heavy hitters are counted for every new flow here (not sampled), so counts are exact.
+fn fixture(text: &str) -> Fixture {
+    fixture_with(text, |options| options.source_sample = 1)
 }
 
-impl Fixture {
-    /// A program instance of its own, its maps written by the agent's code from `text`.
-    /// Heavy hitters are counted for every new flow here (not sampled), so counts are exact.
-    fn load(text: &str) -> Fixture {
-        Fixture::load_with(text, |options| options.source_sample = 1)
-    }
-
-    /// `load`, with load-time options changed by `adjust`.
-    fn load_with(text: &str, adjust: impl FnOnce(&mut LoadOptions)) -> Fixture {
-        let config = Config::from_toml(text).expect("fixture config");
-        let mut options = LoadOptions::from_config(&config, IFACE_MAC);
-        adjust(&mut options);
-        let dataplane = AyaDataplane::load(EBPF_OBJECT, options).expect("load the XDP program");
-        let model = Model::new(
-            config.dataplane.maglev_table_size,
-            vip_capacity(config.vips.len()),
-            config.dataplane.flow_idle_timeout,
-        );
-        let writer = TableWriter::new(config.dataplane.maglev_table_size);
-        let mut fixture = Fixture {
-            dataplane,
-            model,
-            writer,
-            config,
-        };
-        fixture.reconfigure(text);
-        fixture
-    }
-
-    /// Follows a new configuration, as a reload does.
-    fn reconfigure(&mut self, text: &str) {
-        self.config = Config::from_toml(text).expect("fixture config");
-        self.model.update(&self.config).expect("model");
-        self.sync();
-    }
-
-    /// Writes the model's tables.
-    fn sync(&mut self) {
-        self.writer
-            .apply(&mut self.dataplane, &self.model.desired())
-            .expect("write tables");
-    }
+/// `fixture`, with load-time options changed by `adjust`.
+fn fixture_with(text: &str, adjust: impl FnOnce(&mut LoadOptions)) -> Fixture {
+    Fixture::load_with(text, adjust).expect("load the fixture")
 }
 
 /// Root and a built object, or a loud skip.
@@ -331,7 +290,7 @@ fn with_fixture<T>(test: &str, body: impl FnOnce(&mut Fixture) -> T) -> Option<T
         return None;
     }
     let mut guard = FIXTURE.lock().unwrap_or_else(|e| e.into_inner());
-    let fixture = guard.get_or_insert_with(|| Fixture::load(CONFIG));
+    let fixture = guard.get_or_insert_with(|| fixture(CONFIG));
     Some(body(fixture))
 }
 
@@ -826,7 +785,7 @@ fn established_flows_stay_on_their_backend_while_the_set_changes() {
     if !can_run("established_flows_stay_on_their_backend_while_the_set_changes") {
         return;
     }
-    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
     let ports: Vec<u16> = (41000..41200).collect();
     let before: Vec<u8> = ports
         .iter()
@@ -834,10 +793,12 @@ fn established_flows_stay_on_their_backend_while_the_set_changes() {
         .collect();
 
     // Add a backend and change weights: the table now sends many of these flows elsewhere.
-    fixture.reconfigure(&sticky_config(
-        &[("10.0.0.41", 5), ("10.0.0.42", 1), ("10.0.0.43", 3)],
-        0,
-    ));
+    fixture
+        .reconfigure(&sticky_config(
+            &[("10.0.0.41", 5), ("10.0.0.42", 1), ("10.0.0.43", 3)],
+            0,
+        ))
+        .expect("reconfigure");
     let moved_by_table = ports
         .iter()
         .zip(&before)
@@ -898,7 +859,7 @@ fn a_failed_backends_flows_are_rehashed_and_the_others_stay() {
     if !can_run("a_failed_backends_flows_are_rehashed_and_the_others_stay") {
         return;
     }
-    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
     let ports: Vec<u16> = (42000..42100).collect();
     let before: Vec<u8> = ports
         .iter()
@@ -910,7 +871,7 @@ fn a_failed_backends_flows_are_rehashed_and_the_others_stay() {
             b.health = lb_userspace::model::Health::Down;
         }
     }
-    fixture.sync();
+    fixture.sync().expect("sync");
     for (port, backend) in ports.iter().zip(&before) {
         let result = run(&mut fixture, &tcp(*port, TCP_ACK));
         assert_eq!(
@@ -933,7 +894,7 @@ fn rst_never_creates_an_entry_and_a_lone_ack_is_a_non_syn_miss() {
     if !can_run("rst_never_creates_an_entry_and_a_lone_ack_is_a_non_syn_miss") {
         return;
     }
-    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
     let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
     let key = |port: u16| explain::flow_key(&vip, format!("10.0.0.1:{port}").parse().unwrap());
 
@@ -989,7 +950,7 @@ fn udp_entries_hold_until_idle_then_expire() {
     if !can_run("udp_entries_hold_until_idle_then_expire") {
         return;
     }
-    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
     let vip: VipTarget = "10.0.0.100:53/udp".parse().unwrap();
     let port = 44000;
     let key = explain::flow_key(&vip, format!("10.0.0.1:{port}").parse().unwrap());
@@ -1038,7 +999,7 @@ fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
     let mut cpus = nix::sched::CpuSet::new();
     cpus.set(0).unwrap();
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
-    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 3));
+    let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 3));
     // An old connection's entry (another backend) on the last tuple: the SYN that may
     // not insert must not leave it for the new connection's packets.
     let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
@@ -1074,7 +1035,7 @@ fn a_removed_vips_flows_pass_and_an_added_vip_balances() {
     // Established flows skip the VIP lookup (their entry's backend names the VIP), so
     // removing a VIP must still stop its flows at once; its slot must follow adds.
     let both = sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0);
-    let mut fixture = Fixture::load(&both);
+    let mut fixture = fixture(&both);
     let established = run(&mut fixture, &tcp(46000, TCP_SYN));
     assert_eq!(established.action, XDP_TX);
     assert_eq!(
@@ -1088,7 +1049,7 @@ fn a_removed_vips_flows_pass_and_an_added_vip_balances() {
         .collect::<Vec<_>>()
         .join("[[vip]]");
     assert!(!udp_only.contains("port = 80") && udp_only.contains("port = 53"));
-    fixture.reconfigure(&udp_only);
+    fixture.reconfigure(&udp_only).expect("reconfigure");
     for flags in [TCP_ACK, TCP_SYN] {
         let result = run(&mut fixture, &tcp(46000, flags));
         assert_eq!(result.action, XDP_PASS, "flags {flags:#x}");
@@ -1096,7 +1057,7 @@ fn a_removed_vips_flows_pass_and_an_added_vip_balances() {
         assert_eq!(counted(&result, "ct_hit"), 0);
     }
 
-    fixture.reconfigure(&both);
+    fixture.reconfigure(&both).expect("reconfigure");
     let result = run(&mut fixture, &tcp(46001, TCP_SYN));
     assert_eq!(
         result.action, XDP_TX,
@@ -1147,7 +1108,7 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
             },
         )
     };
-    let mut fixture = Fixture::load(&config(&[(80, "10.0.0.41"), (other, "10.0.0.42")]));
+    let mut fixture = fixture(&config(&[(80, "10.0.0.41"), (other, "10.0.0.42")]));
     assert_eq!(backend_of(&run(&mut fixture, &syn(80))), 41);
     assert_eq!(backend_of(&run(&mut fixture, &syn(other))), 42);
     let stranger = (other + 1..u16::MAX)
@@ -1169,15 +1130,19 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
             flags: TCP_ACK,
         },
     );
-    fixture.reconfigure(&config(&[
-        (80, "10.0.0.41"),
-        (other, "10.0.0.42"),
-        (stranger, "10.0.0.43"),
-    ]));
+    fixture
+        .reconfigure(&config(&[
+            (80, "10.0.0.41"),
+            (other, "10.0.0.42"),
+            (stranger, "10.0.0.43"),
+        ]))
+        .expect("reconfigure");
     assert_eq!(counted(&run(&mut fixture, &ack80), "ct_hit"), 1);
     // The port-80 VIP goes; the slot stays shared by the other two: its established
     // flow is passed, not forwarded by its old entry.
-    fixture.reconfigure(&config(&[(other, "10.0.0.42"), (stranger, "10.0.0.43")]));
+    fixture
+        .reconfigure(&config(&[(other, "10.0.0.42"), (stranger, "10.0.0.43")]))
+        .expect("reconfigure");
     for frame in [&ack80, &syn(80)] {
         let result = run(&mut fixture, frame);
         assert_eq!(
@@ -1187,7 +1152,9 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
     }
     assert_eq!(backend_of(&run(&mut fixture, &syn(stranger))), 43);
 
-    fixture.reconfigure(&config(&[(other, "10.0.0.42")]));
+    fixture
+        .reconfigure(&config(&[(other, "10.0.0.42")]))
+        .expect("reconfigure");
     let result = run(&mut fixture, &syn(80));
     assert_eq!(
         (result.action, counted(&result, "pass_not_vip")),
@@ -1195,7 +1162,9 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
     );
     assert_eq!(backend_of(&run(&mut fixture, &syn(other))), 42);
     // A table switch on the slot's one VIP (another backend): packets follow it.
-    fixture.reconfigure(&config(&[(other, "10.0.0.43")]));
+    fixture
+        .reconfigure(&config(&[(other, "10.0.0.43")]))
+        .expect("reconfigure");
     assert_eq!(backend_of(&run(&mut fixture, &syn(other))), 43);
 }
 
@@ -1204,7 +1173,7 @@ fn new_flows_are_counted_per_client_source() {
     if !can_run("new_flows_are_counted_per_client_source") {
         return;
     }
-    let mut fixture = Fixture::load(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
     // Three TCP connections and an established packet from 10.0.0.1; two UDP flows from
     // 10.0.0.7 (a UDP packet without an entry is a new flow).
     for port in [46000, 46001, 46002] {
@@ -1256,7 +1225,7 @@ fn the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate() {
     cpus.set(0).unwrap();
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
     let config = sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0);
-    let mut fixture = Fixture::load_with(&config, |options| {
+    let mut fixture = fixture_with(&config, |options| {
         options.source_sample = 1;
         options.capture_rate = 3;
     });

@@ -12,8 +12,8 @@ use lb_tests::{BackendConfig, Health, Lab, Protocol, VipConfig, XdpMode};
 use lb_userspace::config::Config;
 use serde_json::{Value, json};
 
-use crate::packet::Instance;
 use crate::report::{Table, median, num};
+use lb_tests::program::Instance;
 
 fn backend_v4(i: usize) -> IpAddr {
     IpAddr::from(Ipv4Addr::new(10, 98, (i / 250) as u8, (i % 250) as u8 + 1))

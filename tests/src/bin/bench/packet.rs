@@ -14,13 +14,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use aya::programs::{TestRun, TestRunOptions, Xdp};
 use lb_common::stat;
-use lb_userspace::{
-    EBPF_OBJECT,
-    config::Config,
-    dataplane::{AyaDataplane, Dataplane, LoadOptions, vip_capacity},
-    model::Model,
-    tables::TableWriter,
-};
+use lb_tests::program::{IFACE_MAC, Instance};
+use lb_userspace::{EBPF_OBJECT, dataplane::Dataplane};
 use serde_json::{Value, json};
 
 use crate::frames::{Frame, L4, TCP_ACK, TCP_SYN, V4_SRC_ADDR_AT, V4_SRC_PORT_AT};
@@ -29,7 +24,6 @@ use crate::report::{Table, median, num, range};
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
 
-const IFACE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
 const VIP4: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
 const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x100);
@@ -83,41 +77,6 @@ pub fn config_text(backends: usize) -> String {
         }
     }
     t
-}
-
-/// A program instance whose maps the agent's own code wrote from `config_text`.
-pub struct Instance {
-    pub dataplane: AyaDataplane,
-    pub model: Model,
-    pub writer: TableWriter,
-    pub config: Config,
-}
-
-impl Instance {
-    pub fn load(text: &str) -> Result<Instance> {
-        let config = Config::from_toml(text).context("benchmark config")?;
-        let dataplane =
-            AyaDataplane::load(EBPF_OBJECT, LoadOptions::from_config(&config, IFACE_MAC))
-                .context("load lb_xdp")?;
-        let model = Model::new(
-            config.dataplane.maglev_table_size,
-            vip_capacity(config.vips.len()),
-            config.dataplane.flow_idle_timeout,
-        );
-        let writer = TableWriter::new(config.dataplane.maglev_table_size);
-        let mut instance = Instance {
-            dataplane,
-            model,
-            writer,
-            config,
-        };
-        instance.model.update(&instance.config)?;
-        instance
-            .writer
-            .apply(&mut instance.dataplane, &instance.model.desired())
-            .context("write the tables")?;
-        Ok(instance)
-    }
 }
 
 /// `xdp_pass` on its own (the empty program), with a tiny connection table.

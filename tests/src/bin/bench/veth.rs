@@ -25,8 +25,9 @@ use lb_userspace::dataplane::Dataplane;
 use serde_json::{Value, json};
 
 use crate::frames::{Frame, L4, TCP_ACK};
-use crate::packet::{Instance, load_generator, load_program, xdp};
+use crate::packet::{load_generator, load_program, xdp};
 use crate::report::{Table, median, num, range};
+use lb_tests::program::Instance;
 
 const GEN_MAC: [u8; 6] = [0x02, 0xbe, 0, 0, 0, 0x01];
 const LB_MAC: [u8; 6] = [0x02, 0xbe, 0, 0, 0, 0x02];
