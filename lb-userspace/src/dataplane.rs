@@ -1041,6 +1041,31 @@ fn mode_code(mode: AttachedMode) -> u64 {
     }
 }
 
+/// The mode `mode_code` recorded, if any.
+fn mode_from_code(code: u64) -> Option<AttachedMode> {
+    match code {
+        meta::MODE_NATIVE => Some(AttachedMode::Native),
+        meta::MODE_GENERIC => Some(AttachedMode::Generic),
+        _ => None,
+    }
+}
+
+/// The values of the `LB_META` pinned in `dir`, indexed by `meta`.
+fn read_meta(dir: &Path) -> Result<Vec<u64>, String> {
+    let map = MapData::from_pin(dir.join(MAP_META)).map_err(|e| e.to_string())?;
+    let array: Array<MapData, u64> =
+        Array::try_from(aya::maps::Map::Array(map)).map_err(|e| e.to_string())?;
+    (0..meta::COUNT)
+        .map(|i| array.get(&i, 0).map_err(|e| e.to_string()))
+        .collect()
+}
+
+/// Whether pins recorded for interface index `pinned` are for the interface `options`
+/// name (an unknown index, 0, on either side matches).
+fn same_interface(pinned: u64, options: &LoadOptions) -> bool {
+    pinned == 0 || options.ifindex == 0 || pinned == options.ifindex as u64
+}
+
 /// What is pinned in `dir`, compared with what `options` ask for.
 /// A larger pinned VIP capacity than asked is adopted into `options` (the agent then
 /// uses it).
@@ -1049,15 +1074,7 @@ fn inspect_pins(dir: &Path, options: &mut LoadOptions) -> Found {
     if !meta_path.exists() {
         return Found::Nothing;
     }
-    let read = || -> Result<Vec<u64>, String> {
-        let map = MapData::from_pin(&meta_path).map_err(|e| e.to_string())?;
-        let array: Array<MapData, u64> =
-            Array::try_from(aya::maps::Map::Array(map)).map_err(|e| e.to_string())?;
-        (0..meta::COUNT)
-            .map(|i| array.get(&i, 0).map_err(|e| e.to_string()))
-            .collect()
-    };
-    let values = match read() {
+    let values = match read_meta(dir) {
         Ok(values) => values,
         Err(error) => {
             return Found::Incompatible(format!("unreadable {}: {error}", meta_path.display()));
@@ -1092,19 +1109,17 @@ fn inspect_pins(dir: &Path, options: &mut LoadOptions) -> Found {
         ));
     }
     let pinned_ifindex = values[meta::IFINDEX as usize];
-    if pinned_ifindex != 0 && options.ifindex != 0 && pinned_ifindex != options.ifindex as u64 {
+    if !same_interface(pinned_ifindex, options) {
         return Found::Incompatible(format!(
             "pinned for interface index {pinned_ifindex}, this agent attaches to {}",
             options.ifindex
         ));
     }
     options.vip_capacity = pinned_capacity as u32;
-    match values[meta::XDP_MODE as usize] {
-        meta::MODE_NATIVE => Found::Compatible(AttachedMode::Native),
-        meta::MODE_GENERIC => Found::Compatible(AttachedMode::Generic),
-        // Maps were pinned but the program never attached: adopt the maps.
-        _ => Found::Compatible(AttachedMode::Generic),
-    }
+    // Maps pinned by a program that never attached are adopted too.
+    Found::Compatible(
+        mode_from_code(values[meta::XDP_MODE as usize]).unwrap_or(AttachedMode::Generic),
+    )
 }
 
 /// The mode of the link pinned in `dir` when it is on the interface `options` names (or
@@ -1113,17 +1128,11 @@ fn pinned_link_mode(dir: &Path, options: &LoadOptions) -> Option<AttachedMode> {
     if !dir.join(LINK_PIN).exists() {
         return None;
     }
-    let map = MapData::from_pin(dir.join(MAP_META)).ok()?;
-    let array: Array<MapData, u64> = Array::try_from(aya::maps::Map::Array(map)).ok()?;
-    let ifindex = array.get(&meta::IFINDEX, 0).ok()?;
-    if ifindex != 0 && options.ifindex != 0 && ifindex != options.ifindex as u64 {
+    let values = read_meta(dir).ok()?;
+    if !same_interface(values[meta::IFINDEX as usize], options) {
         return None;
     }
-    match array.get(&meta::XDP_MODE, 0).ok()? {
-        meta::MODE_NATIVE => Some(AttachedMode::Native),
-        meta::MODE_GENERIC => Some(AttachedMode::Generic),
-        _ => None,
-    }
+    mode_from_code(values[meta::XDP_MODE as usize])
 }
 
 /// Removes the pinned maps but not the link (the program stays attached).

@@ -83,20 +83,19 @@ impl Default for Observed {
     }
 }
 
-fn counter_family<L>(registry: &mut Registry, name: &str, help: &str) -> Family<L, Counter>
+/// A labelled metric family, registered under `name`.
+fn family<L, M>(registry: &mut Registry, name: &str, help: &str) -> Family<L, M>
 where
     L: EncodeLabelSet + Clone + std::hash::Hash + Eq + std::fmt::Debug + Send + Sync + 'static,
+    M: prometheus_client::encoding::EncodeMetric
+        + prometheus_client::metrics::TypedMetric
+        + Default
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
 {
-    let family = Family::<L, Counter>::default();
-    registry.register(name, help, family.clone());
-    family
-}
-
-fn gauge_family<L>(registry: &mut Registry, name: &str, help: &str) -> Family<L, Gauge>
-where
-    L: EncodeLabelSet + Clone + std::hash::Hash + Eq + std::fmt::Debug + Send + Sync + 'static,
-{
-    let family = Family::<L, Gauge>::default();
+    let family = Family::<L, M>::default();
     registry.register(name, help, family.clone());
     family
 }
@@ -107,56 +106,55 @@ pub fn render(shared: &Shared) -> anyhow::Result<String> {
     let status = shared.status()?;
 
     let vip_packets =
-        counter_family::<VipLabels>(&mut registry, "vip_packets", "Packets forwarded for a VIP");
+        family::<VipLabels, Counter>(&mut registry, "vip_packets", "Packets forwarded for a VIP");
     let vip_bytes =
-        counter_family::<VipLabels>(&mut registry, "vip_bytes", "Bytes forwarded for a VIP");
-    let vip_new_flows = counter_family::<VipLabels>(
+        family::<VipLabels, Counter>(&mut registry, "vip_bytes", "Bytes forwarded for a VIP");
+    let vip_new_flows = family::<VipLabels, Counter>(
         &mut registry,
         "vip_new_flows",
         "TCP SYNs forwarded for a VIP",
     );
-    let healthy = gauge_family::<VipLabels>(
+    let healthy = family::<VipLabels, Gauge>(
         &mut registry,
         "vip_healthy_backends",
         "Backends not failed by checks",
     );
-    let unhealthy = gauge_family::<VipLabels>(
+    let unhealthy = family::<VipLabels, Gauge>(
         &mut registry,
         "vip_unhealthy_backends",
         "Backends failed by checks or unreachable",
     );
-    let hotspot = Family::<VipLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
-    registry.register(
+    let hotspot = family::<VipLabels, Gauge<f64, std::sync::atomic::AtomicU64>>(
+        &mut registry,
         "vip_busiest_over_average",
         "New flows of the busiest in-table backend over the average, last interval (0: none)",
-        hotspot.clone(),
     );
-    let backend_packets = counter_family::<BackendLabels>(
+    let backend_packets = family::<BackendLabels, Counter>(
         &mut registry,
         "backend_packets",
         "Packets forwarded to a backend",
     );
-    let backend_bytes = counter_family::<BackendLabels>(
+    let backend_bytes = family::<BackendLabels, Counter>(
         &mut registry,
         "backend_bytes",
         "Bytes forwarded to a backend",
     );
-    let backend_new_flows = counter_family::<BackendLabels>(
+    let backend_new_flows = family::<BackendLabels, Counter>(
         &mut registry,
         "backend_new_flows",
         "TCP SYNs forwarded to a backend",
     );
-    let backend_up = gauge_family::<BackendLabels>(
+    let backend_up = family::<BackendLabels, Gauge>(
         &mut registry,
         "backend_up",
         "1 when health is up or unchecked",
     );
-    let backend_flows = gauge_family::<BackendLabels>(
+    let backend_flows = family::<BackendLabels, Gauge>(
         &mut registry,
         "backend_active_flows",
         "Live connection-table entries",
     );
-    let admin = gauge_family::<StateLabels>(
+    let admin = family::<StateLabels, Gauge>(
         &mut registry,
         "backend_admin_state",
         "1 for the backend's admin state",
@@ -203,8 +201,11 @@ pub fn render(shared: &Shared) -> anyhow::Result<String> {
     }
 
     let counter = |name: &str| status.counters.get(name).copied().unwrap_or(0);
-    let actions =
-        counter_family::<ActionLabels>(&mut registry, "xdp_actions", "XDP verdicts of the program");
+    let actions = family::<ActionLabels, Counter>(
+        &mut registry,
+        "xdp_actions",
+        "XDP verdicts of the program",
+    );
     for (action, name) in [
         ("aborted", "xdp_aborted"),
         ("drop", "xdp_drop"),
@@ -219,8 +220,8 @@ pub fn render(shared: &Shared) -> anyhow::Result<String> {
             .inc_by(counter(name));
     }
     let drops =
-        counter_family::<ReasonLabels>(&mut registry, "drops", "Packets dropped, by reason");
-    let passes = counter_family::<ReasonLabels>(
+        family::<ReasonLabels, Counter>(&mut registry, "drops", "Packets dropped, by reason");
+    let passes = family::<ReasonLabels, Counter>(
         &mut registry,
         "passes",
         "Packets passed to the kernel, by reason",
@@ -240,7 +241,7 @@ pub fn render(shared: &Shared) -> anyhow::Result<String> {
                 .inc_by(counter(name));
         }
     }
-    let misses = counter_family::<KindLabels>(
+    let misses = family::<KindLabels, Counter>(
         &mut registry,
         "conntrack_misses",
         "Connection-table misses: syn (always hashed), non_syn (flows the table did not know), udp",
@@ -251,7 +252,7 @@ pub fn render(shared: &Shared) -> anyhow::Result<String> {
             .inc_by(counter(&format!("ct_miss_{kind}")));
     }
     let conntrack =
-        counter_family::<KindLabels>(&mut registry, "conntrack_events", "Connection-table events");
+        family::<KindLabels, Counter>(&mut registry, "conntrack_events", "Connection-table events");
     for kind in ["hit", "rehash", "created", "insert_skipped"] {
         conntrack
             .get_or_create(&KindLabels { kind: kind.into() })
