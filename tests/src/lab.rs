@@ -427,17 +427,35 @@ impl Drop for Lab {
 }
 
 /// Creates a host namespace whose `eth0` is the peer of bridge port `port`.
+/// A veth from bridge port `port` (in the switch) to `dev` in `ns`, made inside the
+/// namespaces, never in the root one (no name clash with the host).
+pub(crate) fn fabric_port(switch: &Netns, ns: &Netns, port: &str, dev: &str) -> Result<()> {
+    let sw = switch.name();
+    ip(&[
+        "-n",
+        sw,
+        "link",
+        "add",
+        port,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        dev,
+        "netns",
+        ns.name(),
+    ])?;
+    ip(&["-n", sw, "link", "set", port, "master", BRIDGE, "up"])?;
+    Ok(())
+}
+
 fn host(switch: &Netns, role: &str, port: &str, a4: Ipv4Addr, a6: Ipv6Addr) -> Result<Netns> {
     let ns = Netns::new(role)?;
     // Addresses usable at once: no duplicate address detection (link-local included).
     ns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
     ns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
-    let (sw, n) = (switch.name(), ns.name());
-    // Made inside the namespaces, never in the root one (no name clash with the host).
-    ip(&[
-        "-n", sw, "link", "add", port, "type", "veth", "peer", "name", IFACE, "netns", n,
-    ])?;
-    ip(&["-n", sw, "link", "set", port, "master", BRIDGE, "up"])?;
+    fabric_port(switch, &ns, port, IFACE)?;
+    let n = ns.name();
     ip(&["-n", n, "addr", "add", &format!("{a4}/24"), "dev", IFACE])?;
     ip(&[
         "-n",

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::lab::{BRIDGE, XdpPass, arp_for_dsr, switch_namespace};
+use crate::lab::{XdpPass, arp_for_dsr, fabric_port, switch_namespace};
 use crate::netns::{ip, run_cmd};
 use crate::{Netns, TcpServer};
 
@@ -495,27 +495,6 @@ fn addr_up(ns: &Netns, dev: &str, addr: Ipv4Addr) -> Result<()> {
         dev,
     ])?;
     ip(&["-n", ns.name(), "link", "set", dev, "up"])?;
-    Ok(())
-}
-
-/// A veth from bridge port `port` (in the switch) to `dev` in `ns`.
-fn fabric_port(switch: &Netns, ns: &Netns, port: &str, dev: &str) -> Result<()> {
-    let sw = switch.name();
-    ip(&[
-        "-n",
-        sw,
-        "link",
-        "add",
-        port,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        dev,
-        "netns",
-        ns.name(),
-    ])?;
-    ip(&["-n", sw, "link", "set", port, "master", BRIDGE, "up"])?;
     Ok(())
 }
 

@@ -267,7 +267,7 @@ fn fixture_with(text: &str, adjust: impl FnOnce(&mut LoadOptions)) -> Fixture {
 
 /// Root and a built object, or a loud skip.
 fn can_run(test: &str) -> bool {
-    if !nix_is_root() {
+    if !nix::unistd::geteuid().is_root() {
         lb_tests::skip(test, "BPF_PROG_TEST_RUN needs root");
         return false;
     }
@@ -292,17 +292,6 @@ fn with_fixture<T>(test: &str, body: impl FnOnce(&mut Fixture) -> T) -> Option<T
     let mut guard = FIXTURE.lock().unwrap_or_else(|e| e.into_inner());
     let fixture = guard.get_or_insert_with(|| fixture(CONFIG));
     Some(body(fixture))
-}
-
-fn nix_is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
 }
 
 struct RunResult {

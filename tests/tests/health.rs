@@ -513,32 +513,44 @@ fn flapping_backend_never_changes_state() {
         }
         Ok(())
     };
+    // Flaps the server's answers for `flap` while the backend must stay where `holds`
+    // says (`broken` names the failure); returns the checks the phase took.
+    let flapping = |phase: &str,
+                    holds: fn(&lb_tests::BackendView) -> bool,
+                    broken: &str|
+     -> std::ops::Range<usize> {
+        let before = control.requests();
+        control.set(HttpBehaviour::Alternate);
+        let samples = hold_steady(
+            &bed,
+            phase,
+            flap,
+            || control.requests() >= before + 3,
+            |v, settled| {
+                let b = bed.backend(v, 0);
+                if !holds(b) {
+                    return Err(format!("{b1} {broken} while flapping"));
+                }
+                alternating(b, settled)?;
+                stable(v)
+            },
+        );
+        let checks = control.requests() - before;
+        eprintln!("{phase}: {checks} checks, {samples} status samples, no change");
+        assert!(
+            checks >= 8,
+            "only {checks} checks in {flap:?}: the test proves little"
+        );
+        before..before + checks
+    };
     let mut phases = Vec::new();
 
     // Up, then flapping: stays up and in the table.
-    let before = control.requests();
-    control.set(HttpBehaviour::Alternate);
-    let samples = hold_steady(
-        &bed,
+    phases.push(flapping(
         "flapping while up",
-        flap,
-        || control.requests() >= before + 3,
-        |v, settled| {
-            let b = bed.backend(v, 0);
-            if !b.is_up() {
-                return Err(format!("{b1} left the table while flapping"));
-            }
-            alternating(b, settled)?;
-            stable(v)
-        },
-    );
-    let checks = control.requests() - before;
-    phases.push(before..before + checks);
-    eprintln!("flapping while up: {checks} checks, {samples} status samples, no change");
-    assert!(
-        checks >= 8,
-        "only {checks} checks in {flap:?}: the test proves little"
-    );
+        lb_tests::BackendView::is_up,
+        "left the table",
+    ));
 
     // Down (by a steady 503), then flapping: stays down and out of the table.
     control.set(HttpBehaviour::Status(503));
@@ -552,29 +564,11 @@ fn flapping_backend_never_changes_state() {
         TIMING.fall,
         false,
     );
-    let before = control.requests();
-    control.set(HttpBehaviour::Alternate);
-    let samples = hold_steady(
-        &bed,
+    phases.push(flapping(
         "flapping while down",
-        flap,
-        || control.requests() >= before + 3,
-        |v, settled| {
-            let b = bed.backend(v, 0);
-            if !b.is_out() {
-                return Err(format!("{b1} came back while flapping"));
-            }
-            alternating(b, settled)?;
-            stable(v)
-        },
-    );
-    let checks = control.requests() - before;
-    phases.push(before..before + checks);
-    eprintln!("flapping while down: {checks} checks, {samples} status samples, no change");
-    assert!(
-        checks >= 8,
-        "only {checks} checks in {flap:?}: the test proves little"
-    );
+        lb_tests::BackendView::is_out,
+        "came back",
+    ));
 
     // The answers did alternate, and the agent logged exactly two changes of backend-1:
     // up at the start, down on the steady 503.
