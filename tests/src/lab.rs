@@ -426,7 +426,6 @@ impl Drop for Lab {
     }
 }
 
-/// Creates a host namespace whose `eth0` is the peer of bridge port `port`.
 /// A veth from bridge port `port` (in the switch) to `dev` in `ns`, made inside the
 /// namespaces, never in the root one (no name clash with the host).
 pub(crate) fn fabric_port(switch: &Netns, ns: &Netns, port: &str, dev: &str) -> Result<()> {
@@ -449,6 +448,7 @@ pub(crate) fn fabric_port(switch: &Netns, ns: &Netns, port: &str, dev: &str) -> 
     Ok(())
 }
 
+/// Creates a host namespace whose `eth0` is the peer of bridge port `port`.
 fn host(switch: &Netns, role: &str, port: &str, a4: Ipv4Addr, a6: Ipv6Addr) -> Result<Netns> {
     let ns = Netns::new(role)?;
     // Addresses usable at once: no duplicate address detection (link-local included).
