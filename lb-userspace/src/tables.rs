@@ -235,13 +235,7 @@ mod tests {
                 flags: lb_common::BACKEND_F_SERVES_FLOWS,
                 vip_id: 3,
             };
-            let identity = BackendIdentity {
-                addr: [10, 0, 0, *id as u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-                vip_id: 3,
-                family: 4,
-                in_use: 1,
-                _pad: [0; 2],
-            };
+            let identity = crate::model::identity([10, 0, 0, *id as u8].into(), 3);
             backends.insert(*id, DesiredBackend { info, identity });
         }
         Desired {
@@ -277,6 +271,46 @@ mod tests {
         }
         let again = writer.apply(&mut dp, &want).unwrap();
         assert_eq!(again, ApplyReport::default());
+    }
+
+    #[test]
+    fn an_adopting_writer_writes_only_what_differs_from_the_maps() {
+        // A first agent writes its tables; a restarted one adopts what the maps hold.
+        let mut dp = MemoryDataplane::default();
+        let want = desired([1, 2, 1, 2, 1, 2, 1]);
+        TableWriter::new(SIZE).apply(&mut dp, &want).unwrap();
+        let info = dp.vips[&key(100)];
+        let live = (0..SIZE).map(|slot| lookup(&dp, &key(100), slot)).collect();
+        let adopted = crate::dataplane::Adopted {
+            vips: vec![(key(100), info)],
+            backends: want
+                .backends
+                .iter()
+                .map(|(id, b)| (*id, b.info, b.identity))
+                .collect(),
+            tables: vec![(3, live)],
+            freed: Vec::new(),
+        };
+        let mut writer = TableWriter::new(SIZE);
+        writer.adopt(&adopted);
+        dp.log.clear();
+        // The same tables: nothing to write (a fresh writer would write them all).
+        assert_eq!(
+            writer.apply(&mut dp, &want).unwrap(),
+            ApplyReport::default()
+        );
+        assert!(dp.log.is_empty(), "{:?}", dp.log);
+        // A changed table goes to the idle generation and switches, as before the restart.
+        let changed = desired([1, 2, 1, 2, 1, 2, 2]);
+        let report = writer.apply(&mut dp, &changed).unwrap();
+        assert_eq!(report.tables_switched, 1);
+        assert_ne!(dp.vips[&key(100)].table_base, info.table_base);
+        for slot in 0..SIZE {
+            assert_eq!(
+                lookup(&dp, &key(100), slot),
+                changed.vips[0].table[slot as usize]
+            );
+        }
     }
 
     #[test]
