@@ -261,7 +261,7 @@ pub fn udp_request(ns: &Netns, addr: SocketAddr, timeout: Duration) -> io::Resul
 }
 
 /// [`udp_request`] from the calling thread's namespace.
-pub fn udp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<String> {
+fn udp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<String> {
     udp_request_from_port(addr, 0, timeout)
 }
 

@@ -399,7 +399,7 @@ impl EcmpLab {
     }
 
     /// The bridge port of node `i` (in [`EcmpLab::switch`]).
-    pub fn node_port(&self, i: usize) -> String {
+    fn node_port(&self, i: usize) -> String {
         format!("p-lb{}", i + 1)
     }
 
@@ -419,7 +419,7 @@ impl EcmpLab {
     }
 
     /// The router's next hops for `VIP` in its kernel table (empty: no route).
-    pub fn next_hops(&self) -> Result<Vec<IpAddr>> {
+    fn next_hops(&self) -> Result<Vec<IpAddr>> {
         let text = ip(&["-n", self.router.name(), "route", "show", &VIP.to_string()])?;
         let mut hops: Vec<IpAddr> = text
             .split_whitespace()

@@ -209,7 +209,7 @@ fn capture(
 pub const SETTLE: Duration = Duration::from_millis(200);
 
 /// The source address of an untagged IPv4 or IPv6 frame.
-pub fn frame_src(frame: &[u8]) -> Option<IpAddr> {
+fn frame_src(frame: &[u8]) -> Option<IpAddr> {
     let ethertype = u16::from_be_bytes(frame.get(12..14)?.try_into().ok()?);
     match ethertype {
         ETH_P_IP => {
