@@ -255,6 +255,8 @@ pub fn monotonic_ns() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{dataplane::MemoryDataplane, model::Health};
+    use lb_common::FlowEntry;
 
     #[test]
     fn vip_targets_parse_and_print() {
@@ -270,6 +272,154 @@ mod tests {
         ] {
             assert!(bad.parse::<VipTarget>().is_err(), "{bad}");
         }
+    }
+
+    /// A model of `text`'s VIPs (table size 7) and the tables it gives.
+    fn model_of(text: &str) -> (Model, Desired) {
+        let config = crate::config::Config::from_toml(text).unwrap();
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        model.update(&config).unwrap();
+        let desired = model.desired();
+        (model, desired)
+    }
+
+    /// One VIP on 10.0.0.100:`port`/`protocol`, two unchecked backends with MACs.
+    fn two_backends(protocol: &str, port: u16) -> String {
+        format!(
+            "[dataplane]\ninterface = \"eth0\"\n\
+             [[vip]]\nname = \"v\"\naddress = \"10.0.0.100\"\nport = {port}\n\
+             protocol = \"{protocol}\"\n[vip.health]\nkind = \"none\"\n\
+             [[vip.backend]]\naddress = \"10.0.0.11\"\nmac = \"02:00:00:00:00:0b\"\n\
+             [[vip.backend]]\naddress = \"10.0.0.12\"\nmac = \"02:00:00:00:00:0c\"\n"
+        )
+    }
+
+    const CLIENT: &str = "10.0.0.1:40000";
+    const SECOND: u64 = 1_000_000_000;
+
+    /// Explains CLIENT's flow to `vip` with `entry` in the connection table (none: no
+    /// entry), at `now_ns`, with a 30 s flow idle time.
+    fn explain_with(
+        model: &Model,
+        desired: &Desired,
+        vip: &str,
+        entry: Option<FlowEntry>,
+        now_ns: u64,
+    ) -> Explanation {
+        let request = ExplainRequest {
+            vip: vip.parse().unwrap(),
+            source: CLIENT.parse().unwrap(),
+        };
+        let mut dataplane = MemoryDataplane::default();
+        if let Some(entry) = entry {
+            dataplane
+                .flows
+                .insert(flow_key(&request.vip, request.source), entry);
+        }
+        let view = View {
+            model,
+            desired,
+            dataplane: &dataplane,
+            flow_idle: Duration::from_secs(30),
+        };
+        explain(&view, &request, now_ns).unwrap()
+    }
+
+    /// The id and address of the backend the table does not give CLIENT's flow.
+    fn other_backend(model: &Model, table_choice: &str) -> (u32, String) {
+        let other = model.vips[0]
+            .backends
+            .iter()
+            .find(|b| b.config.address.to_string() != table_choice)
+            .unwrap();
+        (other.id, other.config.address.to_string())
+    }
+
+    fn entry(backend_id: u32, last_seen_ns: u64) -> FlowEntry {
+        FlowEntry {
+            backend_id,
+            flags: 0,
+            last_seen_ns,
+        }
+    }
+
+    #[test]
+    fn the_next_packet_follows_a_live_entry_else_the_table() {
+        let (mut model, desired) = model_of(&two_backends("tcp", 80));
+        let vip = "10.0.0.100:80/tcp";
+        let now = 100 * SECOND;
+
+        let fresh = explain_with(&model, &desired, vip, None, now);
+        let table = fresh.table_backend.clone().unwrap();
+        assert_eq!(fresh.next_packet_backend.as_deref(), Some(table.as_str()));
+        assert_eq!(fresh.conntrack_backend, None);
+        assert_eq!(fresh.conntrack_idle_seconds, None);
+
+        // An entry on the other backend (the flow began before the table changed): the
+        // next packet stays there, whatever the table says.
+        let (other_id, other) = other_backend(&model, &table);
+        let held = explain_with(
+            &model,
+            &desired,
+            vip,
+            Some(entry(other_id, now - SECOND)),
+            now,
+        );
+        assert_eq!(held.table_backend.as_deref(), Some(table.as_str()));
+        assert_eq!(held.conntrack_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(held.next_packet_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(held.conntrack_idle_seconds, Some(1.0));
+
+        // A TCP entry does not expire with idleness (the program follows it still).
+        let idle = explain_with(&model, &desired, vip, Some(entry(other_id, 0)), now);
+        assert_eq!(idle.next_packet_backend.as_deref(), Some(other.as_str()));
+
+        // Its backend failed: it no longer serves flows, and the table decides.
+        let failed = model.vips[0]
+            .backends
+            .iter_mut()
+            .find(|b| b.id == other_id)
+            .unwrap();
+        failed.health = Health::Down;
+        let moved = explain_with(&model, &desired, vip, Some(entry(other_id, now)), now);
+        assert_eq!(moved.conntrack_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(moved.next_packet_backend.as_deref(), Some(table.as_str()));
+    }
+
+    #[test]
+    fn an_idle_udp_entry_and_a_gone_backend_give_way_to_the_table() {
+        let (model, desired) = model_of(&two_backends("udp", 53));
+        let vip = "10.0.0.100:53/udp";
+        let now = 100 * SECOND;
+        let table = explain_with(&model, &desired, vip, None, now)
+            .table_backend
+            .unwrap();
+        let (other_id, other) = other_backend(&model, &table);
+
+        let recent = explain_with(
+            &model,
+            &desired,
+            vip,
+            Some(entry(other_id, now - 29 * SECOND)),
+            now,
+        );
+        assert_eq!(recent.next_packet_backend.as_deref(), Some(other.as_str()));
+        let expired = explain_with(
+            &model,
+            &desired,
+            vip,
+            Some(entry(other_id, now - 31 * SECOND)),
+            now,
+        );
+        assert_eq!(expired.conntrack_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(expired.next_packet_backend.as_deref(), Some(table.as_str()));
+
+        let gone = explain_with(&model, &desired, vip, Some(entry(999, now)), now);
+        assert_eq!(
+            gone.conntrack_backend.as_deref(),
+            Some("backend id 999 (gone)")
+        );
+        assert_eq!(gone.next_packet_backend.as_deref(), Some(table.as_str()));
     }
 
     #[test]
