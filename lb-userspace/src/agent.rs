@@ -190,6 +190,11 @@ impl Shared {
             ),
             ("debug", old.debug != new.debug),
             ("control.socket", old.control.socket != new.control.socket),
+            // The endpoint is bound once, at start.
+            (
+                "control.metrics",
+                old.control.metrics != new.control.metrics,
+            ),
             (
                 "announce (table, protocol, device)",
                 !crate::announce::same_routes(&old.announce, &new.announce),
@@ -1090,6 +1095,14 @@ mod tests {
         ));
         assert_eq!(shared.model.vips, before);
         assert_eq!(shared.config.dataplane.interface, "eth0");
+
+        let mut moved = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        moved.control.metrics = Some("127.0.0.1:9999".parse().unwrap());
+        assert!(matches!(
+            shared.reload(moved),
+            Err(ReloadError::NeedsRestart("control.metrics"))
+        ));
+        assert_eq!(shared.model.vips, before);
     }
 
     fn web() -> VipTarget {

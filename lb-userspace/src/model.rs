@@ -249,10 +249,16 @@ impl Model {
                         if let Some(mac) = backend_config.mac {
                             b.mac = Some(mac);
                         }
+                        let leaves_maint = b.config.state == AdminState::Maint
+                            && backend_config.state != AdminState::Maint;
                         if vip_config.health_of(backend_config).kind == HealthKind::None {
                             b.health = Health::Unknown;
-                        } else if b.health == Health::Unknown {
+                        } else if b.health == Health::Unknown || leaves_maint {
+                            // Not checked in maintenance: its health from before may be
+                            // stale, so it returns only after `rise` passing checks.
                             b.health = Health::Down;
+                            b.streak = 0;
+                            b.last_check = None;
                         }
                         if backend_config.state != AdminState::Drain {
                             b.drain_started = None;
@@ -542,6 +548,37 @@ mod tests {
             .unwrap();
         assert_eq!(new.health, Health::Down);
         assert_ne!(new.id, before.id);
+    }
+
+    #[test]
+    fn a_checked_backend_leaving_maintenance_waits_for_its_checks() {
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        model.update(&config(&[("10.0.0.11", "")], "tcp")).unwrap();
+        resolve_all(&mut model);
+        let backend = model.backends_mut().next().unwrap();
+        backend.health = Health::Up;
+        backend.streak = 5;
+        assert!(model.vips[0].backends[0].in_table());
+
+        let maint = config(&[("10.0.0.11", "state = \"maint\"")], "tcp");
+        model.update(&maint).unwrap();
+        assert!(!model.vips[0].backends[0].in_table());
+        // Still in maintenance after a reload: nothing changes.
+        model.update(&maint).unwrap();
+        assert_eq!(model.vips[0].backends[0].health, Health::Up);
+
+        model.update(&config(&[("10.0.0.11", "")], "tcp")).unwrap();
+        let backend = &model.vips[0].backends[0];
+        assert_eq!(backend.health, Health::Down, "{backend:?}");
+        assert_eq!(backend.streak, 0);
+        assert!(!backend.in_table(), "back in the table before any check");
+
+        // Unchecked backends have nothing to wait for.
+        model
+            .update(&config(&[("10.0.0.11", "state = \"maint\"")], "none"))
+            .unwrap();
+        model.update(&config(&[("10.0.0.11", "")], "none")).unwrap();
+        assert!(model.vips[0].backends[0].in_table());
     }
 
     #[test]

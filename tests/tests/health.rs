@@ -661,3 +661,86 @@ fn backend_that_never_started_gets_no_traffic() {
         bed.changes_logged(2)
     );
 }
+
+/// A backend is not checked in maintenance, so its health from before is stale: after
+/// `lb ready` it stays out of the table until `rise` checks pass. One whose server died
+/// in maintenance never returns; once its server answers again, it does.
+#[test]
+fn backend_leaving_maintenance_waits_for_its_checks() {
+    let test = "backend_leaving_maintenance_waits_for_its_checks";
+    let Some(bin) = require_e2e(test) else { return };
+    let mut bed = Bed::new(&bin, &[0, 1, 2], false, Health::tcp(TIMING));
+    bed.wait_all_up();
+    let target = format!("{}:{PORT}/tcp", bed.lab.vip4());
+    let b1 = bed.addr(0).to_string();
+    let lb = |bed: &Bed, args: &[&str]| {
+        let out = bed
+            .lab
+            .agent()
+            .expect("agent")
+            .cli(args)
+            .unwrap_or_else(|e| panic!("lb {}: {e:#}", args.join(" ")));
+        assert!(out.success(), "`lb {}` failed: {out}", args.join(" "));
+    };
+
+    lb(&bed, &["maint", &target, &b1]);
+    bed.lab.stop_servers_of(0).expect("stop backend-1's server");
+    lb(&bed, &["ready", &target, &b1]);
+    let ready = Instant::now();
+    // Held out from the command on: sampled for longer than `rise` checks would take
+    // if they passed, and until `fall` checks have failed (proof that it is checked).
+    let hold = expected_bound(TIMING.rise, false) * 2;
+    let mut samples = 0;
+    loop {
+        let view = bed.view();
+        samples += 1;
+        let b = bed.backend(&view, 0);
+        assert_eq!(b.state, "ready", "{}", view.summary());
+        assert!(
+            !b.in_table && b.slots == 0 && b.health == "down",
+            "backend-1 (server stopped in maintenance) in the table {:?} after lb ready, \
+             sample {samples}:\n{}",
+            ready.elapsed(),
+            view.summary()
+        );
+        let failed = b.last_ok == Some(false) && b.consecutive >= u64::from(TIMING.fall);
+        if failed && ready.elapsed() > hold {
+            break;
+        }
+        assert!(
+            ready.elapsed() < CHANGE_TIMEOUT,
+            "backend-1 not checked after lb ready:\n{}",
+            view.summary()
+        );
+        sleep(POLL);
+    }
+    assert_eq!(
+        bed.backend(&bed.view(), 0).last_error.as_deref(),
+        Some("connection refused")
+    );
+    let s = bed.spread(60);
+    assert_all_answered_by(&s, 60, &[bed.lab.backend_name(1), bed.lab.backend_name(2)]);
+
+    bed.lab
+        .serve_tcp_on(0, PORT, false)
+        .expect("start backend-1's server again");
+    let restarted = Instant::now();
+    let (view, took) = bed.wait("backend-1 returning", restarted, |v| {
+        v.backend(bed.addr(0)).is_some_and(|b| b.in_table)
+    });
+    let b = bed.backend(&view, 0);
+    assert!(b.is_up(), "{}", view.summary());
+    assert_eq!(b.consecutive, u64::from(TIMING.rise), "{}", view.summary());
+    assert_bound(
+        "tcp: after maintenance -> back in the table",
+        took,
+        TIMING.rise,
+        false,
+    );
+    let s = bed.spread(60);
+    assert!(
+        s.counts.contains_key(&bed.lab.backend_name(0)),
+        "backend-1 is back but got no new connection:\n{}",
+        s.table()
+    );
+}
