@@ -364,9 +364,10 @@ pub fn render(status: &Status) -> String {
     let d = &status.dataplane;
     let _ = writeln!(
         out,
-        "data path: {} ({}) xdp mode {}, maglev table {} slots",
-        d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size
+        "data path: {} ({}) xdp mode {}, maglev table {} slots, {} connection-table entries",
+        d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size, d.conntrack_entries
     );
+    let _ = writeln!(out, "start: {}", d.start);
     let node = &status.node;
     if node.announcing {
         let _ = writeln!(
@@ -408,6 +409,21 @@ pub fn render(status: &Status) -> String {
         if status.node.announcing {
             let _ = writeln!(out, "  announcement: {}", vip.announcement);
         }
+        // New flows over the last sample interval: where a hot spot shows.
+        let _ = writeln!(
+            out,
+            "  busiest backend / average new flows: {:.2}; top sources: {}",
+            vip.busiest_over_average,
+            if vip.top_sources.is_empty() {
+                "none".to_string()
+            } else {
+                vip.top_sources
+                    .iter()
+                    .map(|s| format!("{} {:.1}/s", s.address, s.new_flows_per_second))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        );
         let _ = writeln!(
             out,
             "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  last check",
@@ -461,4 +477,31 @@ pub fn render(status: &Status) -> String {
         }
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::agent::test_support::{config, shared};
+
+    #[test]
+    fn the_table_for_people_has_what_status_promises() {
+        let shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let mut status = shared.status().unwrap();
+        status.vips[0].busiest_over_average = 1.25;
+        status.vips[0].top_sources = vec![super::SourceRate {
+            address: "10.0.0.1".into(),
+            new_flows_per_second: 12.5,
+        }];
+        let text = super::render(&status);
+        for line in [
+            "start: ",
+            "vip web 10.0.0.100:80/tcp",
+            "busiest backend / average new flows: 1.25; top sources: 10.0.0.1 12.5/s",
+            "10.0.0.11",
+            "10.0.0.12",
+            "counters: ",
+        ] {
+            assert!(text.contains(line), "no {line:?} in:\n{text}");
+        }
+    }
 }
