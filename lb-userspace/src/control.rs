@@ -335,7 +335,8 @@ pub async fn request(
 ) -> anyhow::Result<Vec<u8>> {
     let stream = UnixStream::connect(socket).await.with_context(|| {
         format!(
-            "cannot reach the agent at {} (is `lb run` running?)",
+            "cannot reach the agent at {} (is `lb run` running? If its config sets another \
+             control.socket, pass --config FILE or --socket PATH)",
             socket.display()
         )
     })?;

@@ -95,3 +95,64 @@ fn lb_check_accepts_the_lab_configs() {
         config.to_toml()
     );
 }
+
+/// A bad file: `lb check` (and `lb run`, before touching anything) exits 2 with the
+/// field and the reason on stderr; a file that is not there is an error too.
+#[test]
+fn lb_check_and_run_refuse_bad_files_with_exit_2_naming_the_field() {
+    let test = "lb_check_and_run_refuse_bad_files_with_exit_2_naming_the_field";
+    let bin = match find_lb_bin() {
+        Ok(bin) => bin,
+        Err(why) => return skip(test, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let good = every_option().to_toml();
+    let cases = [
+        (
+            "weight",
+            good.replacen("weight = 3", "weight = -3", 1),
+            "weight",
+        ),
+        (
+            "protocol",
+            good.replacen("protocol = \"udp\"", "protocol = \"sctp\"", 1),
+            "sctp",
+        ),
+        (
+            "table size",
+            good.replacen("maglev_table_size = 251", "maglev_table_size = 250", 1),
+            "maglev_table_size",
+        ),
+        ("syntax", format!("{good}\n[[vip]\n"), "TOML"),
+    ];
+    for (what, text, named) in cases {
+        assert_ne!(text, good, "{what}: the case did not change the file");
+        let path = dir.path().join(format!("{}.toml", what.replace(' ', "-")));
+        std::fs::write(&path, &text).unwrap();
+        for command in ["check", "run"] {
+            let out = Command::new(&bin)
+                .arg(command)
+                .arg("--config")
+                .arg(&path)
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(
+                out.status.code(),
+                Some(2),
+                "lb {command}, {what}: want exit 2; stderr:\n{stderr}"
+            );
+            assert!(
+                stderr.contains(named),
+                "lb {command}, {what}: stderr does not name {named:?}:\n{stderr}"
+            );
+        }
+    }
+    let missing = Command::new(&bin)
+        .args(["check", "--config"])
+        .arg(dir.path().join("absent.toml"))
+        .output()
+        .unwrap();
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("absent.toml"));
+}

@@ -7,6 +7,7 @@
 //! `LB_REQUIRE_ALL_TESTS=1`). `cargo test -p lb-tests --test e2e`.
 
 use std::net::{IpAddr, SocketAddr};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
@@ -125,6 +126,14 @@ fn assert_status_and_clean_stop(lab: &mut Lab, mode: &str) {
     assert!(
         status.contains(mode),
         "lb status does not name the XDP mode {mode:?}:\n{status}"
+    );
+    // The control plane is root's alone.
+    let socket = std::fs::metadata(agent.socket()).expect("the control socket");
+    assert_eq!(
+        (socket.mode() & 0o777, socket.uid()),
+        (0o600, 0),
+        "control socket {} is not 0600 root's",
+        agent.socket().display()
     );
     let agent = lab.take_agent().expect("agent");
     let log_path = agent.log_path().to_path_buf();
