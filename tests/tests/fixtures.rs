@@ -543,6 +543,39 @@ fn cases() -> Vec<Case> {
             "drop_bad_header",
         ),
         drop(
+            "IPv4 EtherType, version 6 in the header",
+            {
+                let mut f = syn_frame.clone();
+                f[14] = 0x65;
+                f
+            },
+            "drop_bad_header",
+        ),
+        drop(
+            "IPv6 header cut short",
+            ipv6(vip6(), syn(80))[..14 + 30].to_vec(),
+            "drop_truncated",
+        ),
+        drop(
+            "IPv6 TCP header cut short",
+            ipv6(vip6(), syn(80))[..14 + 40 + 10].to_vec(),
+            "drop_truncated",
+        ),
+        drop(
+            "IPv6 EtherType, version 4 in the header",
+            {
+                let mut f = ipv6(vip6(), syn(80));
+                f[14] = 0x40 | (f[14] & 0x0f);
+                f
+            },
+            "drop_bad_header",
+        ),
+        pass(
+            "IPv6 ICMPv6 to the VIP",
+            ipv6_with_next(vip6(), 58, &[128, 0, 0, 0, 0, 0, 0, 0]),
+            "pass_other_proto",
+        ),
+        drop(
             "VIP whose only backend is in maintenance",
             ipv4(EMPTY_VIP, syn(80)),
             "drop_no_backend",
