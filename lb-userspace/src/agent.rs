@@ -1137,6 +1137,56 @@ mod tests {
     }
 
     #[test]
+    fn a_scan_counts_flows_seen_within_the_idle_time_and_closing_ones_briefly() {
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let idle = shared.config.dataplane.flow_idle_timeout.as_nanos() as u64;
+        let grace = CLOSING_GRACE.as_nanos() as u64;
+        let now = 1000 * 1_000_000_000u64;
+        let flow = |port: u16, backend_id: u32, age: u64, flags: u32| {
+            let key =
+                crate::explain::flow_key(&web(), std::net::SocketAddr::from(([10, 0, 0, 1], port)));
+            let entry = lb_common::FlowEntry {
+                backend_id,
+                flags,
+                last_seen_ns: now - age,
+            };
+            (key, entry)
+        };
+        let closing = lb_common::FLOW_F_CLOSING;
+        let flows = vec![
+            flow(1, 1, 0, 0),
+            flow(2, 1, idle, 0),
+            flow(3, 1, idle + 1, 0),
+            flow(4, 2, grace, closing),
+            flow(5, 2, grace + 1, closing),
+            flow(6, 2, idle / 2, closing),
+        ];
+        shared.record_flows(flows, now);
+        assert_eq!(shared.conntrack_size, 6);
+        assert_eq!(
+            shared.active_flows.get(&1),
+            Some(&2),
+            "{:?}",
+            shared.active_flows
+        );
+        assert_eq!(
+            shared.active_flows.get(&2),
+            Some(&1),
+            "{:?}",
+            shared.active_flows
+        );
+        assert!(shared.last_scan.is_some());
+        // A scan replaces the counts, it does not add to them.
+        shared.record_flows(vec![flow(1, 2, 0, 0)], now);
+        assert_eq!(
+            shared.active_flows,
+            HashMap::from([(2, 1)]),
+            "{:?}",
+            shared.active_flows
+        );
+    }
+
+    #[test]
     fn drain_completes_when_flows_end_and_remove_deletes_after_it() {
         let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
         let drained: IpAddr = "10.0.0.11".parse().unwrap();

@@ -557,6 +557,74 @@ fn drain_keeps_an_open_connection_until_it_closes() {
     );
 }
 
+/// Drain timeout: a connection that keeps exchanging data holds its draining backend
+/// only until the VIP's `drain_timeout`; then the backend is `drained`, the connection's
+/// next packets are re-hashed to another backend (`ct_rehash`), which knows nothing of
+/// it, so the connection breaks, as an operator who set the timeout asked.
+#[test]
+fn drain_timeout_ends_the_drain_and_moves_open_flows() {
+    let test = "drain_timeout_ends_the_drain_and_moves_open_flows";
+    let Some(bin) = require_e2e(test) else { return };
+    let drain_timeout = Duration::from_secs(2);
+    let (lab, _config) = start(&bin, 3, 3, Some(drain_timeout));
+    let t = target(&lab);
+
+    let conn = open_conns(&lab, 1).pop().expect("one connection");
+    let x_name = conn.backend().to_string();
+    let x = addr_of(&lab, &x_name);
+    let local = conn.local_addr().expect("local address");
+    let chatter = Chatter::start(vec![conn], CHAT_INTERVAL, CHAT_MAX);
+    assert!(
+        chatter.wait_rounds(3, Duration::from_secs(5)),
+        "the long-lived connection does not exchange data"
+    );
+    let rehash_before = counter(&status(&lab), "ct_rehash");
+
+    ok(&lab, &["drain", &t, &x.to_string()]);
+    let drain_began = Instant::now();
+    let (_, took) = wait_status(
+        &lab,
+        drain_timeout + SCAN_PERIOD * 3,
+        "the draining backend drained at its drain timeout",
+        |s| must_backend(s, x)["state"] == "drained",
+    );
+    eprintln!("{test}: {x} drained {took:?} after lb drain (timeout {drain_timeout:?})");
+    assert!(
+        drain_began.elapsed() >= drain_timeout,
+        "drained after {:?}, before the drain timeout, while its connection was busy",
+        drain_began.elapsed()
+    );
+
+    // The next exchanges go to another backend, which answers with a reset.
+    let moved = wait_status(
+        &lab,
+        Duration::from_secs(5),
+        "the open connection's packets re-hashed",
+        |s| counter(s, "ct_rehash") > rehash_before,
+    );
+    let e = explain(&lab, local);
+    assert!(
+        !explains_to(&e, "next_packet_backend", x),
+        "after the drain timeout the flow from {local} still goes to {x}:\n{e:#}\n{:#}",
+        moved.0
+    );
+    let reports = chatter.stop();
+    let report = reports.into_iter().next().expect("one report");
+    let (when, error) = report
+        .error
+        .clone()
+        .unwrap_or_else(|| panic!("the connection to {x_name} survived its re-hash"));
+    eprintln!(
+        "{test}: the connection broke {when:?} after the chat began ({error}), after {} \
+         exchanges",
+        report.exchanges
+    );
+    assert!(
+        report.exchanges >= 3,
+        "the connection did not exchange data before the drain"
+    );
+}
+
 /// Issue 5, maint: `lb maint` takes a backend out at once: the status says `maint`, no
 /// new connection reaches it, and not even a packet of a connection opened before (it
 /// is re-hashed to another backend, where it breaks: expected with DSR). `lb ready`
