@@ -1,4 +1,6 @@
-//! Prometheus metrics at `control.metrics` (`GET /metrics`, OpenMetrics text).
+//! Prometheus metrics at `control.metrics` (`GET /metrics`): OpenMetrics text to a
+//! scraper that asks for it (Prometheus does), else the classic Prometheus text format
+//! (0.0.4), which every other scraper and script reads.
 //!
 //! Counters of the data path are summed over CPUs from the BPF maps at scrape time, so
 //! every scrape is exact and nothing is counted twice in userspace. Health-check
@@ -304,10 +306,18 @@ pub async fn serve(
     }))
 }
 
-async fn metrics(State(shared): State<Arc<Mutex<Shared>>>) -> impl IntoResponse {
+async fn metrics(
+    State(shared): State<Arc<Mutex<Shared>>>,
+    headers: axum::http::HeaderMap,
+) -> impl IntoResponse {
+    let openmetrics = headers
+        .get_all(axum::http::header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
     let shared = shared.lock().expect("agent state poisoned");
     match render(&shared) {
-        Ok(text) => (
+        Ok(text) if openmetrics => (
             StatusCode::OK,
             [(
                 "content-type",
@@ -316,8 +326,48 @@ async fn metrics(State(shared): State<Arc<Mutex<Shared>>>) -> impl IntoResponse 
             text,
         )
             .into_response(),
+        Ok(text) => (
+            StatusCode::OK,
+            [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+            prometheus_text(&text),
+        )
+            .into_response(),
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{error:#}")).into_response(),
     }
+}
+
+/// The classic Prometheus text format (0.0.4) of an OpenMetrics exposition. The samples
+/// are the same; what differs is around them: a counter family is named with its
+/// `_total` suffix (as its samples are), and there is no `# UNIT` or `# EOF` line.
+pub fn prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|prefix| Some((prefix, line.strip_prefix(prefix)?)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let suffix = if counters.contains(name) {
+                    "_total"
+                } else {
+                    ""
+                };
+                out.push_str(&format!("{prefix}{name}{suffix} {tail}"));
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// Records a check's duration and, when the health changed, the transition.
@@ -352,6 +402,57 @@ mod tests {
         busiest_over_average,
         test_support::{config, shared},
     };
+
+    #[test]
+    fn the_classic_text_names_counter_families_as_their_samples() {
+        let shared = shared(config("eth0", &["10.0.0.11"]));
+        observe_check(&shared.observed, "web", "10.0.0.11", 0.002, None);
+        let openmetrics = render(&shared).unwrap();
+        assert!(openmetrics.contains("# TYPE lb_vip_packets counter"));
+        assert!(openmetrics.ends_with("# EOF\n"));
+        let text = prometheus_text(&openmetrics);
+        assert!(
+            !text.contains("# EOF") && !text.contains("# UNIT"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE lb_vip_packets_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# HELP lb_vip_packets_total Packets"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE lb_conntrack_entries gauge\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE lb_health_check_duration_seconds histogram\n"),
+            "{text}"
+        );
+        // Every sample line is kept as it was.
+        let samples = |t: &str| -> Vec<String> {
+            t.lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(samples(&text), samples(&openmetrics));
+        // A 0.0.4 parser now types the counters as counters.
+        let lines = text.lines().map(|l| Ok(l.to_string()));
+        let scrape = prometheus_parse::Scrape::parse(lines).unwrap();
+        let packets = scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == "lb_vip_packets_total")
+            .expect("lb_vip_packets_total");
+        assert!(
+            matches!(packets.value, prometheus_parse::Value::Counter(_)),
+            "{:?}",
+            packets.value
+        );
+    }
 
     #[test]
     fn the_exposition_parses_and_names_every_series() {

@@ -24,14 +24,19 @@ fn lab_with(bin: &Path, vips: impl FnOnce(&Lab) -> Vec<lb_tests::VipConfig>) -> 
     lab
 }
 
-/// `GET /metrics` from inside the balancer's namespace.
-fn scrape(lab: &Lab) -> prometheus_parse::Scrape {
+/// `GET /metrics` from inside the balancer's namespace, with `accept` as the Accept
+/// header if given: the response's head and body, after checking it is a 200.
+fn fetch(lab: &Lab, accept: Option<&str>) -> (String, String) {
+    let accept = accept
+        .map(|a| format!("Accept: {a}\r\n"))
+        .unwrap_or_default();
+    let request = format!("GET /metrics HTTP/1.0\r\nHost: lb\r\n{accept}\r\n");
     let text = lab
         .lb()
         .run(|| -> std::io::Result<String> {
             let mut stream = TcpStream::connect(METRICS)?;
             stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-            stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: lb\r\n\r\n")?;
+            stream.write_all(request.as_bytes())?;
             let mut response = String::new();
             stream.read_to_string(&mut response)?;
             Ok(response)
@@ -41,6 +46,16 @@ fn scrape(lab: &Lab) -> prometheus_parse::Scrape {
     let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
     assert!(
         head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{head}"
+    );
+    (head.to_lowercase(), body.to_string())
+}
+
+/// `GET /metrics` as a plain client (no Accept): the classic Prometheus text, parsed.
+fn scrape(lab: &Lab) -> prometheus_parse::Scrape {
+    let (head, body) = fetch(lab, None);
+    assert!(
+        head.contains("content-type: text/plain; version=0.0.4"),
         "{head}"
     );
     prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
@@ -81,6 +96,14 @@ fn metrics_count_exactly_the_packets_sent() {
     assert_eq!(tcp.failures, 0, "{}", tcp.table());
 
     let scrape = scrape(&lab);
+    // A scraper that asks for OpenMetrics (Prometheus does) gets it.
+    let (head, body) = fetch(&lab, Some("application/openmetrics-text; version=1.0.0"));
+    assert!(
+        head.contains("content-type: application/openmetrics-text"),
+        "{head}"
+    );
+    assert!(body.ends_with("# EOF\n"), "{body}");
+    assert!(body.contains("# TYPE lb_vip_packets counter"), "{body}");
     let dns = [("vip", "dns")];
     // Everything the data path counted, for the message if a count is off.
     let counted: Vec<String> = scrape
