@@ -127,6 +127,20 @@ fn assert_status_and_clean_stop(lab: &mut Lab, mode: &str) {
         status.contains(mode),
         "lb status does not name the XDP mode {mode:?}:\n{status}"
     );
+    // Without --socket, the socket named in the file given with --config.
+    let by_config = lb_tests::agent::run_lb(
+        agent.lb_bin(),
+        &[
+            std::ffi::OsStr::new("status"),
+            std::ffi::OsStr::new("--config"),
+            agent.config_path().as_os_str(),
+        ],
+    )
+    .expect("lb status --config");
+    assert!(
+        by_config.success() && by_config.stdout.contains(mode),
+        "lb status --config FILE did not reach the agent: {by_config}"
+    );
     // The control plane is root's alone.
     let socket = std::fs::metadata(agent.socket()).expect("the control socket");
     assert_eq!(
