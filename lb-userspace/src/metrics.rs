@@ -361,6 +361,12 @@ pub fn prometheus_text(openmetrics: &str) -> String {
                 } else {
                     ""
                 };
+                // 0.0.4 calls OpenMetrics' `unknown` type `untyped`.
+                let tail = if prefix == "# TYPE " && tail == "unknown" {
+                    "untyped"
+                } else {
+                    tail
+                };
                 out.push_str(&format!("{prefix}{name}{suffix} {tail}"));
             }
             None => out.push_str(line),
@@ -430,6 +436,18 @@ mod tests {
         assert!(
             text.contains("# TYPE lb_health_check_duration_seconds histogram\n"),
             "{text}"
+        );
+        // Only types both formats share (no info, stateset, gaugehistogram).
+        for line in openmetrics.lines().filter(|l| l.starts_with("# TYPE ")) {
+            let kind = line.rsplit(' ').next().unwrap();
+            assert!(
+                ["counter", "gauge", "histogram"].contains(&kind),
+                "{line}: a type the classic text lacks"
+            );
+        }
+        assert_eq!(
+            prometheus_text("# TYPE x unknown\nx 1\n# EOF\n"),
+            "# TYPE x untyped\nx 1\n"
         );
         // Every sample line is kept as it was.
         let samples = |t: &str| -> Vec<String> {

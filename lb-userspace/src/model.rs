@@ -256,6 +256,14 @@ impl Model {
                         } else if b.health == Health::Unknown || leaves_maint {
                             // Not checked in maintenance: its health from before may be
                             // stale, so it returns only after `rise` passing checks.
+                            if leaves_maint {
+                                tracing::info!(
+                                    "backend {} of vip {} is back from maintenance: out of \
+                                     the table until its checks pass",
+                                    backend_config.address,
+                                    vip_config.name
+                                );
+                            }
                             b.health = Health::Down;
                             b.streak = 0;
                             b.last_check = None;

@@ -106,7 +106,13 @@ fn lb_check_and_run_refuse_bad_files_with_exit_2_naming_the_field() {
         Err(why) => return skip(test, &why),
     };
     let dir = tempfile::tempdir().unwrap();
-    let good = every_option().to_toml();
+    // An interface that does not exist: should a case ever be accepted, `lb run` fails
+    // to attach instead of serving on a real interface until killed.
+    let good = AgentConfig {
+        interface: "lb-none0".into(),
+        ..every_option()
+    }
+    .to_toml();
     let cases = [
         (
             "weight",

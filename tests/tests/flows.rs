@@ -580,8 +580,9 @@ fn drain_timeout_ends_the_drain_and_moves_open_flows() {
     );
     let rehash_before = counter(&status(&lab), "ct_rehash");
 
-    ok(&lab, &["drain", &t, &x.to_string()]);
+    // Taken before the command: the agent starts the drain while answering it.
     let drain_began = Instant::now();
+    ok(&lab, &["drain", &t, &x.to_string()]);
     let (_, took) = wait_status(
         &lab,
         drain_timeout + SCAN_PERIOD * 3,
@@ -608,6 +609,18 @@ fn drain_timeout_ends_the_drain_and_moves_open_flows() {
         "after the drain timeout the flow from {local} still goes to {x}:\n{e:#}\n{:#}",
         moved.0
     );
+    // A re-hashed pure ACK draws its reset only on the next exchange: let the chatter
+    // run until its rounds stop (it stops at its first failure), at most 5 s.
+    let mut rounds = chatter.rounds();
+    let settle = Instant::now();
+    while settle.elapsed() < Duration::from_secs(5) {
+        sleep(CHAT_INTERVAL * 5);
+        let now = chatter.rounds();
+        if now == rounds {
+            break;
+        }
+        rounds = now;
+    }
     let reports = chatter.stop();
     let report = reports.into_iter().next().expect("one report");
     let (when, error) = report
