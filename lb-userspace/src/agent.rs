@@ -543,6 +543,9 @@ impl Shared {
                 xdp_mode: self.mode.to_string(),
                 maglev_table_size: self.model.table_size,
                 conntrack_entries: self.conntrack_size,
+                conntrack_scan_age_seconds: self
+                    .last_scan
+                    .map(|at| now.saturating_duration_since(at).as_secs_f64()),
                 start: self.start.clone(),
             },
             vips,

@@ -65,6 +65,9 @@ pub struct DataplaneStatus {
     pub maglev_table_size: u32,
     /// Connection-table entries at the agent's last scan.
     pub conntrack_entries: u64,
+    /// How long ago that scan was (the agent scans every 2 s); None before the first.
+    #[serde(default)]
+    pub conntrack_scan_age_seconds: Option<f64>,
     /// How the agent found the data path at start: "fresh", "adopted" (a previous
     /// agent's pinned program and maps, flows kept) or "replaced (why)".
     pub start: String,
@@ -363,10 +366,17 @@ pub fn render(status: &Status) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let d = &status.dataplane;
+    let scanned = match d.conntrack_scan_age_seconds {
+        Some(age) => format!(
+            "{} connection-table entries {age:.1}s ago",
+            d.conntrack_entries
+        ),
+        None => "connection table not scanned yet".to_string(),
+    };
     let _ = writeln!(
         out,
-        "data path: {} ({}) xdp mode {}, maglev table {} slots, {} connection-table entries",
-        d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size, d.conntrack_entries
+        "data path: {} ({}) xdp mode {}, maglev table {} slots, {scanned}",
+        d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size
     );
     let _ = writeln!(out, "start: {}", d.start);
     let node = &status.node;
@@ -413,8 +423,12 @@ pub fn render(status: &Status) -> String {
         // New flows over the last sample interval: where a hot spot shows.
         let _ = writeln!(
             out,
-            "  busiest backend / average new flows: {:.2}; top sources: {}",
-            vip.busiest_over_average,
+            "  busiest backend / average new flows: {}; top sources: {}",
+            if vip.busiest_over_average > 0.0 {
+                format!("{:.2}", vip.busiest_over_average)
+            } else {
+                "- (no new flows in the last 2 s)".to_string()
+            },
             if vip.top_sources.is_empty() {
                 "none".to_string()
             } else {
@@ -494,6 +508,19 @@ mod tests {
             new_flows_per_second: 12.5,
         }];
         let text = super::render(&status);
+        assert!(
+            text.contains("connection table not scanned yet"),
+            "before the first scan:\n{text}"
+        );
+        status.dataplane.conntrack_scan_age_seconds = Some(0.5);
+        status.dataplane.conntrack_entries = 7;
+        status.vips[0].busiest_over_average = 0.0;
+        let quiet = super::render(&status);
+        assert!(
+            quiet.contains("7 connection-table entries 0.5s ago"),
+            "{quiet}"
+        );
+        assert!(quiet.contains("new flows: - (no new flows"), "{quiet}");
         for line in [
             "start: ",
             "vip web 10.0.0.100:80/tcp",
