@@ -55,7 +55,7 @@ pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 4;
+pub const LAYOUT_VERSION: u64 = 5;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -82,6 +82,8 @@ pub const ADDR_FAMILY_V4: u8 = 4;
 pub const ADDR_FAMILY_V6: u8 = 6;
 pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
+pub const PROTO_ICMP: u8 = 1;
+pub const PROTO_ICMPV6: u8 = 58;
 
 /// Key of `LB_VIPS`: which traffic is balanced.
 // Aligned beyond its fields so the program copies and compares it a word at a time.
@@ -365,7 +367,11 @@ pub mod stat {
     pub const CT_INSERT_SKIPPED: u32 = 22;
     /// Frames copied to the debug capture (TCP non-SYN misses, rate limited).
     pub const CAPTURED: u32 = 23;
-    pub const COUNT: u32 = 24;
+    /// Forwarded, noted: an ICMP "fragmentation needed" or ICMPv6 "packet too big" about
+    /// a VIP flow, sent to that flow's backend (whose replies bypass the balancer, so
+    /// only it can lower its path MTU).
+    pub const SEEN_ICMP_TOO_BIG: u32 = 24;
+    pub const COUNT: u32 = 25;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -393,6 +399,7 @@ pub mod stat {
         "ct_created",
         "ct_insert_skipped",
         "captured",
+        "seen_icmp_too_big",
     ];
 }
 

@@ -109,6 +109,20 @@ mod program {
         // Looked up for a SYN too: a reused tuple's entry is then refreshed in place,
         // which costs far less than an insert.
         let entry = LB_CONNTRACK.get_ptr_mut(&flow_key);
+        if packet.icmp_too_big {
+            // To where the flow's packets go, without touching its entry: an error is
+            // not a packet of the flow.
+            let held = entry
+                .map(|entry| unsafe { &*entry })
+                .filter(|entry| !udp_expired(entry, &packet, now))
+                .and_then(|entry| serving(entry, vip.vip_id));
+            let (backend_id, backend) = match held {
+                Some(held) => held,
+                None => table_choice(&packet, &vip, table_size)?,
+            };
+            stats.count(stat::SEEN_ICMP_TOO_BIG);
+            return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
+        }
         let udp = packet.proto == PROTO_UDP;
         let mut miss = if packet.syn {
             stat::CT_MISS_SYN
@@ -134,15 +148,7 @@ mod program {
         }
         let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
-        let hash = flow_hash(&packet.flow_tuple(), vip.flags & VIP_F_HASH_SRC_IP != 0);
-        let table_slot = vip.table_base + maglev_slot(hash, table_size);
-        let backend_id = match LB_MAGLEV.get(table_slot) {
-            Some(&id) if id != BACKEND_NONE => id,
-            _ => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
-        };
-        let Some(backend) = LB_BACKENDS.get(backend_id).copied() else {
-            return Err(Verdict::drop(stat::DROP_NO_BACKEND));
-        };
+        let (backend_id, backend) = table_choice(&packet, &vip, table_size)?;
         let flags = if packet.closing() { FLOW_F_CLOSING } else { 0 };
         let written = match entry {
             // The backend it already names (a SYN on a reused tuple while the table
@@ -231,6 +237,25 @@ mod program {
         unsafe { LB_VIPS.get(key) }.copied()
     }
 
+    /// The backend the VIP's Maglev table gives the packet's flow.
+    #[inline(always)]
+    fn table_choice(
+        packet: &Packet,
+        vip: &VipInfo,
+        table_size: u32,
+    ) -> Result<(u32, BackendInfo), Verdict> {
+        let hash = flow_hash(&packet.flow_tuple(), vip.flags & VIP_F_HASH_SRC_IP != 0);
+        let table_slot = vip.table_base + maglev_slot(hash, table_size);
+        let backend_id = match LB_MAGLEV.get(table_slot) {
+            Some(&id) if id != BACKEND_NONE => id,
+            _ => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
+        };
+        match LB_BACKENDS.get(backend_id) {
+            Some(backend) => Ok((backend_id, *backend)),
+            None => Err(Verdict::drop(stat::DROP_NO_BACKEND)),
+        }
+    }
+
     /// A connection-table entry.
     #[inline(always)]
     fn entry_for(backend_id: u32, flags: u32, now: u64) -> FlowEntry {
@@ -251,19 +276,13 @@ mod program {
         vip_id: u32,
         now: u64,
     ) -> Result<(u32, BackendInfo), u32> {
-        let age = now.saturating_sub(entry.last_seen_ns);
-        if packet.proto == PROTO_UDP && age > read(&UDP_IDLE_NS) {
+        if udp_expired(entry, packet, now) {
             return Err(stat::CT_MISS_UDP);
         }
-        let backend_id = entry.backend_id;
-        let backend = match LB_BACKENDS.get(backend_id) {
-            Some(backend)
-                if backend.flags & BACKEND_F_SERVES_FLOWS != 0 && backend.vip_id == vip_id =>
-            {
-                *backend
-            }
-            _ => return Err(stat::CT_REHASH),
+        let Some((backend_id, backend)) = serving(entry, vip_id) else {
+            return Err(stat::CT_REHASH);
         };
+        let age = now.saturating_sub(entry.last_seen_ns);
         if age > LAST_SEEN_GRANULARITY_NS {
             entry.last_seen_ns = now;
         }
@@ -271,6 +290,27 @@ mod program {
             entry.flags |= FLOW_F_CLOSING;
         }
         Ok((backend_id, backend))
+    }
+
+    /// Whether a UDP flow's entry has been idle too long to be followed.
+    #[inline(always)]
+    fn udp_expired(entry: &FlowEntry, packet: &Packet, now: u64) -> bool {
+        packet.proto == PROTO_UDP && now.saturating_sub(entry.last_seen_ns) > read(&UDP_IDLE_NS)
+    }
+
+    /// The backend an entry holds its flow to, if the flow may stay there: the backend
+    /// serves flows and belongs to the packet's VIP (its id was not reused).
+    #[inline(always)]
+    fn serving(entry: &FlowEntry, vip_id: u32) -> Option<(u32, BackendInfo)> {
+        let backend_id = entry.backend_id;
+        match LB_BACKENDS.get(backend_id) {
+            Some(backend)
+                if backend.flags & BACKEND_F_SERVES_FLOWS != 0 && backend.vip_id == vip_id =>
+            {
+                Some((backend_id, *backend))
+            }
+            _ => None,
+        }
     }
 
     /// Sends the frame to `backend`: its MAC as destination, ours as source, and counts

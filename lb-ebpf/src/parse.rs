@@ -12,11 +12,17 @@
 //! - IPv4 fragments (MF set or offset non-zero): passed, `pass_fragment`. Later fragments
 //!   carry no ports, so they cannot follow their first fragment's hash.
 //! - IPv6 with an extension header before TCP/UDP: passed, `pass_ipv6_ext`.
-//! - IP protocols other than TCP and UDP: passed, `pass_other_proto`.
+//! - IP protocols other than TCP and UDP: passed, `pass_other_proto`; except an ICMP
+//!   "fragmentation needed" (ICMPv6 "packet too big") sent to a VIP about one of its
+//!   flows, which is parsed as that flow (from its quoted header) and goes to the flow's
+//!   backend (`seen_icmp_too_big`). Anything odd in it (another ICMP message, a quoted
+//!   header cut short or not from the address it was sent to) is passed.
 
 use aya_ebpf::programs::XdpContext;
 use core::mem::size_of;
-use lb_common::{ADDR_FAMILY_V4, ADDR_FAMILY_V6, FlowTuple, PROTO_TCP, PROTO_UDP, stat};
+use lb_common::{
+    ADDR_FAMILY_V4, ADDR_FAMILY_V6, FlowTuple, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, stat,
+};
 use network_types::{
     eth::EthHdr,
     ip::{Ipv4Hdr, Ipv6Hdr},
@@ -30,6 +36,14 @@ const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
 const VLAN_HDR_LEN: usize = 4;
 const IPV4_MF_AND_OFFSET: u16 = 0x3fff;
+/// ICMP "destination unreachable", code "fragmentation needed and DF set".
+const ICMP_UNREACHABLE: u8 = 3;
+const ICMP_FRAG_NEEDED: u8 = 4;
+/// ICMPv6 "packet too big".
+const ICMPV6_TOO_BIG: u8 = 2;
+/// An ICMP error's header (type, code, checksum, and 4 bytes: the MTU for ours) before
+/// the packet it quotes.
+const ICMP_HDR_LEN: usize = 8;
 
 /// Why a packet is not forwarded: the XDP action and the counter that says why.
 #[derive(Clone, Copy)]
@@ -73,6 +87,9 @@ pub struct Packet {
     pub fin: bool,
     pub vlan: bool,
     pub ipv4_options: bool,
+    /// An ICMP "fragmentation needed" / ICMPv6 "packet too big" about this flow: the
+    /// addresses and ports are those of the flow it quotes, client to VIP.
+    pub icmp_too_big: bool,
 }
 
 impl Packet {
@@ -164,6 +181,9 @@ fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     let [src, dst] = load_words::<2>(ip as *const u8, 12);
     let src_addr = as_bytes([src, 0, 0, 0]);
     let dst_addr = as_bytes([dst, 0, 0, 0]);
+    if proto == PROTO_ICMP {
+        return icmp_too_big(ctx, offset + header_len, ADDR_FAMILY_V4, dst_addr);
+    }
     let mut packet = transport(
         ctx,
         offset + header_len,
@@ -182,7 +202,7 @@ fn ipv6(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     if version != 6 {
         return Err(Verdict::drop(stat::DROP_BAD_HEADER));
     }
-    if next != PROTO_TCP && next != PROTO_UDP {
+    if next != PROTO_TCP && next != PROTO_UDP && next != PROTO_ICMPV6 {
         return Err(Verdict::pass(if is_ipv6_extension(next) {
             stat::PASS_IPV6_EXT
         } else {
@@ -192,7 +212,84 @@ fn ipv6(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     // Source and destination: bytes 8..40 of the header.
     let [s0, s1, s2, s3, d0, d1, d2, d3] = load_words::<8>(ip as *const u8, 8);
     let (src, dst) = (as_bytes([s0, s1, s2, s3]), as_bytes([d0, d1, d2, d3]));
+    if next == PROTO_ICMPV6 {
+        return icmp_too_big(ctx, offset + Ipv6Hdr::LEN, ADDR_FAMILY_V6, dst);
+    }
     transport(ctx, offset + Ipv6Hdr::LEN, (ADDR_FAMILY_V6, next), src, dst)
+}
+
+/// An ICMP(v6) message at `offset`, sent to `to`: a "too big" error quoting a packet
+/// that `to` sent over TCP or UDP is parsed as the flow of that packet, turned around
+/// (client to VIP), so it takes the flow's way to its backend. Everything else passes.
+#[inline(always)]
+fn icmp_too_big(
+    ctx: &XdpContext,
+    offset: usize,
+    family: u8,
+    to: [u8; 16],
+) -> Result<Packet, Verdict> {
+    let other = Verdict::pass(stat::PASS_OTHER_PROTO);
+    let icmp = ptr_at::<[u8; 2]>(ctx, offset).map_err(|_| other)?;
+    let (kind, code) = unsafe { ((*icmp)[0], (*icmp)[1]) };
+    let quoted = offset + ICMP_HDR_LEN;
+    // The quoted header: its protocol, source (the VIP), destination (the client) and
+    // the offset of its transport header.
+    let (proto, vip, client, l4) = if family == ADDR_FAMILY_V4 {
+        if kind != ICMP_UNREACHABLE || code != ICMP_FRAG_NEEDED {
+            return Err(other);
+        }
+        let ip = ptr_at::<Ipv4Hdr>(ctx, quoted).map_err(|_| other)?;
+        let (vihl, frags, proto) =
+            unsafe { ((*ip).vihl, u16::from_be_bytes((*ip).frags), (*ip).proto) };
+        let header_len = ((vihl & 0x0f) as usize) * 4;
+        // A later fragment quotes no ports.
+        if vihl >> 4 != 4 || header_len < Ipv4Hdr::LEN || frags & 0x1fff != 0 {
+            return Err(other);
+        }
+        let [src, dst] = load_words::<2>(ip as *const u8, 12);
+        let (vip, client) = (as_bytes([src, 0, 0, 0]), as_bytes([dst, 0, 0, 0]));
+        (proto, vip, client, quoted + header_len)
+    } else {
+        if kind != ICMPV6_TOO_BIG {
+            return Err(other);
+        }
+        let ip = ptr_at::<Ipv6Hdr>(ctx, quoted).map_err(|_| other)?;
+        let (version, proto) = unsafe { ((*ip).vcf[0] >> 4, (*ip).next_hdr) };
+        if version != 6 {
+            return Err(other);
+        }
+        let [s0, s1, s2, s3, d0, d1, d2, d3] = load_words::<8>(ip as *const u8, 8);
+        let (vip, client) = (as_bytes([s0, s1, s2, s3]), as_bytes([d0, d1, d2, d3]));
+        (proto, vip, client, quoted + Ipv6Hdr::LEN)
+    };
+    // Only about a packet the VIP sent: the error goes back to the packet's source.
+    if (proto != PROTO_TCP && proto != PROTO_UDP) || !same_address(&vip, &to) {
+        return Err(other);
+    }
+    let ports = ptr_at::<[u16; 2]>(ctx, l4).map_err(|_| other)?;
+    let [vip_port, client_port] = unsafe { *ports };
+    Ok(Packet {
+        src_addr: client,
+        dst_addr: vip,
+        family,
+        proto,
+        src_port_be: client_port,
+        dst_port_be: vip_port,
+        syn: false,
+        rst: false,
+        fin: false,
+        vlan: false,
+        ipv4_options: false,
+        icmp_too_big: true,
+    })
+}
+
+/// Branch-free compare of two addresses (an array `==` is a byte loop in BPF).
+#[inline(always)]
+fn same_address(a: &[u8; 16], b: &[u8; 16]) -> bool {
+    let a = unsafe { core::mem::transmute::<[u8; 16], [u64; 2]>(*a) };
+    let b = unsafe { core::mem::transmute::<[u8; 16], [u64; 2]>(*b) };
+    (a[0] ^ b[0]) | (a[1] ^ b[1]) == 0
 }
 
 /// Hop-by-hop, routing, fragment, ESP, AH, destination options, mobility, HIP, shim6.
@@ -262,5 +359,6 @@ fn transport(
         fin,
         vlan: false,
         ipv4_options: false,
+        icmp_too_big: false,
     })
 }

@@ -260,6 +260,13 @@ pub fn render(shared: &Shared) -> anyhow::Result<String> {
             .get_or_create(&KindLabels { kind: kind.into() })
             .inc_by(counter(&format!("ct_{kind}")));
     }
+    let icmp_too_big = Counter::<u64>::default();
+    icmp_too_big.inc_by(counter("seen_icmp_too_big"));
+    registry.register(
+        "icmp_too_big",
+        "ICMP fragmentation-needed / ICMPv6 packet-too-big errors about VIP flows, sent to the flows' backends",
+        icmp_too_big,
+    );
     let entries = Gauge::<i64>::default();
     entries.set(status.dataplane.conntrack_entries as i64);
     registry.register(
@@ -519,6 +526,7 @@ mod tests {
             "lb_passes_total",
             "lb_conntrack_misses_total",
             "lb_conntrack_entries",
+            "lb_icmp_too_big_total",
             "lb_health_check_duration_seconds_count",
             "lb_health_transitions_total",
         ] {

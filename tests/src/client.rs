@@ -265,6 +265,16 @@ fn udp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<String> {
     udp_request_from_port(addr, 0, timeout)
 }
 
+/// [`udp_request`] from source port `port` of `ns`.
+pub fn udp_request_from(
+    ns: &Netns,
+    addr: SocketAddr,
+    port: u16,
+    timeout: Duration,
+) -> io::Result<String> {
+    in_ns(ns, || udp_request_from_port(addr, port, timeout))
+}
+
 /// [`udp_request_here`] from source port `port` (0: a new ephemeral port).
 fn udp_request_from_port(addr: SocketAddr, port: u16, timeout: Duration) -> io::Result<String> {
     let local: SocketAddr = if addr.is_ipv4() {
@@ -424,31 +434,38 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-fn ping_here(dst: IpAddr, timeout: Duration) -> io::Result<Duration> {
-    let (family, proto, request_type, reply_type) = match dst {
-        IpAddr::V4(_) => (libc::AF_INET, libc::IPPROTO_ICMP, 8u8, 0u8),
-        IpAddr::V6(_) => (libc::AF_INET6, libc::IPPROTO_ICMPV6, 128u8, 129u8),
+/// Sends the ICMP (or ICMPv6) message `msg`, type first, from `ns` to `dst` over a raw
+/// socket; its checksum is filled in.
+pub fn send_icmp(ns: &Netns, dst: IpAddr, msg: &[u8]) -> io::Result<()> {
+    in_ns(ns, || {
+        send_icmp_on(&raw_icmp_socket(dst)?, dst, msg.to_vec())
+    })
+}
+
+/// A raw ICMP socket for `dst`'s family (ICMPv6 for IPv6).
+fn raw_icmp_socket(dst: IpAddr) -> io::Result<OwnedFd> {
+    let (family, proto) = match dst {
+        IpAddr::V4(_) => (libc::AF_INET, libc::IPPROTO_ICMP),
+        IpAddr::V6(_) => (libc::AF_INET6, libc::IPPROTO_ICMPV6),
     };
     // SAFETY: plain socket(2); the fd is owned right away.
-    let fd = unsafe {
+    Ok(unsafe {
         OwnedFd::from_raw_fd(cvt(libc::socket(
             family,
             libc::SOCK_RAW | libc::SOCK_CLOEXEC,
             proto,
         ))?)
-    };
-    let id = (std::process::id() as u16) ^ 0x4c42;
-    let mut msg = vec![request_type, 0, 0, 0];
-    msg.extend_from_slice(&id.to_be_bytes());
-    msg.extend_from_slice(&1u16.to_be_bytes());
-    msg.extend_from_slice(b"lb-tests ping");
+    })
+}
+
+fn send_icmp_on(fd: &OwnedFd, dst: IpAddr, mut msg: Vec<u8>) -> io::Result<()> {
     if dst.is_ipv4() {
         // The kernel fills the ICMPv6 checksum itself, not the ICMP one.
+        msg[2..4].fill(0);
         let c = checksum(&msg);
         msg[2..4].copy_from_slice(&c.to_be_bytes());
     }
     let target = nix::sys::socket::SockaddrStorage::from(SocketAddr::new(dst, 0));
-    let start = Instant::now();
     nix::sys::socket::sendto(
         fd.as_raw_fd(),
         &msg,
@@ -456,6 +473,22 @@ fn ping_here(dst: IpAddr, timeout: Duration) -> io::Result<Duration> {
         nix::sys::socket::MsgFlags::empty(),
     )
     .map_err(io::Error::from)?;
+    Ok(())
+}
+
+fn ping_here(dst: IpAddr, timeout: Duration) -> io::Result<Duration> {
+    let (request_type, reply_type) = match dst {
+        IpAddr::V4(_) => (8u8, 0u8),
+        IpAddr::V6(_) => (128u8, 129u8),
+    };
+    let fd = raw_icmp_socket(dst)?;
+    let id = (std::process::id() as u16) ^ 0x4c42;
+    let mut msg = vec![request_type, 0, 0, 0];
+    msg.extend_from_slice(&id.to_be_bytes());
+    msg.extend_from_slice(&1u16.to_be_bytes());
+    msg.extend_from_slice(b"lb-tests ping");
+    let start = Instant::now();
+    send_icmp_on(&fd, dst, msg)?;
     let mut buf = [0u8; 1500];
     loop {
         let left = timeout.saturating_sub(start.elapsed());

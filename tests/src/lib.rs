@@ -199,7 +199,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 pub use agent::Agent;
-pub use client::{Conn, Spread, ping, spread, tcp_request, udp_request, udp_spread};
+pub use client::{
+    Conn, Spread, ping, send_icmp, spread, tcp_request, udp_request, udp_request_from, udp_spread,
+};
 pub use config::{AgentConfig, BackendConfig, CheckTiming, Health, Protocol, VipConfig, XdpMode};
 pub use lab::{Lab, LabOptions};
 pub use netns::Netns;

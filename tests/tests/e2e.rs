@@ -381,3 +381,86 @@ fn native_other_traffic_passes_untouched() {
     assert_eq!(lb_tcp.accepted(), 2);
     assert_eq!(lb_udp.answered(), 1);
 }
+
+/// Path MTU discovery through the balancer: a router's "fragmentation needed" about a
+/// reply of a UDP flow is addressed to the VIP, so it reaches the balancer, which sends
+/// it to the backend that sent the reply; that backend's kernel (and only its) then
+/// holds the lower path MTU towards the client.
+#[test]
+fn icmp_frag_needed_reaches_the_flows_backend() {
+    let test = "icmp_frag_needed_reaches_the_flows_backend";
+    let Some(bin) = require_e2e(test) else { return };
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_udp(53, false).expect("udp servers");
+    let config = lab.agent_config(
+        XdpMode::Native,
+        vec![lab.vip("dns", false, 53, Protocol::Udp, Health::None)],
+    );
+    lab.start_agent(&bin, &config).expect("start the agent");
+    let (vip, client) = (lab.vip4(), lab.client_addr(false));
+    let (IpAddr::V4(vip4), IpAddr::V4(client4)) = (vip, client) else {
+        unreachable!("IPv4 addresses")
+    };
+    let client_port = 30999;
+    let answer = lb_tests::udp_request_from(
+        lab.client(),
+        SocketAddr::new(vip, 53),
+        client_port,
+        Duration::from_secs(2),
+    )
+    .expect("a UDP request to the VIP");
+    let served = (0..lab.backends().len())
+        .find(|&i| lab.backend_name(i) == answer)
+        .unwrap_or_else(|| panic!("answered by {answer:?}, no backend of the lab"));
+
+    // What a router on the way back would send: its MTU, the reply's IPv4 header (VIP
+    // to client, DF) and the first 8 bytes of its UDP header.
+    let mtu: u16 = 1400;
+    let mut msg = vec![3, 4, 0, 0, 0, 0];
+    msg.extend_from_slice(&mtu.to_be_bytes());
+    let mut quoted = vec![0x45, 0, 0x05, 0xdc, 0, 1, 0x40, 0, 64, 17, 0, 0];
+    quoted.extend_from_slice(&vip4.octets());
+    quoted.extend_from_slice(&client4.octets());
+    let checksum = lb_tests::client::checksum(&quoted);
+    quoted[10..12].copy_from_slice(&checksum.to_be_bytes());
+    msg.extend(quoted);
+    msg.extend_from_slice(&53u16.to_be_bytes());
+    msg.extend_from_slice(&client_port.to_be_bytes());
+    msg.extend_from_slice(&[0x05, 0xc8, 0, 0]);
+    lb_tests::send_icmp(lab.client(), vip, &msg).expect("send the ICMP error");
+
+    let client_text = client.to_string();
+    let path_mtu = |i: usize| -> String {
+        lab.backend(i)
+            .exec("ip", &["route", "get", &client_text])
+            .unwrap_or_else(|e| format!("(ip route get failed: {e:#})"))
+    };
+    let lowered = format!("mtu {mtu}");
+    let start = Instant::now();
+    while !path_mtu(served).contains(&lowered) {
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{} (which answered the flow) holds no path MTU {mtu} towards {client}:\n{}\n\
+             balancer counters: {}",
+            lab.backend_name(served),
+            path_mtu(served),
+            lab.agent().expect("agent").status().unwrap_or_default()
+        );
+        sleep(Duration::from_millis(50));
+    }
+    for i in (0..lab.backends().len()).filter(|&i| i != served) {
+        let route = path_mtu(i);
+        assert!(
+            !route.contains(&lowered),
+            "{} got the error about another backend's flow:\n{route}",
+            lab.backend_name(i)
+        );
+    }
+    let status = lab.agent().expect("agent").status_json().expect("status");
+    assert_eq!(status["counters"]["seen_icmp_too_big"], 1, "{status:#}");
+    eprintln!(
+        "{test}: {} lowered its path MTU to {client} to {mtu}:\n{}",
+        lab.backend_name(served),
+        path_mtu(served)
+    );
+}

@@ -242,6 +242,65 @@ fn syn(dst: u16) -> L4 {
     }
 }
 
+/// What an ICMP error quotes: the start of a packet the VIP sent to a client.
+#[derive(Clone, Copy)]
+struct Quoted {
+    /// The quoted packet's source: the VIP (a test may name another address).
+    from: [u8; 4],
+    proto: u8,
+    vip_port: u16,
+    client_port: u16,
+}
+
+/// The start of a TCP segment the web VIP sent from port 80 to the client's port
+/// `client_port`.
+fn quoted_tcp(client_port: u16) -> Quoted {
+    Quoted {
+        from: VIP,
+        proto: 6,
+        vip_port: 80,
+        client_port,
+    }
+}
+
+/// An ICMP message `kind`/`code` from a router to `to`, quoting `q` (its IPv4 header,
+/// with DF set, and the first 8 bytes of its transport header).
+fn icmp4(to: [u8; 4], kind: u8, code: u8, q: Quoted) -> Vec<u8> {
+    let mut quoted = ipv4_header(q.from, [10, 0, 0, 1], q.proto, 1400, &[], 0x4000);
+    quoted.extend_from_slice(&q.vip_port.to_be_bytes());
+    quoted.extend_from_slice(&q.client_port.to_be_bytes());
+    quoted.extend_from_slice(&[0, 0, 0, 1]);
+    // Type, code, checksum, unused, next-hop MTU 1400.
+    let mut icmp = vec![kind, code, 0, 0, 0, 0, 0x05, 0x78];
+    icmp.extend(quoted);
+    let mut f = ethernet(0x0800);
+    f.extend(ipv4_header([10, 0, 0, 254], to, 1, icmp.len(), &[], 0));
+    f.extend(icmp);
+    f
+}
+
+/// An ICMPv6 "packet too big" (MTU 1280) to the IPv6 VIP, quoting a TCP segment it sent
+/// from port 80 to fd00::1 port `client_port`.
+fn icmp6_too_big(client_port: u16) -> Vec<u8> {
+    let mut quoted = vec![0u8; 40];
+    quoted[0] = 0x60;
+    quoted[4..6].copy_from_slice(&1400u16.to_be_bytes());
+    quoted[6] = 6;
+    quoted[7] = 64;
+    quoted[8..24].copy_from_slice(&vip6());
+    quoted[24..40].copy_from_slice(&"fd00::1".parse::<std::net::Ipv6Addr>().unwrap().octets());
+    quoted.extend_from_slice(&80u16.to_be_bytes());
+    quoted.extend_from_slice(&client_port.to_be_bytes());
+    quoted.extend_from_slice(&[0, 0, 0, 1]);
+    let mut icmp = vec![2, 0, 0, 0, 0, 0, 0x05, 0x00];
+    icmp.extend(quoted);
+    ipv6_with_next(vip6(), 58, &icmp)
+}
+
+const ICMP_UNREACHABLE: u8 = 3;
+const ICMP_FRAG_NEEDED: u8 = 4;
+const ICMP_PORT_UNREACHABLE: u8 = 3;
+
 /// The frame as the program should send it to `BACKEND_MAC`.
 fn forwarded(frame: &[u8]) -> Vec<u8> {
     let mut out = frame.to_vec();
@@ -466,6 +525,79 @@ fn cases() -> Vec<Case> {
             "pass_not_vip",
         ),
         pass("ICMP to the VIP", ipv4(VIP, L4::Icmp), "pass_other_proto"),
+        fwd(
+            "ICMP fragmentation needed about a TCP flow of the VIP goes to its backend",
+            icmp4(VIP, ICMP_UNREACHABLE, ICMP_FRAG_NEEDED, quoted_tcp(40000)),
+            "seen_icmp_too_big",
+        ),
+        fwd(
+            "ICMP fragmentation needed about a UDP flow of the VIP goes to its backend",
+            icmp4(
+                VIP,
+                ICMP_UNREACHABLE,
+                ICMP_FRAG_NEEDED,
+                Quoted {
+                    proto: 17,
+                    vip_port: 53,
+                    ..quoted_tcp(5353)
+                },
+            ),
+            "seen_icmp_too_big",
+        ),
+        fwd(
+            "ICMPv6 packet too big about a flow of the VIP goes to its backend",
+            icmp6_too_big(40000),
+            "seen_icmp_too_big",
+        ),
+        pass(
+            "ICMP fragmentation needed about another port of the VIP's address",
+            icmp4(
+                VIP,
+                ICMP_UNREACHABLE,
+                ICMP_FRAG_NEEDED,
+                Quoted {
+                    vip_port: 81,
+                    ..quoted_tcp(40000)
+                },
+            ),
+            "pass_not_vip",
+        ),
+        pass(
+            "ICMP port unreachable about a flow of the VIP",
+            icmp4(
+                VIP,
+                ICMP_UNREACHABLE,
+                ICMP_PORT_UNREACHABLE,
+                quoted_tcp(40000),
+            ),
+            "pass_other_proto",
+        ),
+        pass(
+            "ICMP fragmentation needed sent to the VIP, quoting another source",
+            icmp4(
+                VIP,
+                ICMP_UNREACHABLE,
+                ICMP_FRAG_NEEDED,
+                Quoted {
+                    from: OTHER,
+                    ..quoted_tcp(40000)
+                },
+            ),
+            "pass_other_proto",
+        ),
+        pass(
+            "ICMP fragmentation needed whose quoted ports are cut off",
+            {
+                let f = icmp4(VIP, ICMP_UNREACHABLE, ICMP_FRAG_NEEDED, quoted_tcp(40000));
+                f[..f.len() - 6].to_vec()
+            },
+            "pass_other_proto",
+        ),
+        pass(
+            "ICMPv6 echo request to the VIP",
+            ipv6_with_next(vip6(), 58, &[128, 0, 0, 0, 0, 0, 0, 0]),
+            "pass_other_proto",
+        ),
         pass(
             "ARP",
             {
@@ -569,11 +701,6 @@ fn cases() -> Vec<Case> {
                 f
             },
             "drop_bad_header",
-        ),
-        pass(
-            "IPv6 ICMPv6 to the VIP",
-            ipv6_with_next(vip6(), 58, &[128, 0, 0, 0, 0, 0, 0, 0]),
-            "pass_other_proto",
         ),
         drop(
             "VIP whose only backend is in maintenance",
@@ -837,6 +964,54 @@ fn established_flows_stay_on_their_backend_while_the_set_changes() {
         assert_eq!(counted(&result, "ct_hit"), 1);
         assert_eq!(counted(&result, "ct_miss_non_syn"), 0);
     }
+}
+
+/// An ICMP "too big" error follows its flow's connection-table entry, not the table, and
+/// leaves the table as it was: it creates no entry and refreshes none.
+#[test]
+fn icmp_too_big_goes_where_its_flow_goes() {
+    if !can_run("icmp_too_big_goes_where_its_flow_goes") {
+        return;
+    }
+    let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let ports: Vec<u16> = (41000..41100).collect();
+    let before: Vec<u8> = ports
+        .iter()
+        .map(|&p| backend_of(&run(&mut fixture, &tcp(p, TCP_SYN))))
+        .collect();
+    fixture
+        .reconfigure(&sticky_config(
+            &[("10.0.0.41", 5), ("10.0.0.42", 1), ("10.0.0.43", 3)],
+            0,
+        ))
+        .expect("reconfigure");
+    let mut moved = 0;
+    for (port, backend) in ports.iter().zip(&before) {
+        if explained(&fixture, "tcp", *port).0 != *backend {
+            moved += 1;
+        }
+        let error = icmp4(VIP, ICMP_UNREACHABLE, ICMP_FRAG_NEEDED, quoted_tcp(*port));
+        let result = run(&mut fixture, &error);
+        assert_eq!(
+            backend_of(&result),
+            *backend,
+            "the error about the flow from port {port} went elsewhere: {:?}",
+            result.counted
+        );
+        assert_eq!(counted(&result, "seen_icmp_too_big"), 1);
+        assert_eq!(counted(&result, "ct_created"), 0);
+        assert_eq!(counted(&result, "ct_hit"), 0);
+    }
+    assert!(moved > 10, "the new table should move some flows ({moved})");
+
+    // No entry: the table's choice, and still no entry after it (the next ACK misses).
+    let port = 42000;
+    let error = icmp4(VIP, ICMP_UNREACHABLE, ICMP_FRAG_NEEDED, quoted_tcp(port));
+    let result = run(&mut fixture, &error);
+    assert_eq!(backend_of(&result), explained(&fixture, "tcp", port).0);
+    assert_eq!(counted(&result, "ct_created"), 0);
+    let ack = run(&mut fixture, &tcp(port, TCP_ACK));
+    assert_eq!(counted(&ack, "ct_miss_non_syn"), 1, "{:?}", ack.counted);
 }
 
 /// What `lb explain` says of the flow from 10.0.0.1:`port` to the TCP VIP: the last
