@@ -111,13 +111,19 @@ mod program {
         let entry = LB_CONNTRACK.get_ptr_mut(&flow_key);
         if packet.icmp_too_big {
             // To where the flow's packets go, without touching its entry: an error is
-            // not a packet of the flow.
+            // not a packet of the flow. TCP: the entry's backend, else the table's; the
+            // backend's kernel checks the quoted sequence number, so a forged error
+            // cannot touch a connection. UDP: only a live entry's; nothing checks a UDP
+            // error, so it must at least name a flow seen within the idle time.
             let held = entry
                 .map(|entry| unsafe { &*entry })
                 .filter(|entry| !udp_expired(entry, &packet, now))
                 .and_then(|entry| serving(entry, vip.vip_id));
             let (backend_id, backend) = match held {
                 Some(held) => held,
+                None if packet.proto == PROTO_UDP => {
+                    return Err(Verdict::pass(stat::PASS_OTHER_PROTO));
+                }
                 None => table_choice(&packet, &vip, table_size)?,
             };
             stats.count(stat::SEEN_ICMP_TOO_BIG);

@@ -15,8 +15,9 @@
 //! - IP protocols other than TCP and UDP: passed, `pass_other_proto`; except an ICMP
 //!   "fragmentation needed" (ICMPv6 "packet too big") sent to a VIP about one of its
 //!   flows, which is parsed as that flow (from its quoted header) and goes to the flow's
-//!   backend (`seen_icmp_too_big`). Anything odd in it (another ICMP message, a quoted
-//!   header cut short or not from the address it was sent to) is passed.
+//!   backend (`seen_icmp_too_big`; a UDP flow's only while its entry is live). Anything
+//!   odd in it (another ICMP message, a quoted header cut short, a later fragment, or not
+//!   from the address it was sent to) is passed.
 
 use aya_ebpf::programs::XdpContext;
 use core::mem::size_of;
@@ -181,16 +182,17 @@ fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     let [src, dst] = load_words::<2>(ip as *const u8, 12);
     let src_addr = as_bytes([src, 0, 0, 0]);
     let dst_addr = as_bytes([dst, 0, 0, 0]);
-    if proto == PROTO_ICMP {
-        return icmp_too_big(ctx, offset + header_len, ADDR_FAMILY_V4, dst_addr);
-    }
-    let mut packet = transport(
-        ctx,
-        offset + header_len,
-        (ADDR_FAMILY_V4, proto),
-        src_addr,
-        dst_addr,
-    )?;
+    let mut packet = if proto == PROTO_ICMP {
+        icmp_too_big(ctx, offset + header_len, ADDR_FAMILY_V4, dst_addr)?
+    } else {
+        transport(
+            ctx,
+            offset + header_len,
+            (ADDR_FAMILY_V4, proto),
+            src_addr,
+            dst_addr,
+        )?
+    };
     packet.ipv4_options = header_len > Ipv4Hdr::LEN;
     Ok(packet)
 }

@@ -250,23 +250,33 @@ struct Quoted {
     proto: u8,
     vip_port: u16,
     client_port: u16,
+    /// The quoted IPv4 header's options and fragment field.
+    options: &'static [u8],
+    frags: u16,
 }
 
 /// The start of a TCP segment the web VIP sent from port 80 to the client's port
-/// `client_port`.
+/// `client_port` (DF set).
 fn quoted_tcp(client_port: u16) -> Quoted {
     Quoted {
         from: VIP,
         proto: 6,
         vip_port: 80,
         client_port,
+        options: &[],
+        frags: 0x4000,
     }
 }
 
-/// An ICMP message `kind`/`code` from a router to `to`, quoting `q` (its IPv4 header,
-/// with DF set, and the first 8 bytes of its transport header).
+/// An ICMP message `kind`/`code` from a router to `to`, quoting `q` (its IPv4 header
+/// and the first 8 bytes of its transport header).
 fn icmp4(to: [u8; 4], kind: u8, code: u8, q: Quoted) -> Vec<u8> {
-    let mut quoted = ipv4_header(q.from, [10, 0, 0, 1], q.proto, 1400, &[], 0x4000);
+    icmp4_with_options(to, kind, code, q, &[])
+}
+
+/// [`icmp4`] with `options` in the ICMP packet's own IPv4 header.
+fn icmp4_with_options(to: [u8; 4], kind: u8, code: u8, q: Quoted, options: &[u8]) -> Vec<u8> {
+    let mut quoted = ipv4_header(q.from, [10, 0, 0, 1], q.proto, 1400, q.options, q.frags);
     quoted.extend_from_slice(&q.vip_port.to_be_bytes());
     quoted.extend_from_slice(&q.client_port.to_be_bytes());
     quoted.extend_from_slice(&[0, 0, 0, 1]);
@@ -274,9 +284,18 @@ fn icmp4(to: [u8; 4], kind: u8, code: u8, q: Quoted) -> Vec<u8> {
     let mut icmp = vec![kind, code, 0, 0, 0, 0, 0x05, 0x78];
     icmp.extend(quoted);
     let mut f = ethernet(0x0800);
-    f.extend(ipv4_header([10, 0, 0, 254], to, 1, icmp.len(), &[], 0));
+    f.extend(ipv4_header([10, 0, 0, 254], to, 1, icmp.len(), options, 0));
     f.extend(icmp);
     f
+}
+
+/// The UDP counterpart of [`quoted_tcp`]: a datagram the VIP sent from port 53.
+fn quoted_udp(client_port: u16) -> Quoted {
+    Quoted {
+        proto: 17,
+        vip_port: 53,
+        ..quoted_tcp(client_port)
+    }
 }
 
 /// An ICMPv6 "packet too big" (MTU 1280) to the IPv6 VIP, quoting a TCP segment it sent
@@ -531,18 +550,49 @@ fn cases() -> Vec<Case> {
             "seen_icmp_too_big",
         ),
         fwd(
-            "ICMP fragmentation needed about a UDP flow of the VIP goes to its backend",
+            "ICMP fragmentation needed with IPv4 options of its own",
+            icmp4_with_options(
+                VIP,
+                ICMP_UNREACHABLE,
+                ICMP_FRAG_NEEDED,
+                quoted_tcp(40000),
+                &[1, 1, 1, 0],
+            ),
+            "seen_ipv4_options",
+        ),
+        fwd(
+            "ICMP fragmentation needed quoting a header with IPv4 options",
             icmp4(
                 VIP,
                 ICMP_UNREACHABLE,
                 ICMP_FRAG_NEEDED,
                 Quoted {
-                    proto: 17,
-                    vip_port: 53,
-                    ..quoted_tcp(5353)
+                    options: &[1, 1, 1, 0],
+                    ..quoted_tcp(40000)
                 },
             ),
             "seen_icmp_too_big",
+        ),
+        fwd(
+            "802.1Q-tagged ICMP fragmentation needed keeps its tag",
+            tagged(
+                icmp4(VIP, ICMP_UNREACHABLE, ICMP_FRAG_NEEDED, quoted_tcp(40000)),
+                0x8100,
+            ),
+            "seen_vlan",
+        ),
+        pass(
+            "ICMP fragmentation needed quoting a later fragment (no ports)",
+            icmp4(
+                VIP,
+                ICMP_UNREACHABLE,
+                ICMP_FRAG_NEEDED,
+                Quoted {
+                    frags: 185,
+                    ..quoted_tcp(40000)
+                },
+            ),
+            "pass_other_proto",
         ),
         fwd(
             "ICMPv6 packet too big about a flow of the VIP goes to its backend",
@@ -1004,7 +1054,8 @@ fn icmp_too_big_goes_where_its_flow_goes() {
     }
     assert!(moved > 10, "the new table should move some flows ({moved})");
 
-    // No entry: the table's choice, and still no entry after it (the next ACK misses).
+    // TCP, no entry: the table's choice (the backend's kernel checks the quoted
+    // sequence number), and still no entry after it (the next ACK misses).
     let port = 42000;
     let error = icmp4(VIP, ICMP_UNREACHABLE, ICMP_FRAG_NEEDED, quoted_tcp(port));
     let result = run(&mut fixture, &error);
@@ -1012,6 +1063,38 @@ fn icmp_too_big_goes_where_its_flow_goes() {
     assert_eq!(counted(&result, "ct_created"), 0);
     let ack = run(&mut fixture, &tcp(port, TCP_ACK));
     assert_eq!(counted(&ack, "ct_miss_non_syn"), 1, "{:?}", ack.counted);
+
+    // UDP: only with a live entry, whose backend it takes and whose time it leaves.
+    let port = 45000;
+    let error = icmp4(VIP, ICMP_UNREACHABLE, ICMP_FRAG_NEEDED, quoted_udp(port));
+    let unknown = run(&mut fixture, &error);
+    assert_eq!(unknown.action, XDP_PASS, "{:?}", unknown.counted);
+    assert_eq!(counted(&unknown, "pass_other_proto"), 1);
+    let vip: VipTarget = "10.0.0.100:53/udp".parse().unwrap();
+    let key = explain::flow_key(&vip, format!("10.0.0.1:{port}").parse().unwrap());
+    let table = explained(&fixture, "udp", port).0;
+    let other = [41, 42, 43].into_iter().find(|&b| b != table).unwrap();
+    let seen = explain::monotonic_ns() - 1_000_000_000;
+    let entry = lb_common::FlowEntry {
+        backend_id: backend_named(&fixture, "udp", other),
+        flags: 0,
+        last_seen_ns: seen,
+    };
+    fixture.dataplane.insert_flow(&key, &entry).unwrap();
+    let held = run(&mut fixture, &error);
+    assert_eq!(backend_of(&held), other, "{:?}", held.counted);
+    assert_eq!(counted(&held, "seen_icmp_too_big"), 1);
+    let after = fixture.dataplane.flow(&key).unwrap().expect("the entry");
+    assert_eq!(after, entry, "the error changed the flow's entry");
+    // Idle for longer than flow_idle_timeout: no flow any more, so passed.
+    let idle = fixture.config.dataplane.flow_idle_timeout.as_nanos() as u64;
+    let stale = lb_common::FlowEntry {
+        last_seen_ns: seen - idle,
+        ..entry
+    };
+    fixture.dataplane.insert_flow(&key, &stale).unwrap();
+    let expired = run(&mut fixture, &error);
+    assert_eq!(expired.action, XDP_PASS, "{:?}", expired.counted);
 }
 
 /// What `lb explain` says of the flow from 10.0.0.1:`port` to the TCP VIP: the last
