@@ -120,7 +120,9 @@ impl Shared {
     pub fn sync(&mut self) -> anyhow::Result<()> {
         let desired = self.model.desired();
         let report = self.writer.apply(self.dataplane.as_mut(), &desired)?;
-        if report.slots_written > 0 || report.vips_removed > 0 {
+        // A switch may write no slot: the idle generation can already hold the new table
+        // (a backend that goes down again, back to the table before it came up).
+        if report.slots_written > 0 || report.tables_switched > 0 || report.vips_removed > 0 {
             tracing::info!(
                 "tables updated: {} slots written, {} tables switched, {} VIPs removed",
                 report.slots_written,
@@ -704,6 +706,10 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     let mut sighup = signal(SignalKind::hangup())?;
     let mut refresh = tokio::time::interval(NEIGHBOR_REFRESH);
     let mut flow_scan = tokio::time::interval(FLOW_SCAN);
+    // When the last scan began and what it took: a scan's cost grows with the table (a
+    // million entries: about 0.3 s of CPU), so a large table is scanned less often, at
+    // most a tenth of one CPU's time.
+    let mut last_scan: Option<(Instant, Duration)> = None;
     loop {
         tokio::select! {
             _ = sigterm.recv() => break,
@@ -713,14 +719,23 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
                 let _ = reload(&shared, &health_tasks);
             }
             _ = flow_scan.tick() => {
+                let due = last_scan.is_none_or(|(at, took)| at.elapsed() >= took * 10);
                 // The scan reads the whole connection table: off the agent's lock.
-                let reader = flow_reader.clone();
-                let scanned = tokio::task::spawn_blocking(move || reader.flows()).await;
+                let scanned = if due {
+                    let reader = flow_reader.clone();
+                    let started = Instant::now();
+                    let scanned = tokio::task::spawn_blocking(move || reader.flows()).await;
+                    last_scan = Some((started, started.elapsed()));
+                    Some(scanned)
+                } else {
+                    None
+                };
                 let mut shared = shared.lock().expect("agent state poisoned");
                 match scanned {
-                    Ok(Ok(flows)) => shared.record_flows(flows, monotonic_ns()),
-                    Ok(Err(error)) => tracing::warn!("connection-table scan: {error:#}"),
-                    Err(error) => tracing::warn!("connection-table scan: {error}"),
+                    Some(Ok(Ok(flows))) => shared.record_flows(flows, monotonic_ns()),
+                    Some(Ok(Err(error))) => tracing::warn!("connection-table scan: {error:#}"),
+                    Some(Err(error)) => tracing::warn!("connection-table scan: {error}"),
+                    None => {}
                 }
                 if let Err(error) = shared.sample_rates(Instant::now()) {
                     tracing::warn!("sampling counters: {error:#}");

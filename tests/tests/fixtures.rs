@@ -1270,6 +1270,42 @@ fn udp_entries_hold_until_idle_then_expire() {
     );
 }
 
+/// The agent's scan of the connection table (batched reads, several batches here)
+/// returns every entry exactly, as the key-by-key read does.
+#[test]
+fn the_connection_table_scan_reads_every_entry() {
+    if !can_run("the_connection_table_scan_reads_every_entry") {
+        return;
+    }
+    let config = sticky_config(&[("10.0.0.41", 1)], 0)
+        .replace("conntrack_entries = 4096", "conntrack_entries = 65536");
+    let mut fixture = fixture(&config);
+    let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+    let mut inserted = std::collections::HashMap::new();
+    for i in 0..20_000u32 {
+        let client =
+            std::net::SocketAddr::from(([10, 1, (i >> 8) as u8, i as u8], 1024 + i as u16));
+        let key = explain::flow_key(&vip, client);
+        let entry = lb_common::FlowEntry {
+            backend_id: i % 7,
+            flags: i % 2,
+            last_seen_ns: u64::from(i) * 1000,
+        };
+        fixture.dataplane.insert_flow(&key, &entry).unwrap();
+        inserted.insert(key, entry);
+    }
+    let reader = fixture.dataplane.flow_reader().unwrap();
+    // Batched reads work on this kernel (`flows` would fall back without them).
+    let scanned = reader.flows_batched().unwrap();
+    assert_eq!(scanned.len(), inserted.len(), "entries read");
+    let as_map: std::collections::HashMap<_, _> = scanned.into_iter().collect();
+    assert_eq!(as_map, inserted);
+    for read in [reader.flows(), reader.flows_by_key()] {
+        let read: std::collections::HashMap<_, _> = read.unwrap().into_iter().collect();
+        assert_eq!(read, inserted);
+    }
+}
+
 #[test]
 fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
     if !can_run("the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance") {

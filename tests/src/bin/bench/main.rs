@@ -287,6 +287,12 @@ fn run(args: &Args) -> Result<()> {
         let (t, j) = control::switch(&[1, 100, 1000])?;
         tables.push(t);
         json_sections.insert("table_switch".into(), j);
+        let (t, j) = control::scan(
+            if args.quick { 65536 } else { 1 << 20 },
+            if args.quick { 2 } else { 5 },
+        )?;
+        tables.push(t);
+        json_sections.insert("conntrack_scan".into(), j);
     }
 
     let mut goal_table = Table::new("Goals of issue 8", &["goal", "measured", "target", "met"]);
