@@ -372,15 +372,18 @@ impl Shared {
         Ok(())
     }
 
-    /// Counts live entries per backend from a scan of the connection table.
+    /// Counts live entries per backend from a scan of the connection table that began
+    /// at `started` (`started_ns` on the data path's clock). The scan counts as of its
+    /// start: a flow that began later may have landed where the scan had already read.
     pub fn record_flows(
         &mut self,
         flows: Vec<(lb_common::FlowKey, lb_common::FlowEntry)>,
-        now_ns: u64,
+        started: Instant,
+        started_ns: u64,
     ) {
         let idle_ns = self.config.dataplane.flow_idle_timeout.as_nanos() as u64;
         self.conntrack_size = flows.len() as u64;
-        self.last_scan = Some(Instant::now());
+        self.last_scan = Some(started);
         self.active_flows.clear();
         for (_, entry) in flows {
             // A client's FIN only half-closes: the backend may still be sending, so a
@@ -391,7 +394,7 @@ impl Shared {
             } else {
                 idle_ns
             };
-            if now_ns.saturating_sub(entry.last_seen_ns) <= window {
+            if started_ns.saturating_sub(entry.last_seen_ns) <= window {
                 *self.active_flows.entry(entry.backend_id).or_default() += 1;
             }
         }
@@ -706,6 +709,9 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     let mut sighup = signal(SignalKind::hangup())?;
     let mut refresh = tokio::time::interval(NEIGHBOR_REFRESH);
     let mut flow_scan = tokio::time::interval(FLOW_SCAN);
+    // After a slow tick, the next comes a full period later, not at once: rates are
+    // sampled over a real interval.
+    flow_scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // When the last scan began and what it took: a scan's cost grows with the table (a
     // million entries: about 0.3 s of CPU), so a large table is scanned less often, at
     // most a tenth of one CPU's time.
@@ -723,18 +729,22 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
                 // The scan reads the whole connection table: off the agent's lock.
                 let scanned = if due {
                     let reader = flow_reader.clone();
-                    let started = Instant::now();
+                    let (started, started_ns) = (Instant::now(), monotonic_ns());
                     let scanned = tokio::task::spawn_blocking(move || reader.flows()).await;
                     last_scan = Some((started, started.elapsed()));
-                    Some(scanned)
+                    Some((scanned, started, started_ns))
                 } else {
                     None
                 };
                 let mut shared = shared.lock().expect("agent state poisoned");
                 match scanned {
-                    Some(Ok(Ok(flows))) => shared.record_flows(flows, monotonic_ns()),
-                    Some(Ok(Err(error))) => tracing::warn!("connection-table scan: {error:#}"),
-                    Some(Err(error)) => tracing::warn!("connection-table scan: {error}"),
+                    Some((Ok(Ok(flows)), started, started_ns)) => {
+                        shared.record_flows(flows, started, started_ns);
+                    }
+                    Some((Ok(Err(error)), ..)) => {
+                        tracing::warn!("connection-table scan: {error:#}");
+                    }
+                    Some((Err(error), ..)) => tracing::warn!("connection-table scan: {error}"),
                     None => {}
                 }
                 if let Err(error) = shared.sample_rates(Instant::now()) {
@@ -1179,7 +1189,7 @@ mod tests {
             flow(5, 2, grace + 1, closing),
             flow(6, 2, idle / 2, closing),
         ];
-        shared.record_flows(flows, now);
+        shared.record_flows(flows, Instant::now(), now);
         assert_eq!(shared.conntrack_size, 6);
         assert_eq!(
             shared.active_flows.get(&1),
@@ -1195,7 +1205,7 @@ mod tests {
         );
         assert!(shared.last_scan.is_some());
         // A scan replaces the counts, it does not add to them.
-        shared.record_flows(vec![flow(1, 2, 0, 0)], now);
+        shared.record_flows(vec![flow(1, 2, 0, 0)], Instant::now(), now);
         assert_eq!(
             shared.active_flows,
             HashMap::from([(2, 1)]),

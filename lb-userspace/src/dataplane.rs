@@ -734,6 +734,9 @@ struct BatchAttr {
 /// Elements per batch call.
 const BATCH: usize = 8192;
 
+/// The kernel's internal ENOTSUPP, which bpf(2) returns for a command a map lacks.
+const KERNEL_ENOTSUPP: i32 = 524;
+
 /// One bpf(2) batch command.
 fn batch_call(command: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
     // SAFETY: `attr` is a valid `union bpf_attr` prefix whose pointers the caller keeps
@@ -1088,18 +1091,23 @@ fn read_flows(
     map: &BpfHashMap<MapData, FlowKey, FlowEntry>,
 ) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
     match read_flows_batched(map) {
-        // A kernel without batch lookups for this map: key by key.
-        Err(DataplaneError::Map {
+        Err(error) if batch_unsupported(&error) => read_flows_by_key(map),
+        read => read,
+    }
+}
+
+/// A kernel without batch lookups: EINVAL (no such command, before 5.6) or the kernel's
+/// own ENOTSUPP, 524 (none for this map type). Any other error is a real one.
+fn batch_unsupported(error: &DataplaneError) -> bool {
+    match error {
+        DataplaneError::Map {
             source: aya::maps::MapError::SyscallError(e),
             ..
-        }) if matches!(
+        } => matches!(
             e.io_error.raw_os_error(),
-            Some(libc::EINVAL | libc::ENOTSUP)
-        ) =>
-        {
-            read_flows_by_key(map)
-        }
-        read => read,
+            Some(libc::EINVAL | libc::ENOTSUP | KERNEL_ENOTSUPP)
+        ),
+        _ => false,
     }
 }
 
@@ -1108,12 +1116,15 @@ fn read_flows_batched(
     map: &BpfHashMap<MapData, FlowKey, FlowEntry>,
 ) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
     let fd = aya::maps::IterableMap::map(map).fd().as_fd().as_raw_fd();
-    lookup_flows_batch(fd).map_err(|source| {
-        in_map(MAP_CONNTRACK)(aya::maps::MapError::SyscallError(aya::sys::SyscallError {
-            call: "bpf_map_lookup_batch",
-            io_error: source,
-        }))
-    })
+    lookup_flows_batch(fd).map_err(lookup_batch_error)
+}
+
+/// How a failed BPF_MAP_LOOKUP_BATCH on the connection table is reported.
+fn lookup_batch_error(source: std::io::Error) -> DataplaneError {
+    in_map(MAP_CONNTRACK)(aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+        call: "bpf_map_lookup_batch",
+        io_error: source,
+    }))
 }
 
 /// [`read_flows`] one key at a time (two bpf(2) calls per entry).
@@ -1281,6 +1292,18 @@ pub fn remove_pins(dir: &Path) -> Result<(), DataplaneError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_missing_batch_command_falls_back_to_key_by_key() {
+        let error = |errno: i32| lookup_batch_error(std::io::Error::from_raw_os_error(errno));
+        for errno in [libc::EINVAL, KERNEL_ENOTSUPP, libc::ENOTSUP] {
+            assert!(batch_unsupported(&error(errno)), "errno {errno}");
+        }
+        for errno in [libc::EFAULT, libc::ENOSPC, libc::EPERM, libc::ENOMEM] {
+            assert!(!batch_unsupported(&error(errno)), "errno {errno}");
+        }
+        assert!(!batch_unsupported(&DataplaneError::NoObject));
+    }
 
     const SIZE: u32 = 7;
 

@@ -1277,8 +1277,14 @@ fn the_connection_table_scan_reads_every_entry() {
     if !can_run("the_connection_table_scan_reads_every_entry") {
         return;
     }
-    let config = sticky_config(&[("10.0.0.41", 1)], 0)
-        .replace("conntrack_entries = 4096", "conntrack_entries = 65536");
+    // Inserted from one CPU, which the per-CPU LRU lists give a 1/CPUs share of the
+    // table: room for all 20000 on this CPU alone.
+    let cpus = aya::util::nr_cpus().expect("possible CPUs") as u32;
+    let entries = (20_000 * cpus).next_power_of_two().max(65536);
+    let config = sticky_config(&[("10.0.0.41", 1)], 0).replace(
+        "conntrack_entries = 4096",
+        &format!("conntrack_entries = {entries}"),
+    );
     let mut fixture = fixture(&config);
     let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
     let mut inserted = std::collections::HashMap::new();

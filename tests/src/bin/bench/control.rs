@@ -174,7 +174,6 @@ pub fn switch(counts: &[usize]) -> Result<(Table, Value)> {
     Ok((table, Value::Array(rows)))
 }
 
-/// Seconds since the epoch of a tracing timestamp such as `2026-05-20T10:11:12.123456Z`.
 /// The agent's connection-table scan (every 2 s: active flows, drains) on a real map
 /// of `entries` entries, filled with `entries` flows: batched reads (what the agent
 /// does) against key-by-key reads (its fallback), medians of `rounds` each.
@@ -198,12 +197,17 @@ pub fn scan(entries: u32, rounds: usize) -> Result<(Table, Value)> {
         .map_err(|e: String| anyhow!(e))?;
     // The LRU keeps per-CPU lists (BPF_F_NO_COMMON_LRU): an insert takes room from its
     // own CPU's share, so the table is filled from every CPU in turn, as traffic would.
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let me = nix::unistd::Pid::from_raw(0);
+    let allowed = nix::sched::sched_getaffinity(me)?;
+    let cpus: Vec<usize> = (0..nix::sched::CpuSet::count())
+        .filter(|&c| allowed.is_set(c).unwrap_or(false))
+        .collect();
+    let share = (entries as usize / cpus.len().max(1)).max(1);
     for i in 0..entries {
-        if i % (entries / cpus).max(1) == 0 {
-            let mut set = nix::sched::CpuSet::new();
-            set.set((i / (entries / cpus).max(1)).min(cpus - 1) as usize)?;
-            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)?;
+        if (i as usize).is_multiple_of(share) {
+            let mut one = nix::sched::CpuSet::new();
+            one.set(cpus[(i as usize / share).min(cpus.len() - 1)])?;
+            nix::sched::sched_setaffinity(me, &one)?;
         }
         let client = std::net::SocketAddr::from((
             [10, (i >> 16) as u8, (i >> 8) as u8, i as u8],
@@ -217,11 +221,7 @@ pub fn scan(entries: u32, rounds: usize) -> Result<(Table, Value)> {
         };
         inst.dataplane.insert_flow(&key, &entry)?;
     }
-    let mut all = nix::sched::CpuSet::new();
-    for cpu in 0..cpus as usize {
-        all.set(cpu)?;
-    }
-    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &all)?;
+    nix::sched::sched_setaffinity(me, &allowed)?;
     let reader = lb_userspace::dataplane::Dataplane::flow_reader(&inst.dataplane)?;
     let mut batched = Vec::new();
     let mut by_key = Vec::new();
@@ -253,6 +253,7 @@ pub fn scan(entries: u32, rounds: usize) -> Result<(Table, Value)> {
     ))
 }
 
+/// Seconds since the epoch of a tracing timestamp such as `2026-05-20T10:11:12.123456Z`.
 pub fn parse_timestamp(s: &str) -> Option<f64> {
     let s = s.trim().strip_suffix('Z')?;
     let (date, time) = s.split_once('T')?;
