@@ -979,25 +979,31 @@ fn counted(result: &RunResult, name: &str) -> u64 {
 
 const TCP_RST: u8 = 0x04;
 
-#[test]
-fn established_flows_stay_on_their_backend_while_the_set_changes() {
-    if !can_run("established_flows_stay_on_their_backend_while_the_set_changes") {
-        return;
-    }
+/// A program whose TCP VIP had two backends when a SYN came from each of `ports`, then
+/// a new table (a third backend, other weights) that sends many of those flows
+/// elsewhere. Returns it and the backend each flow was given (its MAC's last byte).
+fn flows_then_new_table(ports: &[u16]) -> (Fixture, Vec<u8>) {
     let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
-    let ports: Vec<u16> = (41000..41200).collect();
-    let before: Vec<u8> = ports
+    let before = ports
         .iter()
         .map(|&p| backend_of(&run(&mut fixture, &tcp(p, TCP_SYN))))
         .collect();
-
-    // Add a backend and change weights: the table now sends many of these flows elsewhere.
     fixture
         .reconfigure(&sticky_config(
             &[("10.0.0.41", 5), ("10.0.0.42", 1), ("10.0.0.43", 3)],
             0,
         ))
         .expect("reconfigure");
+    (fixture, before)
+}
+
+#[test]
+fn established_flows_stay_on_their_backend_while_the_set_changes() {
+    if !can_run("established_flows_stay_on_their_backend_while_the_set_changes") {
+        return;
+    }
+    let ports: Vec<u16> = (41000..41200).collect();
+    let (mut fixture, before) = flows_then_new_table(&ports);
     let moved_by_table = ports
         .iter()
         .zip(&before)
@@ -1023,18 +1029,8 @@ fn icmp_too_big_goes_where_its_flow_goes() {
     if !can_run("icmp_too_big_goes_where_its_flow_goes") {
         return;
     }
-    let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
     let ports: Vec<u16> = (41000..41100).collect();
-    let before: Vec<u8> = ports
-        .iter()
-        .map(|&p| backend_of(&run(&mut fixture, &tcp(p, TCP_SYN))))
-        .collect();
-    fixture
-        .reconfigure(&sticky_config(
-            &[("10.0.0.41", 5), ("10.0.0.42", 1), ("10.0.0.43", 3)],
-            0,
-        ))
-        .expect("reconfigure");
+    let (mut fixture, before) = flows_then_new_table(&ports);
     let mut moved = 0;
     for (port, backend) in ports.iter().zip(&before) {
         if explained(&fixture, "tcp", *port).0 != *backend {
