@@ -382,85 +382,114 @@ fn native_other_traffic_passes_untouched() {
     assert_eq!(lb_udp.answered(), 1);
 }
 
-/// Path MTU discovery through the balancer: a router's "fragmentation needed" about a
-/// reply of a UDP flow is addressed to the VIP, so it reaches the balancer, which sends
-/// it to the backend that sent the reply; that backend's kernel (and only its) then
-/// holds the lower path MTU towards the client.
+/// Path MTU discovery through the balancer: a router's "fragmentation needed" (ICMPv6
+/// "packet too big") about a reply of a UDP flow is addressed to the VIP, so it reaches
+/// the balancer, which sends it to the backend that sent the reply; that backend's
+/// kernel (and only its) then holds the lower path MTU towards the client.
 #[test]
-fn icmp_frag_needed_reaches_the_flows_backend() {
-    let test = "icmp_frag_needed_reaches_the_flows_backend";
+fn icmp_too_big_reaches_the_flows_backend() {
+    let test = "icmp_too_big_reaches_the_flows_backend";
     let Some(bin) = require_e2e(test) else { return };
     let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
     lab.serve_udp(53, false).expect("udp servers");
     let config = lab.agent_config(
         XdpMode::Native,
-        vec![lab.vip("dns", false, 53, Protocol::Udp, Health::None)],
+        vec![
+            lab.vip("dns", false, 53, Protocol::Udp, Health::None),
+            lab.vip("dns6", true, 53, Protocol::Udp, Health::None),
+        ],
     );
     lab.start_agent(&bin, &config).expect("start the agent");
-    let (vip, client) = (lab.vip4(), lab.client_addr(false));
-    let (IpAddr::V4(vip4), IpAddr::V4(client4)) = (vip, client) else {
-        unreachable!("IPv4 addresses")
-    };
-    let client_port = 30999;
-    let answer = lb_tests::udp_request_from(
-        lab.client(),
-        SocketAddr::new(vip, 53),
-        client_port,
-        Duration::from_secs(2),
-    )
-    .expect("a UDP request to the VIP");
-    let served = (0..lab.backends().len())
-        .find(|&i| lab.backend_name(i) == answer)
-        .unwrap_or_else(|| panic!("answered by {answer:?}, no backend of the lab"));
-
-    // What a router on the way back would send: its MTU, the reply's IPv4 header (VIP
-    // to client, DF) and the first 8 bytes of its UDP header.
-    let mtu: u16 = 1400;
-    let mut msg = vec![3, 4, 0, 0, 0, 0];
-    msg.extend_from_slice(&mtu.to_be_bytes());
-    let mut quoted = vec![0x45, 0, 0x05, 0xdc, 0, 1, 0x40, 0, 64, 17, 0, 0];
-    quoted.extend_from_slice(&vip4.octets());
-    quoted.extend_from_slice(&client4.octets());
-    let checksum = lb_tests::client::checksum(&quoted);
-    quoted[10..12].copy_from_slice(&checksum.to_be_bytes());
-    msg.extend(quoted);
-    msg.extend_from_slice(&53u16.to_be_bytes());
-    msg.extend_from_slice(&client_port.to_be_bytes());
-    msg.extend_from_slice(&[0x05, 0xc8, 0, 0]);
-    lb_tests::send_icmp(lab.client(), vip, &msg).expect("send the ICMP error");
-
-    let client_text = client.to_string();
-    let path_mtu = |i: usize| -> String {
-        lab.backend(i)
-            .exec("ip", &["route", "get", &client_text])
-            .unwrap_or_else(|e| format!("(ip route get failed: {e:#})"))
-    };
-    let lowered = format!("mtu {mtu}");
-    let start = Instant::now();
-    while !path_mtu(served).contains(&lowered) {
-        assert!(
-            start.elapsed() < Duration::from_secs(3),
-            "{} (which answered the flow) holds no path MTU {mtu} towards {client}:\n{}\n\
-             balancer counters: {}",
-            lab.backend_name(served),
-            path_mtu(served),
-            lab.agent().expect("agent").status().unwrap_or_default()
+    for (v6, mtu) in [(false, 1400u16), (true, 1280)] {
+        let (vip, client) = (
+            if v6 { lab.vip6() } else { lab.vip4() },
+            lab.client_addr(v6),
         );
-        sleep(Duration::from_millis(50));
-    }
-    for i in (0..lab.backends().len()).filter(|&i| i != served) {
-        let route = path_mtu(i);
-        assert!(
-            !route.contains(&lowered),
-            "{} got the error about another backend's flow:\n{route}",
-            lab.backend_name(i)
+        let client_port = 30999;
+        let answer = lb_tests::udp_request_from(
+            lab.client(),
+            SocketAddr::new(vip, 53),
+            client_port,
+            Duration::from_secs(2),
+        )
+        .expect("a UDP request to the VIP");
+        let served = (0..lab.backends().len())
+            .find(|&i| lab.backend_name(i) == answer)
+            .unwrap_or_else(|| panic!("answered by {answer:?}, no backend of the lab"));
+        let error = too_big(vip, client, client_port, mtu);
+        lb_tests::send_icmp(lab.client(), vip, &error).expect("send the ICMP error");
+
+        let client_text = client.to_string();
+        let path_mtu = |i: usize| -> String {
+            lab.backend(i)
+                .exec("ip", &["route", "get", &client_text])
+                .unwrap_or_else(|e| format!("(ip route get failed: {e:#})"))
+        };
+        let lowered = format!("mtu {mtu}");
+        let start = Instant::now();
+        while !path_mtu(served).contains(&lowered) {
+            assert!(
+                start.elapsed() < Duration::from_secs(3),
+                "{} (which answered the flow) holds no path MTU {mtu} towards {client}:\n{}\n\
+                 balancer: {}",
+                lab.backend_name(served),
+                path_mtu(served),
+                lab.agent().expect("agent").status().unwrap_or_default()
+            );
+            sleep(Duration::from_millis(50));
+        }
+        for i in (0..lab.backends().len()).filter(|&i| i != served) {
+            let route = path_mtu(i);
+            assert!(
+                !route.contains(&lowered),
+                "{} got the error about another backend's flow:\n{route}",
+                lab.backend_name(i)
+            );
+        }
+        eprintln!(
+            "{test}: {} lowered its path MTU to {client} to {mtu}:\n{}",
+            lab.backend_name(served),
+            path_mtu(served)
         );
     }
     let status = lab.agent().expect("agent").status_json().expect("status");
-    assert_eq!(status["counters"]["seen_icmp_too_big"], 1, "{status:#}");
-    eprintln!(
-        "{test}: {} lowered its path MTU to {client} to {mtu}:\n{}",
-        lab.backend_name(served),
-        path_mtu(served)
-    );
+    assert_eq!(status["counters"]["seen_icmp_too_big"], 2, "{status:#}");
+}
+
+/// What a router on the way back would send about a UDP reply from `vip`:53 to
+/// `client`:`client_port` that was too big for its next hop of `mtu`: the ICMP message
+/// (its checksum left to `send_icmp`), quoting the reply's IP header and 8 bytes of UDP.
+fn too_big(vip: IpAddr, client: IpAddr, client_port: u16, mtu: u16) -> Vec<u8> {
+    let mut quoted = match (vip, client) {
+        (IpAddr::V4(vip), IpAddr::V4(client)) => {
+            // Version/IHL, TOS, length 1500, id, DF, TTL, UDP, checksum.
+            let mut h = vec![0x45, 0, 0x05, 0xdc, 0, 1, 0x40, 0, 64, 17, 0, 0];
+            h.extend_from_slice(&vip.octets());
+            h.extend_from_slice(&client.octets());
+            let checksum = lb_tests::client::checksum(&h);
+            h[10..12].copy_from_slice(&checksum.to_be_bytes());
+            h
+        }
+        (IpAddr::V6(vip), IpAddr::V6(client)) => {
+            // Version, payload length 1452, UDP, hop limit.
+            let mut h = vec![0x60, 0, 0, 0, 0x05, 0xac, 17, 64];
+            h.extend_from_slice(&vip.octets());
+            h.extend_from_slice(&client.octets());
+            h
+        }
+        _ => panic!("{vip} and {client} are of different families"),
+    };
+    quoted.extend_from_slice(&53u16.to_be_bytes());
+    quoted.extend_from_slice(&client_port.to_be_bytes());
+    quoted.extend_from_slice(&[0x05, 0xac, 0, 0]);
+    // ICMP: type 3 code 4 "fragmentation needed", 2 unused bytes, the next-hop MTU;
+    // ICMPv6: type 2 "packet too big", the MTU in 4 bytes.
+    let mut msg = if vip.is_ipv4() {
+        vec![3, 4, 0, 0, 0, 0]
+    } else {
+        vec![2, 0, 0, 0, 0, 0]
+    };
+    msg.extend_from_slice(&mtu.to_be_bytes());
+    msg.extend(quoted);
+    msg
 }
