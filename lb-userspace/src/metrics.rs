@@ -321,7 +321,7 @@ async fn metrics(
         .get_all(axum::http::header::ACCEPT)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("application/openmetrics-text"));
+        .any(accepts_openmetrics);
     let shared = shared.lock().expect("agent state poisoned");
     match render(&shared) {
         Ok(text) if openmetrics => (
@@ -341,6 +341,20 @@ async fn metrics(
             .into_response(),
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{error:#}")).into_response(),
     }
+}
+
+/// Whether an Accept header value asks for OpenMetrics: it lists the media type with a
+/// quality above 0 (`q=0` means "not this").
+fn accepts_openmetrics(accept: &str) -> bool {
+    accept.split(',').any(|range| {
+        let mut parts = range.split(';').map(str::trim);
+        let media = parts.next().unwrap_or("");
+        let quality = parts
+            .filter_map(|p| p.strip_prefix("q=").or_else(|| p.strip_prefix("Q=")))
+            .find_map(|q| q.parse::<f32>().ok())
+            .unwrap_or(1.0);
+        media.eq_ignore_ascii_case("application/openmetrics-text") && quality > 0.0
+    })
 }
 
 /// The classic Prometheus text format (0.0.4) of an OpenMetrics exposition. The samples
@@ -415,6 +429,27 @@ mod tests {
         busiest_over_average,
         test_support::{config, shared},
     };
+
+    #[test]
+    fn openmetrics_only_when_asked_for() {
+        // What Prometheus sends.
+        assert!(accepts_openmetrics(
+            "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+             version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        ));
+        assert!(accepts_openmetrics(
+            "Application/OpenMetrics-Text; version=1.0.0"
+        ));
+        for plain in [
+            "",
+            "*/*",
+            "text/plain",
+            "text/plain;version=0.0.4",
+            "application/openmetrics-text;q=0, text/plain",
+        ] {
+            assert!(!accepts_openmetrics(plain), "{plain:?}");
+        }
+    }
 
     #[test]
     fn the_classic_text_names_counter_families_as_their_samples() {
