@@ -427,7 +427,7 @@ pub fn render(status: &Status) -> String {
             if vip.busiest_over_average > 0.0 {
                 format!("{:.2}", vip.busiest_over_average)
             } else {
-                "- (no new flows in the last 2 s)".to_string()
+                "- (no new flows in the last sample)".to_string()
             },
             if vip.top_sources.is_empty() {
                 "none".to_string()
@@ -520,7 +520,10 @@ mod tests {
             quiet.contains("7 connection-table entries 0.5s ago"),
             "{quiet}"
         );
-        assert!(quiet.contains("new flows: - (no new flows"), "{quiet}");
+        assert!(
+            quiet.contains("new flows: - (no new flows in the last sample)"),
+            "{quiet}"
+        );
         for line in [
             "start: ",
             "vip web 10.0.0.100:80/tcp",

@@ -177,6 +177,13 @@ fn run(args: &Args, cancelled: &AtomicBool) -> Result<bool> {
     }
 
     let agent = lab.agent().context("the agent is gone")?;
+    // The agent samples rates and scans its connection table every 2 s: one more sample,
+    // so the status shows this traffic's flows and spread, not the quiet before it.
+    println!("\n(waiting 2.5 s for the agent's next sample of rates and flows)");
+    for _ in 0..25 {
+        check()?;
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     println!("\n$ lb status --socket {}", agent.socket().display());
     match agent.status() {
         Ok(status) => print!("{status}"),
