@@ -22,7 +22,7 @@ pub const MAX_BACKENDS: u32 = 4096;
 /// Default Maglev table size (a prime), per VIP.
 pub const DEFAULT_MAGLEV_SIZE: u32 = 65537;
 /// Each VIP owns two tables in `LB_MAGLEV` so a new one is written aside and then
-/// switched to in one map update (see `VipInfo::table_base`).
+/// switched to in one map update (see `VipInfo::generation`).
 pub const TABLE_GENERATIONS: u32 = 2;
 /// A Maglev slot or backend id that names no backend (a VIP with no usable backend).
 pub const BACKEND_NONE: u32 = u32::MAX;
@@ -55,7 +55,7 @@ pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 5;
+pub const LAYOUT_VERSION: u64 = 6;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -110,9 +110,9 @@ pub const VIP_F_HASH_SRC_IP: u32 = 1;
 pub struct VipInfo {
     /// Index into the per-VIP stats.
     pub vip_id: u32,
-    /// Index of this VIP's current table's first slot in `LB_MAGLEV`. Switching it is
-    /// how a new table takes effect atomically.
-    pub table_base: u32,
+    /// Which of the VIP's `TABLE_GENERATIONS` tables in `LB_MAGLEV` is live. Switching it
+    /// is how a new table takes effect atomically.
+    pub generation: u32,
     /// `VIP_F_*` bits.
     pub flags: u32,
     pub _pad: u32,
@@ -123,6 +123,12 @@ impl VipInfo {
     /// First slot of `generation`'s table for `vip_id` in `LB_MAGLEV`.
     pub const fn table_base_for(vip_id: u32, generation: u32, table_size: u32) -> u32 {
         (vip_id * TABLE_GENERATIONS + generation) * table_size
+    }
+
+    /// First slot of the live table in `LB_MAGLEV`.
+    #[inline(always)]
+    pub const fn table_base(&self, table_size: u32) -> u32 {
+        Self::table_base_for(self.vip_id, self.generation, table_size)
     }
 }
 

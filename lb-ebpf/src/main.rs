@@ -90,8 +90,7 @@ mod program {
         };
         // From the slot, or from LB_VIPS when the slot is shared: a key LB_VIPS lacks is
         // no VIP's, whatever connection-table entries it left.
-        let table_size = read(&MAGLEV_SIZE);
-        let Some(vip) = vip_info(&slot, &vip_key, table_size) else {
+        let Some(vip) = vip_info(&slot, &vip_key) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
         let cpu = Cpu::get();
@@ -124,7 +123,7 @@ mod program {
                 None if packet.proto == PROTO_UDP => {
                     return Err(Verdict::pass(stat::PASS_OTHER_PROTO));
                 }
-                None => table_choice(&packet, &vip, table_size)?,
+                None => table_choice(&packet, &vip)?,
             };
             stats.count(stat::SEEN_ICMP_TOO_BIG);
             return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
@@ -154,7 +153,7 @@ mod program {
         }
         let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
-        let (backend_id, backend) = table_choice(&packet, &vip, table_size)?;
+        let (backend_id, backend) = table_choice(&packet, &vip)?;
         let flags = if packet.closing() { FLOW_F_CLOSING } else { 0 };
         let written = match entry {
             // The backend it already names (a SYN on a reused tuple while the table
@@ -229,12 +228,11 @@ mod program {
     #[inline(always)]
     // Keys go to the maps by reference: by value, each call copies them again.
     #[allow(clippy::needless_borrows_for_generic_args)]
-    fn vip_info(slot: &VipSlot, key: &VipKey, table_size: u32) -> Option<VipInfo> {
+    fn vip_info(slot: &VipSlot, key: &VipKey) -> Option<VipInfo> {
         if slot.state & VIP_SLOT_SHARED == 0 {
-            let table_base = VipInfo::table_base_for(slot.vip_id, slot.generation, table_size);
             return Some(VipInfo {
                 vip_id: slot.vip_id,
-                table_base,
+                generation: slot.generation,
                 flags: slot.flags,
                 _pad: 0,
             });
@@ -245,13 +243,10 @@ mod program {
 
     /// The backend the VIP's Maglev table gives the packet's flow.
     #[inline(always)]
-    fn table_choice(
-        packet: &Packet,
-        vip: &VipInfo,
-        table_size: u32,
-    ) -> Result<(u32, BackendInfo), Verdict> {
+    fn table_choice(packet: &Packet, vip: &VipInfo) -> Result<(u32, BackendInfo), Verdict> {
+        let table_size = read(&MAGLEV_SIZE);
         let hash = flow_hash(&packet.flow_tuple(), vip.flags & VIP_F_HASH_SRC_IP != 0);
-        let table_slot = vip.table_base + maglev_slot(hash, table_size);
+        let table_slot = vip.table_base(table_size) + maglev_slot(hash, table_size);
         let backend_id = match LB_MAGLEV.get(table_slot) {
             Some(&id) if id != BACKEND_NONE => id,
             _ => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),

@@ -37,6 +37,7 @@ const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
 const VLAN_HDR_LEN: usize = 4;
 const IPV4_MF_AND_OFFSET: u16 = 0x3fff;
+const IPV4_OFFSET: u16 = 0x1fff;
 /// ICMP "destination unreachable", code "fragmentation needed and DF set".
 const ICMP_UNREACHABLE: u8 = 3;
 const ICMP_FRAG_NEEDED: u8 = 4;
@@ -98,6 +99,30 @@ impl Packet {
     #[inline(always)]
     pub fn closing(&self) -> bool {
         self.fin || self.rst
+    }
+
+    /// A packet of the flow from `src_addr` to `dst_addr` (ports in network order), no
+    /// flag set.
+    #[inline(always)]
+    fn of_flow(
+        (src_addr, dst_addr): ([u8; 16], [u8; 16]),
+        (family, proto): (u8, u8),
+        (src_port_be, dst_port_be): (u16, u16),
+    ) -> Self {
+        Packet {
+            src_addr,
+            dst_addr,
+            family,
+            proto,
+            src_port_be,
+            dst_port_be,
+            syn: false,
+            rst: false,
+            fin: false,
+            vlan: false,
+            ipv4_options: false,
+            icmp_too_big: false,
+        }
     }
 
     /// The fields the flow hash takes, in host order. Built only when a packet is
@@ -165,33 +190,54 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Verdict> {
     Ok(packet)
 }
 
+/// An IPv4 header's length, fragment field and protocol; `None` when it is no valid
+/// IPv4 header (version not 4, or shorter than 20 bytes). The caller checked its bounds.
 #[inline(always)]
-fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
-    let ip = ptr_at::<Ipv4Hdr>(ctx, offset)?;
+fn ipv4_header(ip: *const Ipv4Hdr) -> Option<(usize, u16, u8)> {
     let (vihl, frags, proto) =
         unsafe { ((*ip).vihl, u16::from_be_bytes((*ip).frags), (*ip).proto) };
     // Masked to 4 bits so the verifier sees the header length bounded by 60.
     let header_len = ((vihl & 0x0f) as usize) * 4;
-    if vihl >> 4 != 4 || header_len < Ipv4Hdr::LEN {
+    (vihl >> 4 == 4 && header_len >= Ipv4Hdr::LEN).then_some((header_len, frags, proto))
+}
+
+/// An IPv4 header's source and destination (bytes 12..20), as the maps hold them.
+#[inline(always)]
+fn ipv4_addresses(ip: *const Ipv4Hdr) -> ([u8; 16], [u8; 16]) {
+    let [src, dst] = load_words::<2>(ip as *const u8, 12);
+    (as_bytes([src, 0, 0, 0]), as_bytes([dst, 0, 0, 0]))
+}
+
+/// An IPv6 header's next header; `None` when the version is not 6. The caller checked
+/// its bounds.
+#[inline(always)]
+fn ipv6_header(ip: *const Ipv6Hdr) -> Option<u8> {
+    let (version, next) = unsafe { ((*ip).vcf[0] >> 4, (*ip).next_hdr) };
+    (version == 6).then_some(next)
+}
+
+/// An IPv6 header's source and destination (bytes 8..40).
+#[inline(always)]
+fn ipv6_addresses(ip: *const Ipv6Hdr) -> ([u8; 16], [u8; 16]) {
+    let [s0, s1, s2, s3, d0, d1, d2, d3] = load_words::<8>(ip as *const u8, 8);
+    (as_bytes([s0, s1, s2, s3]), as_bytes([d0, d1, d2, d3]))
+}
+
+#[inline(always)]
+fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
+    let ip = ptr_at::<Ipv4Hdr>(ctx, offset)?;
+    let Some((header_len, frags, proto)) = ipv4_header(ip) else {
         return Err(Verdict::drop(stat::DROP_BAD_HEADER));
-    }
+    };
     if frags & IPV4_MF_AND_OFFSET != 0 {
         return Err(Verdict::pass(stat::PASS_FRAGMENT));
     }
-    // Source and destination: bytes 12..20 of the header.
-    let [src, dst] = load_words::<2>(ip as *const u8, 12);
-    let src_addr = as_bytes([src, 0, 0, 0]);
-    let dst_addr = as_bytes([dst, 0, 0, 0]);
+    let addresses = ipv4_addresses(ip);
+    let l4 = offset + header_len;
     let mut packet = if proto == PROTO_ICMP {
-        icmp_too_big(ctx, offset + header_len, ADDR_FAMILY_V4, dst_addr)?
+        icmp_too_big(ctx, l4, ADDR_FAMILY_V4, addresses.1)?
     } else {
-        transport(
-            ctx,
-            offset + header_len,
-            (ADDR_FAMILY_V4, proto),
-            src_addr,
-            dst_addr,
-        )?
+        transport(ctx, l4, (ADDR_FAMILY_V4, proto), addresses)?
     };
     packet.ipv4_options = header_len > Ipv4Hdr::LEN;
     Ok(packet)
@@ -200,10 +246,9 @@ fn ipv4(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
 #[inline(always)]
 fn ipv6(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
     let ip = ptr_at::<Ipv6Hdr>(ctx, offset)?;
-    let (version, next) = unsafe { ((*ip).vcf[0] >> 4, (*ip).next_hdr) };
-    if version != 6 {
+    let Some(next) = ipv6_header(ip) else {
         return Err(Verdict::drop(stat::DROP_BAD_HEADER));
-    }
+    };
     if next != PROTO_TCP && next != PROTO_UDP && next != PROTO_ICMPV6 {
         return Err(Verdict::pass(if is_ipv6_extension(next) {
             stat::PASS_IPV6_EXT
@@ -211,13 +256,16 @@ fn ipv6(ctx: &XdpContext, offset: usize) -> Result<Packet, Verdict> {
             stat::PASS_OTHER_PROTO
         }));
     }
-    // Source and destination: bytes 8..40 of the header.
-    let [s0, s1, s2, s3, d0, d1, d2, d3] = load_words::<8>(ip as *const u8, 8);
-    let (src, dst) = (as_bytes([s0, s1, s2, s3]), as_bytes([d0, d1, d2, d3]));
+    let addresses = ipv6_addresses(ip);
     if next == PROTO_ICMPV6 {
-        return icmp_too_big(ctx, offset + Ipv6Hdr::LEN, ADDR_FAMILY_V6, dst);
+        return icmp_too_big(ctx, offset + Ipv6Hdr::LEN, ADDR_FAMILY_V6, addresses.1);
     }
-    transport(ctx, offset + Ipv6Hdr::LEN, (ADDR_FAMILY_V6, next), src, dst)
+    transport(
+        ctx,
+        offset + Ipv6Hdr::LEN,
+        (ADDR_FAMILY_V6, next),
+        addresses,
+    )
 }
 
 /// An ICMP(v6) message at `offset`, sent to `to`: a "too big" error quoting a packet
@@ -236,33 +284,23 @@ fn icmp_too_big(
     let quoted = offset + ICMP_HDR_LEN;
     // The quoted header: its protocol, source (the VIP), destination (the client) and
     // the offset of its transport header.
-    let (proto, vip, client, l4) = if family == ADDR_FAMILY_V4 {
+    let (proto, (vip, client), l4) = if family == ADDR_FAMILY_V4 {
         if kind != ICMP_UNREACHABLE || code != ICMP_FRAG_NEEDED {
             return Err(other);
         }
         let ip = ptr_at::<Ipv4Hdr>(ctx, quoted).map_err(|_| other)?;
-        let (vihl, frags, proto) =
-            unsafe { ((*ip).vihl, u16::from_be_bytes((*ip).frags), (*ip).proto) };
-        let header_len = ((vihl & 0x0f) as usize) * 4;
         // A later fragment quotes no ports.
-        if vihl >> 4 != 4 || header_len < Ipv4Hdr::LEN || frags & 0x1fff != 0 {
-            return Err(other);
-        }
-        let [src, dst] = load_words::<2>(ip as *const u8, 12);
-        let (vip, client) = (as_bytes([src, 0, 0, 0]), as_bytes([dst, 0, 0, 0]));
-        (proto, vip, client, quoted + header_len)
+        let (header_len, _, proto) = ipv4_header(ip)
+            .filter(|(_, frags, _)| frags & IPV4_OFFSET == 0)
+            .ok_or(other)?;
+        (proto, ipv4_addresses(ip), quoted + header_len)
     } else {
         if kind != ICMPV6_TOO_BIG {
             return Err(other);
         }
         let ip = ptr_at::<Ipv6Hdr>(ctx, quoted).map_err(|_| other)?;
-        let (version, proto) = unsafe { ((*ip).vcf[0] >> 4, (*ip).next_hdr) };
-        if version != 6 {
-            return Err(other);
-        }
-        let [s0, s1, s2, s3, d0, d1, d2, d3] = load_words::<8>(ip as *const u8, 8);
-        let (vip, client) = (as_bytes([s0, s1, s2, s3]), as_bytes([d0, d1, d2, d3]));
-        (proto, vip, client, quoted + Ipv6Hdr::LEN)
+        let proto = ipv6_header(ip).ok_or(other)?;
+        (proto, ipv6_addresses(ip), quoted + Ipv6Hdr::LEN)
     };
     // Only about a packet the VIP sent: the error goes back to the packet's source.
     if (proto != PROTO_TCP && proto != PROTO_UDP) || !same_address(&vip, &to) {
@@ -271,18 +309,8 @@ fn icmp_too_big(
     let ports = ptr_at::<[u16; 2]>(ctx, l4).map_err(|_| other)?;
     let [vip_port, client_port] = unsafe { *ports };
     Ok(Packet {
-        src_addr: client,
-        dst_addr: vip,
-        family,
-        proto,
-        src_port_be: client_port,
-        dst_port_be: vip_port,
-        syn: false,
-        rst: false,
-        fin: false,
-        vlan: false,
-        ipv4_options: false,
         icmp_too_big: true,
+        ..Packet::of_flow((client, vip), (family, proto), (client_port, vip_port))
     })
 }
 
@@ -327,8 +355,7 @@ fn transport(
     ctx: &XdpContext,
     offset: usize,
     (family, proto): (u8, u8),
-    src_addr: [u8; 16],
-    dst_addr: [u8; 16],
+    addresses: ([u8; 16], [u8; 16]),
 ) -> Result<Packet, Verdict> {
     let (src_port, dst_port, syn, rst, fin) = match proto {
         PROTO_TCP => {
@@ -349,18 +376,11 @@ fn transport(
         }
         _ => return Err(Verdict::pass(stat::PASS_OTHER_PROTO)),
     };
+    let ports = (u16::from_ne_bytes(src_port), u16::from_ne_bytes(dst_port));
     Ok(Packet {
-        src_addr,
-        dst_addr,
-        family,
-        proto,
-        src_port_be: u16::from_ne_bytes(src_port),
-        dst_port_be: u16::from_ne_bytes(dst_port),
         syn,
         rst,
         fin,
-        vlan: false,
-        ipv4_options: false,
-        icmp_too_big: false,
+        ..Packet::of_flow(addresses, (family, proto), ports)
     })
 }

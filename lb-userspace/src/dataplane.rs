@@ -399,7 +399,7 @@ impl AyaDataplane {
             .iter()
             .filter(|(key, _)| VipSlot::index(key) == index)
             .collect();
-        let target = target_slot(&current, &keys, self.options.maglev_table_size);
+        let target = target_slot(&current, &keys);
         for step in slot_steps(&current, &target) {
             self.vip_slots
                 .set(index, step, 0)
@@ -458,7 +458,8 @@ impl AyaDataplane {
             }
         }
         for (_, info) in &adopted.vips {
-            let table = (info.table_base..info.table_base + table_size)
+            let base = info.table_base(table_size);
+            let table = (base..base + table_size)
                 .map(|slot| self.maglev.get(&slot, 0).map_err(in_map(MAP_MAGLEV)))
                 .collect::<Result<Vec<u32>, _>>()?;
             adopted.tables.push((info.vip_id, table));
@@ -646,35 +647,21 @@ fn zero(
 
 /// What a VIP slot should hold, given what it holds and the VIP keys that hash to it:
 /// nothing (the content stays, unused); one VIP; or, for several, the marker that sends
-/// the program to `LB_VIPS`. A VIP whose table base is not one of its own generations'
-/// is also left to `LB_VIPS`.
-fn target_slot(current: &VipSlot, keys: &[(&VipKey, &VipInfo)], table_size: u32) -> VipSlot {
+/// the program to `LB_VIPS`.
+fn target_slot(current: &VipSlot, keys: &[(&VipKey, &VipInfo)]) -> VipSlot {
     match keys {
         [] => VipSlot {
             state: 0,
             ..*current
         },
-        [(key, info)] => {
-            let generation = (info.table_base / table_size.max(1)) % TABLE_GENERATIONS;
-            let regular =
-                VipInfo::table_base_for(info.vip_id, generation, table_size) == info.table_base;
-            let slot = VipSlot {
-                key: **key,
-                vip_id: info.vip_id,
-                generation,
-                flags: info.flags,
-                state: VIP_SLOT_USED,
-                _pad: 0,
-            };
-            if regular {
-                slot
-            } else {
-                VipSlot {
-                    state: VIP_SLOT_USED | VIP_SLOT_SHARED,
-                    ..*current
-                }
-            }
-        }
+        [(key, info)] => VipSlot {
+            key: **key,
+            vip_id: info.vip_id,
+            generation: info.generation,
+            flags: info.flags,
+            state: VIP_SLOT_USED,
+            _pad: 0,
+        },
         _ => VipSlot {
             state: VIP_SLOT_USED | VIP_SLOT_SHARED,
             ..*current
@@ -826,6 +813,18 @@ fn lb_xdp_error(source: aya::programs::ProgramError) -> DataplaneError {
     }
 }
 
+/// A bpf(2) command made by hand (`call`) that failed on `map`.
+fn syscall_error(
+    map: &'static str,
+    call: &'static str,
+    io_error: std::io::Error,
+) -> DataplaneError {
+    in_map(map)(aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+        call,
+        io_error,
+    }))
+}
+
 /// Names the map a map operation failed on.
 fn in_map(map: &'static str) -> impl Fn(aya::maps::MapError) -> DataplaneError {
     move |source| DataplaneError::Map { map, source }
@@ -859,12 +858,7 @@ impl Dataplane for AyaDataplane {
                     self.batch_writes = false;
                 }
                 Err(source) => {
-                    return Err(in_map(MAP_MAGLEV)(aya::maps::MapError::SyscallError(
-                        aya::sys::SyscallError {
-                            call: "bpf_map_update_batch",
-                            io_error: source,
-                        },
-                    )));
+                    return Err(syscall_error(MAP_MAGLEV, "bpf_map_update_batch", source));
                 }
             }
         }
@@ -1116,15 +1110,8 @@ fn read_flows_batched(
     map: &BpfHashMap<MapData, FlowKey, FlowEntry>,
 ) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
     let fd = aya::maps::IterableMap::map(map).fd().as_fd().as_raw_fd();
-    lookup_flows_batch(fd).map_err(lookup_batch_error)
-}
-
-/// How a failed BPF_MAP_LOOKUP_BATCH on the connection table is reported.
-fn lookup_batch_error(source: std::io::Error) -> DataplaneError {
-    in_map(MAP_CONNTRACK)(aya::maps::MapError::SyscallError(aya::sys::SyscallError {
-        call: "bpf_map_lookup_batch",
-        io_error: source,
-    }))
+    lookup_flows_batch(fd)
+        .map_err(|source| syscall_error(MAP_CONNTRACK, "bpf_map_lookup_batch", source))
 }
 
 /// [`read_flows`] one key at a time (two bpf(2) calls per entry).
@@ -1295,7 +1282,10 @@ mod tests {
 
     #[test]
     fn only_a_missing_batch_command_falls_back_to_key_by_key() {
-        let error = |errno: i32| lookup_batch_error(std::io::Error::from_raw_os_error(errno));
+        let error = |errno: i32| {
+            let io_error = std::io::Error::from_raw_os_error(errno);
+            syscall_error(MAP_CONNTRACK, "bpf_map_lookup_batch", io_error)
+        };
         for errno in [libc::EINVAL, KERNEL_ENOTSUPP, libc::ENOTSUP] {
             assert!(batch_unsupported(&error(errno)), "errno {errno}");
         }
@@ -1305,8 +1295,6 @@ mod tests {
         assert!(!batch_unsupported(&DataplaneError::NoObject));
     }
 
-    const SIZE: u32 = 7;
-
     fn key(last: u8) -> VipKey {
         crate::model::vip_key([10, 0, 0, last].into(), 80, lb_common::PROTO_TCP)
     }
@@ -1314,7 +1302,7 @@ mod tests {
     fn info(vip_id: u32, generation: u32) -> VipInfo {
         VipInfo {
             vip_id,
-            table_base: VipInfo::table_base_for(vip_id, generation, SIZE),
+            generation,
             flags: 0,
             _pad: 0,
         }
@@ -1325,7 +1313,7 @@ mod tests {
     /// while the program does not read it. Returns the final slot.
     fn apply(current: VipSlot, keys: &[(VipKey, VipInfo)]) -> VipSlot {
         let keys: Vec<(&VipKey, &VipInfo)> = keys.iter().map(|(k, i)| (k, i)).collect();
-        let target = target_slot(&current, &keys, SIZE);
+        let target = target_slot(&current, &keys);
         let steps = slot_steps(&current, &target);
         let content = |s: &VipSlot| (s.key, s.vip_id, s.generation, s.flags);
         let mut before = current;
@@ -1372,14 +1360,5 @@ mod tests {
         let gone = apply(moved, &[]);
         assert_eq!(gone.state, 0);
         assert_eq!(slot_steps(&gone, &gone), Vec::new());
-        // A table base that is not one of the VIP's generations: LB_VIPS decides.
-        let odd = VipInfo {
-            table_base: 5,
-            ..info(3, 0)
-        };
-        assert_eq!(
-            apply(gone, &[(a, odd)]).state,
-            VIP_SLOT_USED | VIP_SLOT_SHARED
-        );
     }
 }

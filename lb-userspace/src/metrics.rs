@@ -324,21 +324,20 @@ async fn metrics(
         .any(accepts_openmetrics);
     let shared = shared.lock().expect("agent state poisoned");
     match render(&shared) {
-        Ok(text) if openmetrics => (
-            StatusCode::OK,
-            [(
-                "content-type",
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            text,
-        )
-            .into_response(),
-        Ok(text) => (
-            StatusCode::OK,
-            [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
-            prometheus_text(&text),
-        )
-            .into_response(),
+        Ok(text) => {
+            let (content_type, body) = if openmetrics {
+                (
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    text,
+                )
+            } else {
+                (
+                    "text/plain; version=0.0.4; charset=utf-8",
+                    prometheus_text(&text),
+                )
+            };
+            (StatusCode::OK, [("content-type", content_type)], body).into_response()
+        }
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{error:#}")).into_response(),
     }
 }

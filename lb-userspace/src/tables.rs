@@ -78,7 +78,7 @@ impl TableWriter {
     /// writes only differences.
     pub fn adopt(&mut self, adopted: &Adopted) {
         for (key, info) in &adopted.vips {
-            let generation = (info.table_base / self.table_size) % TABLE_GENERATIONS;
+            let generation = info.generation % TABLE_GENERATIONS;
             let tables = self.tables.entry(info.vip_id).or_default();
             tables.active = Some(generation);
             if let Some((_, table)) = adopted.tables.iter().find(|(id, _)| *id == info.vip_id) {
@@ -179,7 +179,7 @@ impl TableWriter {
             };
             let info = VipInfo {
                 vip_id: vip.vip_id,
-                table_base: VipInfo::table_base_for(vip.vip_id, generation, self.table_size),
+                generation,
                 flags: vip.flags,
                 _pad: 0,
             };
@@ -252,7 +252,7 @@ mod tests {
     /// The backend the data path would pick for `slot`, read like the kernel does.
     fn lookup(dp: &MemoryDataplane, key: &VipKey, slot: u32) -> u32 {
         let info = dp.vips[key];
-        dp.maglev[&(info.table_base + slot)]
+        dp.maglev[&(info.table_base(SIZE) + slot)]
     }
 
     #[test]
@@ -304,7 +304,7 @@ mod tests {
         let changed = desired([1, 2, 1, 2, 1, 2, 2]);
         let report = writer.apply(&mut dp, &changed).unwrap();
         assert_eq!(report.tables_switched, 1);
-        assert_ne!(dp.vips[&key(100)].table_base, info.table_base);
+        assert_ne!(dp.vips[&key(100)].generation, info.generation);
         for slot in 0..SIZE {
             assert_eq!(
                 lookup(&dp, &key(100), slot),
@@ -320,7 +320,7 @@ mod tests {
         writer
             .apply(&mut dp, &desired([1, 2, 1, 2, 1, 2, 1]))
             .unwrap();
-        let active_base = dp.vips[&key(100)].table_base;
+        let active_base = dp.vips[&key(100)].table_base(SIZE);
         dp.log.clear();
 
         writer
@@ -343,7 +343,7 @@ mod tests {
                 );
             }
         }
-        assert_ne!(dp.vips[&key(100)].table_base, active_base);
+        assert_ne!(dp.vips[&key(100)].table_base(SIZE), active_base);
         assert_eq!(lookup(&dp, &key(100), 1), 3);
     }
 
@@ -405,7 +405,7 @@ mod tests {
         moved.vips[0].key = key(101);
         writer.apply(&mut dp, &moved).unwrap();
         assert!(!dp.vips.contains_key(&key(100)));
-        let live = dp.vips[&key(101)].table_base;
+        let live = dp.vips[&key(101)].table_base(SIZE);
         dp.log.clear();
         let mut changed = desired([2, 2, 2, 2, 2, 2, 1]);
         changed.vips[0].key = key(101);

@@ -38,6 +38,16 @@ fn lab_serving(
     lab
 }
 
+/// A lab with UDP servers on port 53 of every backend, and the agent (native mode)
+/// serving `vips`.
+fn udp_lab(bin: &Path, vips: impl FnOnce(&Lab) -> Vec<lb_tests::VipConfig>) -> Lab {
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_udp(53, false).expect("udp servers");
+    let config = lab.agent_config(XdpMode::Native, vips(&lab));
+    lab.start_agent(bin, &config).expect("start the agent");
+    lab
+}
+
 /// Every request answered, and every backend got at least `min_share` of them.
 fn assert_spread(lab: &Lab, s: &Spread, n: usize, min_share: f64) {
     assert_eq!(
@@ -303,16 +313,12 @@ fn native_ipv6_tcp_spreads() {
 fn native_udp_spreads() {
     let test = "native_udp_spreads";
     let Some(bin) = require_e2e(test) else { return };
-    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
-    lab.serve_udp(53, false).expect("udp servers");
-    let config = lab.agent_config(
-        XdpMode::Native,
+    let lab = udp_lab(&bin, |lab| {
         vec![
             lab.vip("web", false, 80, Protocol::Tcp, Health::None),
             lab.vip("dns", false, 53, Protocol::Udp, Health::None),
-        ],
-    );
-    lab.start_agent(&bin, &config).expect("start the agent");
+        ]
+    });
     let vip = lab.vip4();
     let (s, replies) = sniffing_replies(&lab, vip, || {
         udp_spread(lab.client(), SocketAddr::new(vip, 53), 150).expect("udp spread")
@@ -390,16 +396,12 @@ fn native_other_traffic_passes_untouched() {
 fn icmp_too_big_reaches_the_flows_backend() {
     let test = "icmp_too_big_reaches_the_flows_backend";
     let Some(bin) = require_e2e(test) else { return };
-    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
-    lab.serve_udp(53, false).expect("udp servers");
-    let config = lab.agent_config(
-        XdpMode::Native,
+    let lab = udp_lab(&bin, |lab| {
         vec![
             lab.vip("dns", false, 53, Protocol::Udp, Health::None),
             lab.vip("dns6", true, 53, Protocol::Udp, Health::None),
-        ],
-    );
-    lab.start_agent(&bin, &config).expect("start the agent");
+        ]
+    });
     for (v6, mtu) in [(false, 1400u16), (true, 1280)] {
         let (vip, client) = (
             if v6 { lab.vip6() } else { lab.vip4() },

@@ -969,6 +969,16 @@ fn backend_of(result: &RunResult) -> u8 {
     result.output[5]
 }
 
+/// Passed to the kernel, counted once as `reason`.
+fn assert_passed(result: &RunResult, reason: &str, what: &str) {
+    assert_eq!(
+        (result.action, counted(result, reason)),
+        (XDP_PASS, 1),
+        "{what}: expected a pass for {reason}, counted {:?}",
+        result.counted
+    );
+}
+
 fn counted(result: &RunResult, name: &str) -> u64 {
     result
         .counted
@@ -1064,8 +1074,11 @@ fn icmp_too_big_goes_where_its_flow_goes() {
     let port = 45000;
     let error = icmp4(VIP, ICMP_UNREACHABLE, ICMP_FRAG_NEEDED, quoted_udp(port));
     let unknown = run(&mut fixture, &error);
-    assert_eq!(unknown.action, XDP_PASS, "{:?}", unknown.counted);
-    assert_eq!(counted(&unknown, "pass_other_proto"), 1);
+    assert_passed(
+        &unknown,
+        "pass_other_proto",
+        "an error about a UDP flow without entry",
+    );
     let vip: VipTarget = "10.0.0.100:53/udp".parse().unwrap();
     let key = explain::flow_key(&vip, format!("10.0.0.1:{port}").parse().unwrap());
     let table = explained(&fixture, "udp", port).0;
@@ -1090,7 +1103,11 @@ fn icmp_too_big_goes_where_its_flow_goes() {
     };
     fixture.dataplane.insert_flow(&key, &stale).unwrap();
     let expired = run(&mut fixture, &error);
-    assert_eq!(expired.action, XDP_PASS, "{:?}", expired.counted);
+    assert_passed(
+        &expired,
+        "pass_other_proto",
+        "an error about an idle UDP flow",
+    );
 }
 
 /// What `lb explain` says of the flow from 10.0.0.1:`port` to the TCP VIP: the last
@@ -1433,11 +1450,7 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
         .find(|&p| lb_common::VipSlot::index(&key(p)) == slot)
         .expect("a third port on the slot");
     let result = run(&mut fixture, &syn(stranger));
-    assert_eq!(
-        (result.action, counted(&result, "pass_not_vip")),
-        (XDP_PASS, 1),
-        "a non-VIP key on a shared slot is passed"
-    );
+    assert_passed(&result, "pass_not_vip", "a non-VIP key on a shared slot");
 
     // A third VIP on the slot, and an established flow of the port-80 VIP.
     let ack80 = ipv4(
@@ -1463,10 +1476,7 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
         .expect("reconfigure");
     for frame in [&ack80, &syn(80)] {
         let result = run(&mut fixture, frame);
-        assert_eq!(
-            (result.action, counted(&result, "pass_not_vip")),
-            (XDP_PASS, 1)
-        );
+        assert_passed(&result, "pass_not_vip", "the removed VIP's packet");
     }
     assert_eq!(backend_of(&run(&mut fixture, &syn(stranger))), 43);
 
@@ -1474,10 +1484,7 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
         .reconfigure(&config(&[(other, "10.0.0.42")]))
         .expect("reconfigure");
     let result = run(&mut fixture, &syn(80));
-    assert_eq!(
-        (result.action, counted(&result, "pass_not_vip")),
-        (XDP_PASS, 1)
-    );
+    assert_passed(&result, "pass_not_vip", "a SYN to the removed VIP");
     assert_eq!(backend_of(&run(&mut fixture, &syn(other))), 42);
     // A table switch on the slot's one VIP (another backend): packets follow it.
     fixture
