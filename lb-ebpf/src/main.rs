@@ -116,7 +116,7 @@ mod program {
             // error, so it must at least name a flow seen within the idle time.
             let held = entry
                 .map(|entry| unsafe { &*entry })
-                .filter(|entry| !udp_expired(entry, &packet, now))
+                .filter(|entry| !udp_expired(&packet, now.saturating_sub(entry.last_seen_ns)))
                 .and_then(|entry| serving(entry, vip.vip_id));
             let (backend_id, backend) = match held {
                 Some(held) => held,
@@ -277,13 +277,13 @@ mod program {
         vip_id: u32,
         now: u64,
     ) -> Result<(u32, BackendInfo), u32> {
-        if udp_expired(entry, packet, now) {
+        let age = now.saturating_sub(entry.last_seen_ns);
+        if udp_expired(packet, age) {
             return Err(stat::CT_MISS_UDP);
         }
         let Some((backend_id, backend)) = serving(entry, vip_id) else {
             return Err(stat::CT_REHASH);
         };
-        let age = now.saturating_sub(entry.last_seen_ns);
         if age > LAST_SEEN_GRANULARITY_NS {
             entry.last_seen_ns = now;
         }
@@ -293,10 +293,10 @@ mod program {
         Ok((backend_id, backend))
     }
 
-    /// Whether a UDP flow's entry has been idle too long to be followed.
+    /// Whether a UDP flow's entry, idle for `age` ns, is too old to be followed.
     #[inline(always)]
-    fn udp_expired(entry: &FlowEntry, packet: &Packet, now: u64) -> bool {
-        packet.proto == PROTO_UDP && now.saturating_sub(entry.last_seen_ns) > read(&UDP_IDLE_NS)
+    fn udp_expired(packet: &Packet, age: u64) -> bool {
+        packet.proto == PROTO_UDP && age > read(&UDP_IDLE_NS)
     }
 
     /// The backend an entry holds its flow to, if the flow may stay there: the backend
