@@ -31,14 +31,16 @@ use rtnetlink::{
     Handle, LinkUnspec, RouteMessageBuilder,
     packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope},
 };
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::{agent::Shared, config::AnnounceConfig, control::NodeStatus, model::VipState};
+use crate::{config::AnnounceConfig, model::VipState, status::NodeStatus};
 
-/// How often the announcer re-evaluates what to announce.
-const TICK: Duration = Duration::from_millis(200);
-/// How often it re-reads the table even when nothing changed (repairs outside edits).
+/// How often the announcer re-reads the table even when nothing changed (repairs outside
+/// edits). Changes themselves wake it at once.
 const RESYNC: Duration = Duration::from_secs(2);
+/// How soon it tries again after failing to write the routes.
+const RETRY: Duration = Duration::from_millis(200);
 
 /// Why a VIP is not announced.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -113,7 +115,7 @@ pub fn backends_up(vip: &VipState) -> usize {
     vip.backends.iter().filter(|b| b.in_table()).count()
 }
 
-/// The announcement state, kept in [`Shared`].
+/// The announcement state, kept in the agent's state.
 #[derive(Clone, Debug, Default)]
 pub struct State {
     /// `[announce]` is configured and the announcer runs.
@@ -126,6 +128,10 @@ pub struct State {
     pub installed: BTreeSet<IpAddr>,
     /// The last reconcile's error, while it lasts.
     pub error: Option<String>,
+    /// Wakes the announcer: what it should announce may have changed.
+    wake: Arc<Notify>,
+    /// Counts the announcer's reconciles, for those who wait for the routes to follow.
+    reconciled: Arc<watch::Sender<u64>>,
 }
 
 impl State {
@@ -136,37 +142,55 @@ impl State {
             drained: self.drained,
         }
     }
+
+    /// Tells the announcer to look again (a VIP's backends or the node state changed).
+    pub fn changed(&self) {
+        self.wake.notify_one();
+    }
 }
 
-/// The addresses `shared` should announce now.
-fn wanted_now(shared: &Shared, now: Instant) -> BTreeSet<IpAddr> {
-    let Some(config) = &shared.config.announce else {
+/// What the announcer reads of the agent's state.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    pub config: Option<&'a AnnounceConfig>,
+    pub vips: &'a [VipState],
+    pub state: &'a State,
+}
+
+/// The agent's state as the announcer task sees it.
+pub trait Host: Send + 'static {
+    fn announce_view(&self) -> View<'_>;
+    fn announce_state(&mut self) -> &mut State;
+}
+
+/// The addresses `view` should announce now.
+fn wanted_now(view: &View<'_>, now: Instant) -> BTreeSet<IpAddr> {
+    let Some(config) = view.config else {
         return BTreeSet::new();
     };
-    let node = shared.announce.node_view(config.warmup, now);
+    let node = view.state.node_view(config.warmup, now);
     wanted(
         &node,
-        shared
-            .model
-            .vips
+        view.vips
             .iter()
             .map(|vip| (vip.config.address, backends_up(vip), vip.config.min_healthy)),
     )
 }
 
 /// What `lb status` says of one VIP: whether its address is announced, and why (not).
-pub fn describe_vip(shared: &Shared, vip: &VipState, now: Instant) -> (bool, String) {
-    let Some(config) = &shared.config.announce else {
+pub fn describe_vip(view: &View<'_>, vip: &VipState, now: Instant) -> (bool, String) {
+    let Some(config) = view.config else {
         return (false, "not announced: no [announce] section".into());
     };
-    let announced = shared.announce.installed.contains(&vip.config.address);
-    let node = shared.announce.node_view(config.warmup, now);
+    let state = view.state;
+    let announced = state.installed.contains(&vip.config.address);
+    let node = state.node_view(config.warmup, now);
     let text = match (
         verdict(&node, backends_up(vip), vip.config.min_healthy),
         announced,
     ) {
         (Ok(()), true) => "announced".to_string(),
-        (Ok(()), false) => match &shared.announce.error {
+        (Ok(()), false) => match &state.error {
             Some(error) => format!("not announced yet: {error}"),
             None => "announcing".to_string(),
         },
@@ -177,36 +201,26 @@ pub fn describe_vip(shared: &Shared, vip: &VipState, now: Instant) -> (bool, Str
 }
 
 /// The node's part of `lb status`.
-pub fn node_status(shared: &Shared, now: Instant) -> NodeStatus {
-    let Some(config) = &shared.config.announce else {
+pub fn node_status(view: &View<'_>, now: Instant) -> NodeStatus {
+    let Some(config) = view.config else {
         return NodeStatus::default();
     };
-    let node = shared.announce.node_view(config.warmup, now);
+    let state = view.state;
+    let node = state.node_view(config.warmup, now);
     NodeStatus {
-        announcing: shared.announce.enabled,
-        drained: shared.announce.drained,
+        announcing: state.enabled,
+        drained: state.drained,
         table: Some(config.table),
         device: Some(config.device.clone()),
-        warmup_left_seconds: node
-            .serving_for
-            .map_or(config.warmup, |s| config.warmup.saturating_sub(s))
-            .as_secs_f64(),
-        announced: shared
-            .announce
-            .installed
-            .iter()
-            .map(ToString::to_string)
-            .collect(),
-        error: shared.announce.error.clone(),
+        warmup_left_seconds: warmup_left(config, &node).as_secs_f64(),
+        announced: state.installed.iter().map(ToString::to_string).collect(),
+        error: state.error.clone(),
     }
 }
 
-/// Whether two configurations keep the same routes (table, protocol and device): the
-/// announcer is set up once, so a reload must not change these.
-pub fn same_routes(a: &Option<AnnounceConfig>, b: &Option<AnnounceConfig>) -> bool {
-    let key =
-        |c: &Option<AnnounceConfig>| c.as_ref().map(|c| (c.table, c.protocol, c.device.clone()));
-    key(a) == key(b)
+fn warmup_left(config: &AnnounceConfig, node: &NodeView) -> Duration {
+    node.serving_for
+        .map_or(config.warmup, |s| config.warmup.saturating_sub(s))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -465,9 +479,13 @@ impl Running {
     }
 }
 
-/// Starts announcing for `shared`, whose data path serves from now on (the warm-up
+/// Starts announcing for `host`, whose data path serves from now on (the warm-up
 /// starts here).
-pub fn start(shared: Arc<Mutex<Shared>>, announcer: Announcer, config: &AnnounceConfig) -> Running {
+pub fn start<H: Host>(
+    host: Arc<Mutex<H>>,
+    announcer: Announcer,
+    config: &AnnounceConfig,
+) -> Running {
     tracing::info!(
         "announcing VIPs as routes in table {} (protocol {}, device {}) after a warm-up of {}",
         config.table,
@@ -475,39 +493,61 @@ pub fn start(shared: Arc<Mutex<Shared>>, announcer: Announcer, config: &Announce
         config.device,
         humantime::format_duration(config.warmup)
     );
-    {
-        let mut shared = shared.lock().expect("agent state poisoned");
-        shared.announce.enabled = true;
-        shared.announce.serving_since = Some(Instant::now());
-    }
+    let wake = {
+        let mut host = host.lock().expect("agent state poisoned");
+        let state = host.announce_state();
+        state.enabled = true;
+        state.serving_since = Some(Instant::now());
+        state.wake.clone()
+    };
     let stop = CancellationToken::new();
-    let task = tokio::spawn(run(announcer, shared, stop.clone()));
+    let task = tokio::spawn(run(announcer, host, wake, stop.clone()));
     Running { stop, task }
 }
 
-async fn run(announcer: Announcer, shared: Arc<Mutex<Shared>>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+/// What to announce now, why each other address is not, and when to look again by
+/// itself: when the warm-up ends, else at the next re-read.
+fn evaluate(view: &View<'_>) -> (BTreeSet<IpAddr>, BTreeMap<IpAddr, String>, Duration) {
+    let now = Instant::now();
+    let left = view.config.map_or(Duration::ZERO, |config| {
+        warmup_left(config, &view.state.node_view(config.warmup, now))
+    });
+    let next_look = if left > Duration::ZERO {
+        // A little past the end, so that the look sees it over.
+        (left + Duration::from_millis(10)).min(RESYNC)
+    } else {
+        RESYNC
+    };
+    (wanted_now(view, now), reasons(view, now), next_look)
+}
+
+async fn run<H: Host>(
+    announcer: Announcer,
+    host: Arc<Mutex<H>>,
+    wake: Arc<Notify>,
+    stop: CancellationToken,
+) {
     let mut installed: Option<BTreeSet<IpAddr>> = None;
     let mut last_read = Instant::now();
     let mut last_error = None;
+    let mut next_look = Duration::ZERO;
     loop {
         tokio::select! {
             _ = stop.cancelled() => break,
-            _ = tick.tick() => {}
+            _ = wake.notified() => {}
+            _ = tokio::time::sleep(next_look) => {}
         }
-        let (wanted, reasons) = {
-            let shared = shared.lock().expect("agent state poisoned");
-            let now = Instant::now();
-            (wanted_now(&shared, now), reasons(&shared, now))
+        let (wanted, reasons, next) = {
+            let host = host.lock().expect("agent state poisoned");
+            evaluate(&host.announce_view())
         };
+        next_look = next;
         let due = last_read.elapsed() >= RESYNC;
         if installed.as_ref() == Some(&wanted) && !due {
             continue;
         }
         last_read = Instant::now();
-        let result = announcer.apply(&wanted).await;
-        let error = match result {
+        let error = match announcer.apply(&wanted).await {
             Ok((added, deleted)) => {
                 for address in &added {
                     tracing::info!("announcing {address}");
@@ -524,17 +564,20 @@ async fn run(announcer: Announcer, shared: Arc<Mutex<Shared>>, stop: Cancellatio
                 if last_error.as_ref() != Some(&text) {
                     tracing::warn!("announcing: {text} (retrying)");
                 }
-                // Unknown: read the table again next time.
+                // Unknown: read the table again, soon.
                 installed = None;
+                next_look = next_look.min(RETRY);
                 Some(text)
             }
         };
         last_error = error.clone();
-        let mut shared = shared.lock().expect("agent state poisoned");
+        let mut host = host.lock().expect("agent state poisoned");
+        let state = host.announce_state();
         if let Some(installed) = &installed {
-            shared.announce.installed = installed.clone();
+            state.installed = installed.clone();
         }
-        shared.announce.error = error;
+        state.error = error;
+        state.reconciled.send_modify(|n| *n += 1);
     }
     // Stopping: withdraw everything before the agent goes.
     match announcer.apply(&BTreeSet::new()).await {
@@ -550,19 +593,20 @@ async fn run(announcer: Announcer, shared: Arc<Mutex<Shared>>, stop: Cancellatio
             announcer.tun.name
         ),
     }
-    let mut shared = shared.lock().expect("agent state poisoned");
-    shared.announce.installed.clear();
-    shared.announce.enabled = false;
+    let mut host = host.lock().expect("agent state poisoned");
+    let state = host.announce_state();
+    state.installed.clear();
+    state.enabled = false;
 }
 
 /// Per address, why it would be withdrawn (for the log): `": vip web: ..."`.
-fn reasons(shared: &Shared, now: Instant) -> BTreeMap<IpAddr, String> {
-    let Some(config) = &shared.config.announce else {
+fn reasons(view: &View<'_>, now: Instant) -> BTreeMap<IpAddr, String> {
+    let Some(config) = view.config else {
         return BTreeMap::new();
     };
-    let node = shared.announce.node_view(config.warmup, now);
+    let node = view.state.node_view(config.warmup, now);
     let mut reasons = BTreeMap::new();
-    for vip in &shared.model.vips {
+    for vip in view.vips {
         if let Err(why) = verdict(&node, backends_up(vip), vip.config.min_healthy) {
             reasons
                 .entry(vip.config.address)
@@ -574,58 +618,44 @@ fn reasons(shared: &Shared, now: Instant) -> BTreeMap<IpAddr, String> {
 
 /// `lb node drain` (`drained = true`) and `lb node ready`: sets the node's state and
 /// waits (up to `timeout`) until the routes follow. Returns what it did.
-pub async fn set_drained(
-    shared: &Arc<Mutex<Shared>>,
+pub async fn set_drained<H: Host>(
+    host: &Arc<Mutex<H>>,
     drained: bool,
     timeout: Duration,
 ) -> Result<String, String> {
-    let before = {
-        let mut shared = shared.lock().expect("agent state poisoned");
-        if shared.config.announce.is_none() || !shared.announce.enabled {
+    let (before, mut reconciled) = {
+        let mut host = host.lock().expect("agent state poisoned");
+        let view = host.announce_view();
+        if view.config.is_none() || !view.state.enabled {
             return Err(
                 "this agent announces nothing (no [announce] section): there is no node \
                  state to change"
                     .into(),
             );
         }
-        shared.announce.drained = drained;
-        shared.announce.installed.clone()
+        let state = host.announce_state();
+        state.drained = drained;
+        state.changed();
+        (state.installed.clone(), state.reconciled.subscribe())
     };
-    let deadline = Instant::now() + timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
     loop {
+        // Marked seen before looking: a reconcile after the look ends the wait below.
+        reconciled.borrow_and_update();
         let (installed, wanted, error) = {
-            let shared = shared.lock().expect("agent state poisoned");
+            let host = host.lock().expect("agent state poisoned");
+            let view = host.announce_view();
             (
-                shared.announce.installed.clone(),
-                wanted_now(&shared, Instant::now()),
-                shared.announce.error.clone(),
+                view.state.installed.clone(),
+                wanted_now(&view, Instant::now()),
+                view.state.error.clone(),
             )
         };
         if installed == wanted {
-            let list = |set: &BTreeSet<IpAddr>| {
-                if set.is_empty() {
-                    "none".to_string()
-                } else {
-                    set.iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                }
-            };
-            return Ok(if drained {
-                format!(
-                    "node drained: withdrew {}; flows already here continue until the \
-                     routers move them",
-                    list(&before)
-                )
-            } else {
-                format!(
-                    "node ready: announcing {} (a VIP waits for its warm-up and min_healthy)",
-                    list(&installed)
-                )
-            });
+            return Ok(node_change_answer(drained, &before, &installed));
         }
-        if Instant::now() >= deadline {
+        let waited = tokio::time::timeout_at(deadline, reconciled.changed()).await;
+        if !matches!(waited, Ok(Ok(()))) {
             return Err(format!(
                 "the node state is set ({}), but the routes did not follow within {:?}{}",
                 if drained { "drained" } else { "ready" },
@@ -633,7 +663,36 @@ pub async fn set_drained(
                 error.map(|e| format!(": {e}")).unwrap_or_default()
             ));
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// What `lb node drain` / `lb node ready` answer once the routes followed.
+fn node_change_answer(
+    drained: bool,
+    before: &BTreeSet<IpAddr>,
+    installed: &BTreeSet<IpAddr>,
+) -> String {
+    let list = |set: &BTreeSet<IpAddr>| {
+        if set.is_empty() {
+            "none".to_string()
+        } else {
+            set.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    if drained {
+        format!(
+            "node drained: withdrew {}; flows already here continue until the routers move \
+             them",
+            list(before)
+        )
+    } else {
+        format!(
+            "node ready: announcing {} (a VIP waits for its warm-up and min_healthy)",
+            list(installed)
+        )
     }
 }
 
@@ -728,76 +787,69 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_reload_may_change_the_warmup_but_not_where_routes_go() {
-        let base = Some(AnnounceConfig::default());
-        let warmer = Some(AnnounceConfig {
-            warmup: 30 * SECOND,
-            ..AnnounceConfig::default()
-        });
-        let other_table = Some(AnnounceConfig {
-            table: 100,
-            ..AnnounceConfig::default()
-        });
-        assert!(same_routes(&base, &warmer));
-        assert!(!same_routes(&base, &other_table));
-        assert!(!same_routes(&base, &None));
-        assert!(same_routes(&None, &None));
-    }
-
-    fn with_announce(mut config: crate::config::Config) -> crate::config::Config {
-        config.announce = Some(AnnounceConfig::default());
-        config
-    }
-
-    #[test]
-    fn a_reload_that_moves_the_routes_is_refused() {
-        use crate::agent::{
-            ReloadError,
-            test_support::{config, shared},
-        };
-        let mut shared = shared(config("eth0", &["10.0.0.11"]));
-        let refused = shared.reload(with_announce(config("eth0", &["10.0.0.11"])));
-        assert!(
-            matches!(
-                refused,
-                Err(ReloadError::NeedsRestart(
-                    "announce (table, protocol, device)"
-                ))
-            ),
-            "{refused:?}"
-        );
-        assert_eq!(shared.config.announce, None, "nothing changed");
+    /// A model with one VIP "web" 10.0.0.100:80/tcp and two unchecked backends.
+    fn model() -> crate::model::Model {
+        let config = crate::config::Config::from_toml(
+            "[dataplane]\ninterface = \"eth0\"\nmaglev_table_size = 7\n\
+             [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\n\
+             protocol = \"tcp\"\n[vip.health]\nkind = \"none\"\n\
+             [[vip.backend]]\naddress = \"10.0.0.11\"\nmac = \"02:00:00:00:00:01\"\n\
+             [[vip.backend]]\naddress = \"10.0.0.12\"\nmac = \"02:00:00:00:00:02\"\n",
+        )
+        .unwrap();
+        let mut model = crate::model::Model::new(7, 16, Duration::ZERO);
+        model.update(&config).unwrap();
+        model
     }
 
     #[test]
     fn status_says_whether_and_why_a_vip_is_announced() {
-        use crate::agent::test_support::{config, shared};
-        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let model = model();
+        let mut state = State::default();
         let now = Instant::now();
-        let (announced, text) = describe_vip(&shared, &shared.model.vips[0], now);
+        let none = View {
+            config: None,
+            vips: &model.vips,
+            state: &state,
+        };
+        let (announced, text) = describe_vip(&none, &model.vips[0], now);
         assert!(!announced);
         assert_eq!(text, "not announced: no [announce] section");
-        assert_eq!(node_status(&shared, now), NodeStatus::default());
+        assert_eq!(node_status(&none, now), NodeStatus::default());
 
-        shared.config = with_announce(shared.config.clone());
-        shared.announce.enabled = true;
-        shared.announce.serving_since = Some(now - 2 * SECOND);
-        let describe = |shared: &Shared| describe_vip(shared, &shared.model.vips[0], now);
+        let config = AnnounceConfig::default();
+        state.enabled = true;
+        state.serving_since = Some(now - 2 * SECOND);
+        let describe = |state: &State| {
+            let view = View {
+                config: Some(&config),
+                vips: &model.vips,
+                state,
+            };
+            describe_vip(&view, &model.vips[0], now)
+        };
+        let wanted = |state: &State| {
+            let view = View {
+                config: Some(&config),
+                vips: &model.vips,
+                state,
+            };
+            wanted_now(&view, now)
+        };
         assert_eq!(
-            describe(&shared),
+            describe(&state),
             (false, "withdrawn: warming up (3.0s left)".to_string())
         );
-        shared.announce.serving_since = Some(now - 10 * SECOND);
-        assert_eq!(describe(&shared), (false, "announcing".to_string()));
+        state.serving_since = Some(now - 10 * SECOND);
+        assert_eq!(describe(&state), (false, "announcing".to_string()));
         let vip: IpAddr = "10.0.0.100".parse().unwrap();
-        assert_eq!(wanted_now(&shared, now), BTreeSet::from([vip]));
-        shared.announce.installed.insert(vip);
-        assert_eq!(describe(&shared), (true, "announced".to_string()));
-        shared.announce.drained = true;
-        assert!(wanted_now(&shared, now).is_empty());
+        assert_eq!(wanted(&state), BTreeSet::from([vip]));
+        state.installed.insert(vip);
+        assert_eq!(describe(&state), (true, "announced".to_string()));
+        state.drained = true;
+        assert!(wanted(&state).is_empty());
         assert_eq!(
-            describe(&shared),
+            describe(&state),
             (
                 true,
                 "announced for another VIP of this address; this one: the node is drained \
@@ -805,26 +857,14 @@ mod tests {
                     .to_string()
             )
         );
-        let node = node_status(&shared, now);
+        let view = View {
+            config: Some(&config),
+            vips: &model.vips,
+            state: &state,
+        };
+        let node = node_status(&view, now);
         assert!(node.announcing && node.drained);
         assert_eq!(node.announced, ["10.0.0.100"]);
         assert_eq!((node.table, node.warmup_left_seconds), (Some(4242), 0.0));
-    }
-
-    #[test]
-    fn min_healthy_counts_backends_that_take_new_flows() {
-        use crate::agent::test_support::{config, shared};
-        use crate::config::AdminState;
-        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
-        let web: crate::explain::VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
-        assert_eq!(backends_up(&shared.model.vips[0]), 2);
-        shared
-            .set_admin_state(&web, "10.0.0.11".parse().unwrap(), AdminState::Drain)
-            .unwrap();
-        assert_eq!(
-            backends_up(&shared.model.vips[0]),
-            1,
-            "a draining backend takes no new flows"
-        );
     }
 }

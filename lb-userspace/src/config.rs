@@ -429,7 +429,8 @@ macro_rules! display_as {
     ($ty:ty { $($variant:ident => $text:literal),+ $(,)? }) => {
         impl fmt::Display for $ty {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(match self {
+                // `pad`, so that widths (`{:<8}`) apply.
+                f.pad(match self {
                     $(Self::$variant => $text),+
                 })
             }
@@ -599,6 +600,14 @@ mod metrics_addr {
     }
 }
 
+/// Whether two configurations keep the same routes (table, protocol and device): the
+/// announcer is set up once, so a reload must not change these.
+pub fn same_routes(a: &Option<AnnounceConfig>, b: &Option<AnnounceConfig>) -> bool {
+    let key =
+        |c: &Option<AnnounceConfig>| c.as_ref().map(|c| (c.table, c.protocol, c.device.clone()));
+    key(a) == key(b)
+}
+
 impl Config {
     /// Parses and validates a configuration file's text.
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
@@ -616,6 +625,46 @@ impl Config {
             source,
         })?;
         Config::from_toml(&text)
+    }
+
+    /// The first setting fixed at start that differs in `new`: a reload cannot apply it
+    /// (the program was loaded, the maps sized, the sockets bound with the old value).
+    pub fn restart_only_change(&self, new: &Config) -> Option<&'static str> {
+        let (old, d, n) = (self, &self.dataplane, &new.dataplane);
+        [
+            ("dataplane.interface", d.interface != n.interface),
+            ("dataplane.xdp_mode", d.xdp_mode != n.xdp_mode),
+            (
+                "dataplane.maglev_table_size",
+                d.maglev_table_size != n.maglev_table_size,
+            ),
+            (
+                "dataplane.conntrack_entries",
+                d.conntrack_entries != n.conntrack_entries,
+            ),
+            (
+                "dataplane.flow_idle_timeout",
+                d.flow_idle_timeout != n.flow_idle_timeout,
+            ),
+            (
+                "dataplane.conntrack_insert_limit",
+                d.conntrack_insert_limit != n.conntrack_insert_limit,
+            ),
+            ("dataplane.pin_path", d.pin_path != n.pin_path),
+            ("debug", old.debug != new.debug),
+            ("control.socket", old.control.socket != new.control.socket),
+            // The endpoint is bound once, at start.
+            (
+                "control.metrics",
+                old.control.metrics != new.control.metrics,
+            ),
+            (
+                "announce (table, protocol, device)",
+                !same_routes(&old.announce, &new.announce),
+            ),
+        ]
+        .into_iter()
+        .find_map(|(field, changed)| changed.then_some(field))
     }
 
     /// Checks everything serde cannot: ranges, cross-field and cross-VIP rules.
@@ -976,6 +1025,24 @@ impl HealthConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reload_may_change_the_warmup_but_not_where_routes_go() {
+        let second = std::time::Duration::from_secs(1);
+        let base = Some(AnnounceConfig::default());
+        let warmer = Some(AnnounceConfig {
+            warmup: 30 * second,
+            ..AnnounceConfig::default()
+        });
+        let other_table = Some(AnnounceConfig {
+            table: 100,
+            ..AnnounceConfig::default()
+        });
+        assert!(same_routes(&base, &warmer));
+        assert!(!same_routes(&base, &other_table));
+        assert!(!same_routes(&base, &None));
+        assert!(same_routes(&None, &None));
+    }
     use std::net::{Ipv4Addr, Ipv6Addr};
 
     /// The example from product.md, verbatim.

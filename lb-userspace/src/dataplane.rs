@@ -112,7 +112,7 @@ pub trait Dataplane {
 }
 
 /// The XDP mode that was actually attached.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttachedMode {
     Native,

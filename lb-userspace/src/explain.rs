@@ -12,7 +12,6 @@ use lb_common::{
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    agent::Shared,
     config::{HashMode, Protocol},
     dataplane::Dataplane,
     model::{Model, VipState},
@@ -168,17 +167,6 @@ pub struct View<'a> {
     pub flow_idle: Duration,
 }
 
-impl<'a> View<'a> {
-    pub fn of(shared: &'a Shared) -> Self {
-        Self {
-            model: &shared.model,
-            desired: &shared.desired,
-            dataplane: shared.dataplane.as_ref(),
-            flow_idle: shared.config.dataplane.flow_idle_timeout,
-        }
-    }
-}
-
 pub fn explain(
     view: &View<'_>,
     request: &ExplainRequest,
@@ -245,7 +233,8 @@ pub fn explain(
     })
 }
 
-/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
+/// CLOCK_MONOTONIC in nanoseconds: the clock the data path stamps entries with
+/// (`bpf_ktime_get_coarse_ns`, read once per jiffy: up to a tick behind this one).
 pub fn monotonic_ns() -> u64 {
     let now =
         nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");

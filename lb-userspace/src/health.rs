@@ -21,9 +21,9 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    agent::{HealthTasks, Shared},
-    config::{HealthConfig, HealthKind},
-    model::{CheckRecord, Health},
+    config::{AdminState, HealthConfig, HealthKind},
+    metrics::Observed,
+    model::{BackendState, CheckRecord, Health, Model, VipState},
 };
 
 /// Most of an HTTP check's body that is read (and then discarded).
@@ -148,19 +148,44 @@ fn describe_io(error: std::io::Error) -> String {
     }
 }
 
+/// The agent's state as the check tasks see it.
+pub trait CheckHost: Send + 'static {
+    /// The VIPs and backends to check.
+    fn model(&self) -> &Model;
+    /// Records a check result of backend `id` (see [`record`]) and, when it changed
+    /// the backend's health, rewrites the tables.
+    fn record_check(&mut self, id: u32, record: CheckRecord, rise: u32, fall: u32);
+}
+
+/// What starting health-check tasks needs.
+#[derive(Clone)]
+pub struct HealthTasks {
+    pub running: Arc<Mutex<HashSet<u32>>>,
+    pub shutdown: CancellationToken,
+}
+
+impl HealthTasks {
+    pub fn new(shutdown: CancellationToken) -> Self {
+        Self {
+            running: Arc::new(Mutex::new(HashSet::new())),
+            shutdown,
+        }
+    }
+}
+
 /// Starts a check task for every checked backend that has none yet. Tasks end by
 /// themselves when their backend leaves the model or stops being checked.
-pub fn spawn_checks(shared: &Arc<Mutex<Shared>>, tasks: &HealthTasks) {
-    // Both locks, shared first (as a finishing task takes them): a task deciding to end
-    // and this deciding not to start one cannot interleave.
-    let guard = shared.lock().expect("agent state poisoned");
+pub fn spawn_checks<H: CheckHost>(host: &Arc<Mutex<H>>, tasks: &HealthTasks) {
+    // Both locks, the host first (as a finishing task takes them): a task deciding to
+    // end and this deciding not to start one cannot interleave.
+    let guard = host.lock().expect("agent state poisoned");
     let mut running_ids = tasks.running.lock().expect("health task set poisoned");
-    for vip in &guard.model.vips {
+    for vip in &guard.model().vips {
         for backend in vip.backends.iter().filter(|b| is_checked(vip, b)) {
             if running_ids.insert(backend.id) {
                 tokio::spawn(check_loop(
                     backend.id,
-                    shared.clone(),
+                    host.clone(),
                     tasks.running.clone(),
                     tasks.shutdown.clone(),
                 ));
@@ -170,25 +195,25 @@ pub fn spawn_checks(shared: &Arc<Mutex<Shared>>, tasks: &HealthTasks) {
 }
 
 /// Backends in maintenance and backends whose checks are `none` are not checked.
-fn is_checked(vip: &crate::model::VipState, backend: &crate::model::BackendState) -> bool {
-    backend.config.state != crate::config::AdminState::Maint
+fn is_checked(vip: &VipState, backend: &BackendState) -> bool {
+    backend.config.state != AdminState::Maint
         && vip.config.health_of(&backend.config).kind != HealthKind::None
 }
 
-async fn check_loop(
+async fn check_loop<H: CheckHost>(
     id: u32,
-    shared: Arc<Mutex<Shared>>,
+    host: Arc<Mutex<H>>,
     running: Arc<Mutex<HashSet<u32>>>,
     shutdown: CancellationToken,
 ) {
     let mut first = true;
     loop {
         // Read what to check under the lock, check without it.
-        let Some((config, target, state)) = target_of(&shared, id) else {
-            // Deregister under the shared lock, unless the backend came back meanwhile
+        let Some((config, target, state)) = target_of(&host, id) else {
+            // Deregister under the host's lock, unless the backend came back meanwhile
             // (then `spawn_checks` saw this task still registered and started none).
-            let guard = shared.lock().expect("agent state poisoned");
-            if target_in(&guard, id).is_some() {
+            let guard = host.lock().expect("agent state poisoned");
+            if target_in(guard.model(), id).is_some() {
                 continue;
             }
             running
@@ -208,65 +233,73 @@ async fn check_loop(
             _ = tokio::time::sleep(delay) => {}
         }
         let record = check(&config, target).await;
-        let mut shared = shared.lock().expect("agent state poisoned");
-        let Some((vip, backend)) = shared.model.vips.iter_mut().find_map(|v| {
-            let name = v.config.name.clone();
-            v.backends
-                .iter_mut()
-                .find(|b| b.id == id)
-                .map(|b| (name, b))
-        }) else {
-            // Gone while being checked: the next turn deregisters.
-            continue;
-        };
-        let mut state = CheckState {
-            health: backend.health,
-            streak: backend.streak,
-            last_ok: backend.last_check.as_ref().map(|c| c.ok),
-        };
-        let changed = state.observe(record.ok, config.rise, config.fall);
-        backend.health = state.health;
-        backend.streak = state.streak;
-        let address = backend.config.address;
-        let seconds = record.latency_ms / 1000.0;
-        let reason = record
-            .error
-            .clone()
-            .unwrap_or_else(|| format!("{:.1}ms", record.latency_ms));
-        backend.last_check = Some(record);
-        crate::metrics::observe_check(
-            &shared.observed,
-            &vip,
-            &address.to_string(),
-            seconds,
-            changed,
+        host.lock().expect("agent state poisoned").record_check(
+            id,
+            record,
+            config.rise,
+            config.fall,
         );
-        if let Some(health) = changed {
-            let (word, threshold) = match health {
-                Health::Up => ("UP", "successes"),
-                _ => ("DOWN", "failures"),
-            };
-            tracing::warn!(
-                "backend {address} of vip {vip} is {word}: {reason} ({} consecutive {threshold})",
-                state.streak
-            );
-            if let Err(error) = shared.sync() {
-                tracing::error!("writing tables after a health change: {error:#}");
-            }
-        }
     }
 }
 
-fn target_of(
-    shared: &Arc<Mutex<Shared>>,
+/// Records a check result of backend `id` in the model and the metrics, and logs a
+/// change of health. Returns the new health when it changed; nothing when the backend
+/// is gone (it went while being checked).
+pub fn record(
+    model: &mut Model,
+    observed: &Observed,
+    id: u32,
+    record: CheckRecord,
+    rise: u32,
+    fall: u32,
+) -> Option<Health> {
+    let (vip, backend) = model.vips.iter_mut().find_map(|v| {
+        let name = v.config.name.clone();
+        v.backends
+            .iter_mut()
+            .find(|b| b.id == id)
+            .map(|b| (name, b))
+    })?;
+    let mut state = CheckState {
+        health: backend.health,
+        streak: backend.streak,
+        last_ok: backend.last_check.as_ref().map(|c| c.ok),
+    };
+    let changed = state.observe(record.ok, rise, fall);
+    backend.health = state.health;
+    backend.streak = state.streak;
+    let address = backend.config.address;
+    let seconds = record.latency_ms / 1000.0;
+    let reason = record
+        .error
+        .clone()
+        .unwrap_or_else(|| format!("{:.1}ms", record.latency_ms));
+    backend.last_check = Some(record);
+    crate::metrics::observe_check(observed, &vip, &address.to_string(), seconds, changed);
+    match changed {
+        Some(Health::Up) => tracing::info!(
+            "backend {address} of vip {vip} is UP: {reason} ({} consecutive successes)",
+            state.streak
+        ),
+        Some(_) => tracing::warn!(
+            "backend {address} of vip {vip} is DOWN: {reason} ({} consecutive failures)",
+            state.streak
+        ),
+        None => {}
+    }
+    changed
+}
+
+fn target_of<H: CheckHost>(
+    host: &Arc<Mutex<H>>,
     id: u32,
 ) -> Option<(HealthConfig, SocketAddr, CheckState)> {
-    target_in(&shared.lock().expect("agent state poisoned"), id)
+    target_in(host.lock().expect("agent state poisoned").model(), id)
 }
 
 /// What to check for backend `id`, if it is checked.
-fn target_in(shared: &Shared, id: u32) -> Option<(HealthConfig, SocketAddr, CheckState)> {
-    shared.model.vips.iter().find_map(|v| {
+fn target_in(model: &Model, id: u32) -> Option<(HealthConfig, SocketAddr, CheckState)> {
+    model.vips.iter().find_map(|v| {
         let b = v.backends.iter().find(|b| b.id == id)?;
         if !is_checked(v, b) {
             return None;

@@ -1,8 +1,15 @@
 //! The `lb` agent: configuration, the data-plane loader, health checks and control.
+//!
+//! Modules, each of which uses only those listed before it (no import cycles):
+//! `config`; `dataplane`; `model`, `tables`; `writer`; `neighbor`, `capture`; `status`,
+//! `api`, `explain`, `telemetry`, `metrics`, `health`, `announce`; `state`; `control`,
+//! `client`, `top`; `agent`. The README's Layout section says what each is for.
 
 pub mod agent;
 pub mod announce;
+pub mod api;
 pub mod capture;
+pub mod client;
 pub mod config;
 pub mod control;
 pub mod dataplane;
@@ -11,8 +18,12 @@ pub mod health;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;
+pub mod state;
+pub mod status;
 pub mod tables;
+pub mod telemetry;
 pub mod top;
+pub mod writer;
 
 /// The compiled XDP object (`lb-ebpf`), embedded at build time. Empty when built with
 /// `AYA_BUILD_SKIP=1`.

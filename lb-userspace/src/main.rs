@@ -2,15 +2,16 @@
 
 use std::{path::PathBuf, process::ExitCode};
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 use std::net::{IpAddr, SocketAddr};
 
 use lb_userspace::{
     agent,
+    api::BackendRequest,
+    client,
     config::{AdminState, Config},
-    control::{self, BackendRequest},
-    explain::{ExplainRequest, Explanation, VipTarget},
+    explain::{ExplainRequest, VipTarget},
+    status,
 };
 
 #[derive(Parser)]
@@ -211,10 +212,7 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
         Command::Detach { config } => {
             let config = Config::load(&config)?;
             let dir = config.dataplane.pin_dir();
-            if control::request(&config.control.socket, hyper::Method::GET, "/status", None)
-                .await
-                .is_ok()
-            {
+            if client::agent_answers(&config.control.socket).await {
                 anyhow::bail!(
                     "an agent is running on {}: stop it first (or run it with --detach-on-exit)",
                     config.control.socket.display()
@@ -233,10 +231,7 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             );
         }
         Command::Reload { target } => {
-            let body = control::request(&target.socket()?, hyper::Method::POST, "/reload", None)
-                .await
-                .context("reload refused")?;
-            let answer: control::ReloadAnswer = serde_json::from_slice(&body)?;
+            let answer = client::reload(&target.socket()?).await?;
             if answer.changes.is_empty() {
                 println!("reloaded: no change");
             }
@@ -250,18 +245,14 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             json,
             target,
         } => {
-            let request = serde_json::to_vec(&ExplainRequest { vip, source })?;
-            let body = control::request(
-                &target.socket()?,
-                hyper::Method::POST,
-                "/explain",
-                Some(request),
-            )
-            .await?;
+            let request = ExplainRequest { vip, source };
             if json {
-                println!("{}", String::from_utf8_lossy(&body));
+                println!(
+                    "{}",
+                    client::explain_json(&target.socket()?, &request).await?
+                );
             } else {
-                let e: Explanation = serde_json::from_slice(&body)?;
+                let e = client::explain(&target.socket()?, &request).await?;
                 let none = || "no backend".to_string();
                 println!(
                     "flow {source} -> {vip} (vip {}): hash {:#010x}, slot {}",
@@ -309,10 +300,7 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
                 NodeCommand::Drain { target } => ("/node/drain", target),
                 NodeCommand::Ready { target } => ("/node/ready", target),
             };
-            let answer = control::request(&target.socket()?, hyper::Method::POST, path, None)
-                .await
-                .context("refused")?;
-            let answer: control::ChangeAnswer = serde_json::from_slice(&answer)?;
+            let answer = client::change_node(&target.socket()?, path).await?;
             println!("{}", answer.change);
         }
         Command::Top {
@@ -330,13 +318,11 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             lb_userspace::top::run(&target.socket()?, options).await?
         }
         Command::Status { json, target } => {
-            let body =
-                control::request(&target.socket()?, hyper::Method::GET, "/status", None).await?;
+            let socket = target.socket()?;
             if json {
-                println!("{}", String::from_utf8_lossy(&body));
+                println!("{}", client::status_json(&socket).await?);
             } else {
-                let status: control::Status = serde_json::from_slice(&body)?;
-                print!("{}", control::render(&status));
+                print!("{}", status::render(&client::status(&socket).await?));
             }
         }
     }
@@ -354,15 +340,7 @@ async fn change_state(args: BackendArgs, state: AdminState) -> anyhow::Result<()
 }
 
 async fn send_change(target: &Target, path: &str, body: &BackendRequest) -> anyhow::Result<()> {
-    let answer = control::request(
-        &target.socket()?,
-        hyper::Method::POST,
-        path,
-        Some(serde_json::to_vec(body)?),
-    )
-    .await
-    .context("refused")?;
-    let answer: control::ChangeAnswer = serde_json::from_slice(&answer)?;
+    let answer = client::change_backend(&target.socket()?, path, body).await?;
     println!("{}", answer.change);
     Ok(())
 }

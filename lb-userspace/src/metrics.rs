@@ -6,10 +6,7 @@
 //! every scrape is exact and nothing is counted twice in userspace. Health-check
 //! durations and transitions are observed by the agent as they happen.
 
-use std::{
-    net::SocketAddr,
-    sync::{Arc, Mutex},
-};
+use std::{net::SocketAddr, sync::Arc};
 
 use anyhow::Context;
 use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
@@ -21,7 +18,10 @@ use prometheus_client::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::{agent::Shared, model::Health};
+use crate::{
+    model::{AdminStatus, Health},
+    status::Status,
+};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct VipLabels {
@@ -102,66 +102,67 @@ where
     family
 }
 
-/// The metrics text for the agent's current state.
-pub fn render(shared: &Shared) -> anyhow::Result<String> {
-    let mut registry = Registry::with_prefix("lb");
-    let status = shared.status()?;
+/// What one scrape renders: the status, the program's outcome counters (indexed by
+/// `lb_common::stat`), and what the agent observed.
+pub struct Scrape {
+    pub status: Status,
+    pub outcomes: Vec<u64>,
+    pub observed: Observed,
+}
 
+/// The metrics text of one scrape.
+pub fn render(scrape: &Scrape) -> anyhow::Result<String> {
+    let mut registry = Registry::with_prefix("lb");
+    register_vips(&mut registry, &scrape.status);
+    register_backends(&mut registry, &scrape.status);
+    register_outcomes(&mut registry, &scrape.outcomes);
+    let entries = Gauge::<i64>::default();
+    entries.set(scrape.status.dataplane.conntrack_entries as i64);
+    registry.register(
+        "conntrack_entries",
+        "Connection-table entries at the last scan",
+        entries,
+    );
+    registry.register(
+        "health_check_duration_seconds",
+        "Duration of health checks",
+        scrape.observed.check_duration.clone(),
+    );
+    registry.register(
+        "health_transitions",
+        "Backend health changes",
+        scrape.observed.transitions.clone(),
+    );
+    let mut text = String::new();
+    encode(&mut text, &registry).context("encoding metrics")?;
+    Ok(text)
+}
+
+fn register_vips(registry: &mut Registry, status: &Status) {
     let vip_packets =
-        family::<VipLabels, Counter>(&mut registry, "vip_packets", "Packets forwarded for a VIP");
+        family::<VipLabels, Counter>(registry, "vip_packets", "Packets forwarded for a VIP");
     let vip_bytes =
-        family::<VipLabels, Counter>(&mut registry, "vip_bytes", "Bytes forwarded for a VIP");
+        family::<VipLabels, Counter>(registry, "vip_bytes", "Bytes forwarded for a VIP");
     let vip_new_flows = family::<VipLabels, Counter>(
-        &mut registry,
+        registry,
         "vip_new_flows",
-        "TCP SYNs forwarded for a VIP",
+        "New flows forwarded for a VIP (TCP SYNs and new UDP flows)",
     );
     let healthy = family::<VipLabels, Gauge>(
-        &mut registry,
+        registry,
         "vip_healthy_backends",
         "Backends not failed by checks",
     );
     let unhealthy = family::<VipLabels, Gauge>(
-        &mut registry,
+        registry,
         "vip_unhealthy_backends",
         "Backends failed by checks or unreachable",
     );
     let hotspot = family::<VipLabels, Gauge<f64, std::sync::atomic::AtomicU64>>(
-        &mut registry,
+        registry,
         "vip_busiest_over_average",
         "New flows of the busiest in-table backend over the average, last interval (0: none)",
     );
-    let backend_packets = family::<BackendLabels, Counter>(
-        &mut registry,
-        "backend_packets",
-        "Packets forwarded to a backend",
-    );
-    let backend_bytes = family::<BackendLabels, Counter>(
-        &mut registry,
-        "backend_bytes",
-        "Bytes forwarded to a backend",
-    );
-    let backend_new_flows = family::<BackendLabels, Counter>(
-        &mut registry,
-        "backend_new_flows",
-        "TCP SYNs forwarded to a backend",
-    );
-    let backend_up = family::<BackendLabels, Gauge>(
-        &mut registry,
-        "backend_up",
-        "1 when health is up or unchecked",
-    );
-    let backend_flows = family::<BackendLabels, Gauge>(
-        &mut registry,
-        "backend_active_flows",
-        "Live connection-table entries",
-    );
-    let admin = family::<StateLabels, Gauge>(
-        &mut registry,
-        "backend_admin_state",
-        "1 for the backend's admin state",
-    );
-
     for vip in &status.vips {
         let labels = VipLabels {
             vip: vip.name.clone(),
@@ -176,24 +177,51 @@ pub fn render(shared: &Shared) -> anyhow::Result<String> {
             .get_or_create(&labels)
             .set(vip.unhealthy_backends as i64);
         hotspot.get_or_create(&labels).set(vip.busiest_over_average);
+    }
+}
+
+fn register_backends(registry: &mut Registry, status: &Status) {
+    let packets = family::<BackendLabels, Counter>(
+        registry,
+        "backend_packets",
+        "Packets forwarded to a backend",
+    );
+    let bytes =
+        family::<BackendLabels, Counter>(registry, "backend_bytes", "Bytes forwarded to a backend");
+    let new_flows = family::<BackendLabels, Counter>(
+        registry,
+        "backend_new_flows",
+        "New flows forwarded to a backend (TCP SYNs and new UDP flows)",
+    );
+    let up =
+        family::<BackendLabels, Gauge>(registry, "backend_up", "1 when health is up or unchecked");
+    let flows = family::<BackendLabels, Gauge>(
+        registry,
+        "backend_active_flows",
+        "Live connection-table entries",
+    );
+    let admin = family::<StateLabels, Gauge>(
+        registry,
+        "backend_admin_state",
+        "1 for the backend's admin state",
+    );
+    for vip in &status.vips {
         for b in &vip.backends {
             let labels = BackendLabels {
                 vip: vip.name.clone(),
                 backend: b.address.clone(),
             };
-            backend_packets.get_or_create(&labels).inc_by(b.packets);
-            backend_bytes.get_or_create(&labels).inc_by(b.bytes);
-            backend_new_flows.get_or_create(&labels).inc_by(b.new_flows);
-            let up = b.health != "down";
-            backend_up.get_or_create(&labels).set(i64::from(up));
-            backend_flows
-                .get_or_create(&labels)
-                .set(b.active_flows as i64);
-            for state in ["ready", "draining", "drained", "maint"] {
+            packets.get_or_create(&labels).inc_by(b.packets);
+            bytes.get_or_create(&labels).inc_by(b.bytes);
+            new_flows.get_or_create(&labels).inc_by(b.new_flows);
+            up.get_or_create(&labels)
+                .set(i64::from(b.health != Health::Down));
+            flows.get_or_create(&labels).set(b.active_flows as i64);
+            for state in AdminStatus::ALL {
                 let labels = StateLabels {
                     vip: vip.name.clone(),
                     backend: b.address.clone(),
-                    state: state.into(),
+                    state: state.word().into(),
                 };
                 admin
                     .get_or_create(&labels)
@@ -201,100 +229,90 @@ pub fn render(shared: &Shared) -> anyhow::Result<String> {
             }
         }
     }
+}
 
-    let counter = |name: &str| status.counters.get(name).copied().unwrap_or(0);
-    let actions = family::<ActionLabels, Counter>(
-        &mut registry,
-        "xdp_actions",
-        "XDP verdicts of the program",
-    );
-    for (action, name) in [
-        ("aborted", "xdp_aborted"),
-        ("drop", "xdp_drop"),
-        ("pass", "xdp_pass"),
-        ("tx", "xdp_tx"),
-        ("redirect", "xdp_redirect"),
+/// The program's outcome counters, read by their `stat` index.
+fn register_outcomes(registry: &mut Registry, outcomes: &[u64]) {
+    let counter = |index: u32| outcomes.get(index as usize).copied().unwrap_or(0);
+    let actions =
+        family::<ActionLabels, Counter>(registry, "xdp_actions", "XDP verdicts of the program");
+    for (action, index) in [
+        ("aborted", stat::XDP_ABORTED),
+        ("drop", stat::XDP_DROP),
+        ("pass", stat::XDP_PASS),
+        ("tx", stat::XDP_TX),
+        ("redirect", stat::XDP_REDIRECT),
     ] {
         actions
             .get_or_create(&ActionLabels {
                 action: action.into(),
             })
-            .inc_by(counter(name));
+            .inc_by(counter(index));
     }
-    let drops =
-        family::<ReasonLabels, Counter>(&mut registry, "drops", "Packets dropped, by reason");
+    let drops = family::<ReasonLabels, Counter>(registry, "drops", "Packets dropped, by reason");
     let passes = family::<ReasonLabels, Counter>(
-        &mut registry,
+        registry,
         "passes",
         "Packets passed to the kernel, by reason",
     );
-    for name in stat::NAMES {
-        if let Some(reason) = name.strip_prefix("drop_") {
-            drops
-                .get_or_create(&ReasonLabels {
-                    reason: reason.into(),
-                })
-                .inc_by(counter(name));
+    // The reason label is the counter's name without its prefix.
+    for (index, name) in (0u32..).zip(stat::NAMES) {
+        let (family, reason) = if let Some(reason) = name.strip_prefix("drop_") {
+            (&drops, reason)
         } else if let Some(reason) = name.strip_prefix("pass_") {
-            passes
-                .get_or_create(&ReasonLabels {
-                    reason: reason.into(),
-                })
-                .inc_by(counter(name));
-        }
+            (&passes, reason)
+        } else {
+            continue;
+        };
+        family
+            .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
+            .inc_by(counter(index));
     }
     let misses = family::<KindLabels, Counter>(
-        &mut registry,
+        registry,
         "conntrack_misses",
         "Connection-table misses: syn (always hashed), non_syn (flows the table did not know), udp",
     );
-    for kind in ["syn", "non_syn", "udp"] {
+    for (kind, index) in [
+        ("syn", stat::CT_MISS_SYN),
+        ("non_syn", stat::CT_MISS_NON_SYN),
+        ("udp", stat::CT_MISS_UDP),
+    ] {
         misses
             .get_or_create(&KindLabels { kind: kind.into() })
-            .inc_by(counter(&format!("ct_miss_{kind}")));
+            .inc_by(counter(index));
     }
     let conntrack =
-        family::<KindLabels, Counter>(&mut registry, "conntrack_events", "Connection-table events");
-    for kind in ["hit", "rehash", "created", "insert_skipped"] {
+        family::<KindLabels, Counter>(registry, "conntrack_events", "Connection-table events");
+    for (kind, index) in [
+        ("hit", stat::CT_HIT),
+        ("rehash", stat::CT_REHASH),
+        ("created", stat::CT_CREATED),
+        ("insert_skipped", stat::CT_INSERT_SKIPPED),
+    ] {
         conntrack
             .get_or_create(&KindLabels { kind: kind.into() })
-            .inc_by(counter(&format!("ct_{kind}")));
+            .inc_by(counter(index));
     }
     let icmp_too_big = Counter::<u64>::default();
-    icmp_too_big.inc_by(counter("seen_icmp_too_big"));
+    icmp_too_big.inc_by(counter(stat::SEEN_ICMP_TOO_BIG));
     registry.register(
         "icmp_too_big",
         "ICMP fragmentation-needed / ICMPv6 packet-too-big errors about VIP flows, sent to the flows' backends",
         icmp_too_big,
     );
-    let entries = Gauge::<i64>::default();
-    entries.set(status.dataplane.conntrack_entries as i64);
-    registry.register(
-        "conntrack_entries",
-        "Connection-table entries at the last scan",
-        entries,
-    );
-
-    registry.register(
-        "health_check_duration_seconds",
-        "Duration of health checks",
-        shared.observed.check_duration.clone(),
-    );
-    registry.register(
-        "health_transitions",
-        "Backend health changes",
-        shared.observed.transitions.clone(),
-    );
-
-    let mut text = String::new();
-    encode(&mut text, &registry).context("encoding metrics")?;
-    Ok(text)
 }
+
+/// Takes one scrape of the agent's state (briefly under its lock); rendering happens
+/// after, outside it.
+pub type Scraper = Arc<dyn Fn() -> anyhow::Result<Scrape> + Send + Sync>;
 
 /// Serves `GET /metrics` on `address` until `shutdown`.
 pub async fn serve(
     address: SocketAddr,
-    shared: Arc<Mutex<Shared>>,
+    scraper: Scraper,
     shutdown: CancellationToken,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let listener = tokio::net::TcpListener::bind(address)
@@ -302,7 +320,7 @@ pub async fn serve(
         .with_context(|| format!("binding the metrics endpoint {address}"))?;
     let app = Router::new()
         .route("/metrics", get(metrics))
-        .with_state(shared);
+        .with_state(scraper);
     Ok(tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown.cancelled_owned())
@@ -314,7 +332,7 @@ pub async fn serve(
 }
 
 async fn metrics(
-    State(shared): State<Arc<Mutex<Shared>>>,
+    State(scraper): State<Scraper>,
     headers: axum::http::HeaderMap,
 ) -> impl IntoResponse {
     let openmetrics = headers
@@ -322,8 +340,7 @@ async fn metrics(
         .iter()
         .filter_map(|v| v.to_str().ok())
         .any(accepts_openmetrics);
-    let shared = shared.lock().expect("agent state poisoned");
-    match render(&shared) {
+    match scraper().and_then(|scrape| render(&scrape)) {
         Ok(text) => {
             let (content_type, body) = if openmetrics {
                 (
@@ -424,10 +441,6 @@ pub fn observe_check(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::{
-        busiest_over_average,
-        test_support::{config, shared},
-    };
 
     #[test]
     fn openmetrics_only_when_asked_for() {
@@ -448,187 +461,5 @@ mod tests {
         ] {
             assert!(!accepts_openmetrics(plain), "{plain:?}");
         }
-    }
-
-    #[test]
-    fn the_classic_text_names_counter_families_as_their_samples() {
-        let shared = shared(config("eth0", &["10.0.0.11"]));
-        observe_check(&shared.observed, "web", "10.0.0.11", 0.002, None);
-        let openmetrics = render(&shared).unwrap();
-        assert!(openmetrics.contains("# TYPE lb_vip_packets counter"));
-        assert!(openmetrics.ends_with("# EOF\n"));
-        let text = prometheus_text(&openmetrics);
-        assert!(
-            !text.contains("# EOF") && !text.contains("# UNIT"),
-            "{text}"
-        );
-        assert!(
-            text.contains("# TYPE lb_vip_packets_total counter\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("# HELP lb_vip_packets_total Packets"),
-            "{text}"
-        );
-        assert!(
-            text.contains("# TYPE lb_conntrack_entries gauge\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("# TYPE lb_health_check_duration_seconds histogram\n"),
-            "{text}"
-        );
-        // Only types both formats share (no info, stateset, gaugehistogram).
-        for line in openmetrics.lines().filter(|l| l.starts_with("# TYPE ")) {
-            let kind = line.rsplit(' ').next().unwrap();
-            assert!(
-                ["counter", "gauge", "histogram"].contains(&kind),
-                "{line}: a type the classic text lacks"
-            );
-        }
-        assert_eq!(
-            prometheus_text("# TYPE x unknown\nx 1\n# EOF\n"),
-            "# TYPE x untyped\nx 1\n"
-        );
-        // Every sample line is kept as it was.
-        let samples = |t: &str| -> Vec<String> {
-            t.lines()
-                .filter(|l| !l.starts_with('#'))
-                .map(str::to_string)
-                .collect()
-        };
-        assert_eq!(samples(&text), samples(&openmetrics));
-        // A 0.0.4 parser now types the counters as counters.
-        let lines = text.lines().map(|l| Ok(l.to_string()));
-        let scrape = prometheus_parse::Scrape::parse(lines).unwrap();
-        let packets = scrape
-            .samples
-            .iter()
-            .find(|s| s.metric == "lb_vip_packets_total")
-            .expect("lb_vip_packets_total");
-        assert!(
-            matches!(packets.value, prometheus_parse::Value::Counter(_)),
-            "{:?}",
-            packets.value
-        );
-    }
-
-    #[test]
-    fn the_exposition_parses_and_names_every_series() {
-        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
-        // One backend in maintenance, then the other failed its checks: the gauges say so.
-        let web = "10.0.0.100:80/tcp".parse().unwrap();
-        shared
-            .set_admin_state(
-                &web,
-                "10.0.0.12".parse().unwrap(),
-                crate::config::AdminState::Maint,
-            )
-            .unwrap();
-        for b in shared.model.backends_mut() {
-            if b.config.address.to_string() == "10.0.0.11" {
-                b.health = Health::Down;
-            }
-        }
-        observe_check(
-            &shared.observed,
-            "web",
-            "10.0.0.11",
-            0.002,
-            Some(Health::Up),
-        );
-        let text = render(&shared).unwrap();
-        let lines = text.lines().map(|l| Ok(l.to_string()));
-        let scrape = prometheus_parse::Scrape::parse(lines).expect("a real parser accepts it");
-        let names: std::collections::BTreeSet<&str> =
-            scrape.samples.iter().map(|s| s.metric.as_str()).collect();
-        for name in [
-            "lb_vip_packets_total",
-            "lb_vip_bytes_total",
-            "lb_vip_new_flows_total",
-            "lb_vip_healthy_backends",
-            "lb_vip_unhealthy_backends",
-            "lb_vip_busiest_over_average",
-            "lb_backend_packets_total",
-            "lb_backend_bytes_total",
-            "lb_backend_new_flows_total",
-            "lb_backend_up",
-            "lb_backend_admin_state",
-            "lb_backend_active_flows",
-            "lb_xdp_actions_total",
-            "lb_drops_total",
-            "lb_passes_total",
-            "lb_conntrack_misses_total",
-            "lb_conntrack_entries",
-            "lb_icmp_too_big_total",
-            "lb_health_check_duration_seconds_count",
-            "lb_health_transitions_total",
-        ] {
-            assert!(names.contains(name), "{name} missing from:\n{text}");
-        }
-        let healthy = scrape
-            .samples
-            .iter()
-            .find(|s| s.metric == "lb_vip_healthy_backends")
-            .unwrap();
-        assert_eq!(healthy.labels.get("vip"), Some("web"));
-        // 10.0.0.11 failed its checks; maintenance is an admin state, not health.
-        assert!(matches!(healthy.value, prometheus_parse::Value::Gauge(v) if v == 1.0));
-        let kinds = |metric: &str| -> std::collections::BTreeSet<String> {
-            scrape
-                .samples
-                .iter()
-                .filter(|s| s.metric == metric)
-                .filter_map(|s| s.labels.get("kind").map(str::to_string))
-                .collect()
-        };
-        assert_eq!(
-            kinds("lb_conntrack_misses_total"),
-            ["non_syn", "syn", "udp"].map(String::from).into()
-        );
-
-        let gauge = |metric: &str, labels: &[(&str, &str)]| {
-            let sample = scrape
-                .samples
-                .iter()
-                .find(|s| {
-                    s.metric == metric && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))
-                })
-                .unwrap_or_else(|| panic!("no {metric}{labels:?}"));
-            match sample.value {
-                prometheus_parse::Value::Gauge(v) => v,
-                ref other => panic!("{metric}: {other:?}"),
-            }
-        };
-        assert_eq!(gauge("lb_backend_up", &[("backend", "10.0.0.11")]), 0.0);
-        assert_eq!(gauge("lb_backend_up", &[("backend", "10.0.0.12")]), 1.0);
-        let admin = |backend: &str, state: &str| {
-            gauge(
-                "lb_backend_admin_state",
-                &[("backend", backend), ("state", state)],
-            )
-        };
-        assert_eq!(
-            (admin("10.0.0.12", "maint"), admin("10.0.0.12", "ready")),
-            (1.0, 0.0)
-        );
-        assert_eq!(
-            (admin("10.0.0.11", "ready"), admin("10.0.0.11", "maint")),
-            (1.0, 0.0)
-        );
-        assert_eq!(
-            kinds("lb_conntrack_events_total"),
-            ["created", "hit", "insert_skipped", "rehash"]
-                .map(String::from)
-                .into()
-        );
-    }
-
-    #[test]
-    fn busiest_over_average_is_max_over_mean() {
-        assert_eq!(busiest_over_average(&[0, 0, 0]), 0.0);
-        assert_eq!(busiest_over_average(&[10, 10, 10]), 1.0);
-        assert_eq!(busiest_over_average(&[30, 0, 0]), 3.0);
-        assert!((busiest_over_average(&[12, 10, 8]) - 1.2).abs() < 1e-9);
     }
 }

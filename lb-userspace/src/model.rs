@@ -7,23 +7,69 @@ use std::time::{Duration, Instant};
 
 use lb_common::{
     ADDR_FAMILY_V4, ADDR_FAMILY_V6, BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo,
-    MAX_BACKENDS, MAX_VIPS, VIP_F_HASH_SRC_IP, VipKey,
-    maglev::{MaglevBackend, build_table},
+    MAX_BACKENDS, MAX_VIPS, VIP_F_HASH_SRC_IP, VipKey, maglev::MaglevBackend,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::config::{AdminState, BackendConfig, Config, HashMode, HealthKind, MacAddr, VipConfig};
 use crate::dataplane::Adopted;
-use crate::tables::{Desired, DesiredBackend, DesiredVip};
+use crate::tables::{Desired, DesiredBackend, TableInputs, VipInputs};
 
 /// What the health checks say of a backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Health {
     Up,
     Down,
     /// Not checked (`kind = "none"`): trusted.
     Unknown,
+}
+
+impl std::fmt::Display for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `pad`, so that table columns (`{:<8}`) line up.
+        f.pad(match self {
+            Health::Up => "up",
+            Health::Down => "down",
+            Health::Unknown => "unknown",
+        })
+    }
+}
+
+/// A backend's admin state as it plays out: `drain` is "draining" until its flows are
+/// gone (or `drain_timeout` passed), then "drained".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdminStatus {
+    Ready,
+    Draining,
+    Drained,
+    Maint,
+}
+
+impl AdminStatus {
+    pub const ALL: [AdminStatus; 4] = [
+        AdminStatus::Ready,
+        AdminStatus::Draining,
+        AdminStatus::Drained,
+        AdminStatus::Maint,
+    ];
+
+    pub fn word(self) -> &'static str {
+        match self {
+            AdminStatus::Ready => "ready",
+            AdminStatus::Draining => "draining",
+            AdminStatus::Drained => "drained",
+            AdminStatus::Maint => "maint",
+        }
+    }
+}
+
+impl std::fmt::Display for AdminStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `pad`, so that table columns (`{:<9}`) line up.
+        f.pad(self.word())
+    }
 }
 
 /// The result of one health check.
@@ -64,13 +110,18 @@ impl BackendState {
     }
 
     /// The admin state as status shows it: ready, draining, drained or maint.
-    pub fn admin_word(&self) -> &'static str {
+    pub fn admin_status(&self) -> AdminStatus {
         match (self.config.state, self.drained) {
-            (AdminState::Ready, _) => "ready",
-            (AdminState::Drain, false) => "draining",
-            (AdminState::Drain, true) => "drained",
-            (AdminState::Maint, _) => "maint",
+            (AdminState::Ready, _) => AdminStatus::Ready,
+            (AdminState::Drain, false) => AdminStatus::Draining,
+            (AdminState::Drain, true) => AdminStatus::Drained,
+            (AdminState::Maint, _) => AdminStatus::Maint,
         }
+    }
+
+    /// `admin_status` as its word.
+    pub fn admin_word(&self) -> &'static str {
+        self.admin_status().word()
     }
 
     /// May new flows go to this backend?
@@ -345,7 +396,15 @@ impl Model {
 
     /// The tables the data path should hold now.
     pub fn desired(&self) -> Desired {
-        let mut desired = Desired::default();
+        self.table_inputs().build()
+    }
+
+    /// What the tables are built from: each VIP's members, and every backend with a MAC.
+    pub fn table_inputs(&self) -> TableInputs {
+        let mut inputs = TableInputs {
+            table_size: self.table_size,
+            ..TableInputs::default()
+        };
         for vip in &self.vips {
             let members: Vec<MaglevBackend> = vip
                 .backends
@@ -370,22 +429,22 @@ impl Model {
                         vip_id: vip.id,
                     };
                     let identity = identity(b.config.address, vip.id);
-                    desired
+                    inputs
                         .backends
                         .insert(b.id, DesiredBackend { info, identity });
                 }
             }
-            desired.vips.push(DesiredVip {
+            inputs.vips.push(VipInputs {
                 key: vip.key(),
                 vip_id: vip.id,
                 flags: match vip.config.hash {
                     HashMode::FiveTuple => 0,
                     HashMode::SrcIp => VIP_F_HASH_SRC_IP,
                 },
-                table: build_table(&members, self.table_size),
+                members,
             });
         }
-        desired
+        inputs
     }
 
     /// Every backend, for iteration with its VIP.

@@ -4,10 +4,17 @@
 //! turns it into data-path writes: backends first, then each changed VIP's new table
 //! into the generation no packet is reading, then one `LB_VIPS` update that switches the
 //! VIP to it. A packet sees either the whole old table or the whole new one.
+//!
+//! Between the two sits the Maglev build: `TableInputs` is what the model says (cheap to
+//! take under the agent's lock), `TableBuilder` builds the tables from it outside the
+//! lock, rebuilding only VIPs whose inputs changed.
 
 use std::collections::{BTreeMap, HashMap};
 
-use lb_common::{BackendIdentity, BackendInfo, TABLE_GENERATIONS, VipInfo, VipKey};
+use lb_common::{
+    BackendIdentity, BackendInfo, TABLE_GENERATIONS, VipInfo, VipKey,
+    maglev::{MaglevBackend, build_table},
+};
 
 use crate::dataplane::{Adopted, Dataplane, DataplaneError};
 
@@ -33,6 +40,75 @@ pub struct DesiredBackend {
 pub struct Desired {
     pub vips: Vec<DesiredVip>,
     pub backends: BTreeMap<u32, DesiredBackend>,
+}
+
+/// One VIP's table as the model asks for it: the Maglev members, not yet built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VipInputs {
+    pub key: VipKey,
+    pub vip_id: u32,
+    pub flags: u32,
+    /// The backends that take new flows, with their weights.
+    pub members: Vec<MaglevBackend>,
+}
+
+/// Everything `Desired` is built from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TableInputs {
+    pub table_size: u32,
+    pub vips: Vec<VipInputs>,
+    pub backends: BTreeMap<u32, DesiredBackend>,
+}
+
+impl TableInputs {
+    /// Builds every table (no cache).
+    pub fn build(&self) -> Desired {
+        TableBuilder::default().build(self)
+    }
+}
+
+/// Builds `Desired` from inputs, keeping each VIP's last table: a VIP whose members did
+/// not change is not rebuilt (a health change rebuilds only its own VIP's table).
+#[derive(Debug, Default)]
+pub struct TableBuilder {
+    /// By vip id: the members and size a table was built for, and the table.
+    built: HashMap<u32, (Vec<MaglevBackend>, u32, Vec<u32>)>,
+}
+
+impl TableBuilder {
+    pub fn build(&mut self, inputs: &TableInputs) -> Desired {
+        self.built
+            .retain(|id, _| inputs.vips.iter().any(|v| v.vip_id == *id));
+        let vips = inputs
+            .vips
+            .iter()
+            .map(|vip| {
+                let fresh = |(members, size, _): &(Vec<MaglevBackend>, u32, Vec<u32>)| {
+                    *members == vip.members && *size == inputs.table_size
+                };
+                if !self.built.get(&vip.vip_id).is_some_and(fresh) {
+                    let table = build_table(&vip.members, inputs.table_size);
+                    self.built
+                        .insert(vip.vip_id, (vip.members.clone(), inputs.table_size, table));
+                }
+                DesiredVip {
+                    key: vip.key,
+                    vip_id: vip.vip_id,
+                    flags: vip.flags,
+                    table: self.built[&vip.vip_id].2.clone(),
+                }
+            })
+            .collect();
+        Desired {
+            vips,
+            backends: inputs.backends.clone(),
+        }
+    }
+
+    /// How many tables are kept (for tests of what is rebuilt).
+    pub fn cached(&self) -> usize {
+        self.built.len()
+    }
 }
 
 /// What one `apply` wrote.

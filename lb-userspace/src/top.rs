@@ -4,7 +4,7 @@
 
 use std::{collections::HashMap, fmt::Write, io::IsTerminal, path::Path, time::Duration};
 
-use crate::control::{self, Status};
+use crate::{client, status::Status};
 
 const BAR_WIDTH: usize = 30;
 const RED: &str = "\x1b[1;31m";
@@ -26,8 +26,7 @@ pub async fn run(socket: &Path, options: TopOptions) -> anyhow::Result<()> {
     let mut previous: Option<(std::time::Instant, Previous)> = None;
     let mut refreshes = 0u64;
     loop {
-        let body = control::request(socket, hyper::Method::GET, "/status", None).await?;
-        let status: Status = serde_json::from_slice(&body)?;
+        let status = client::status(socket).await?;
         let now = std::time::Instant::now();
         let rates = previous
             .as_ref()
@@ -153,18 +152,16 @@ pub fn render(status: &Status, rates: Option<(f64, &Previous)>, hot: f64, color:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::test_support::{config, shared};
 
     #[test]
     fn rates_and_shares_come_from_counter_deltas() {
-        let shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
-        let mut status = shared.status().unwrap();
+        let mut status = crate::status::tests::sample();
         let before = snapshot(&status);
         status.vips[0].backends[0].packets += 300;
         status.vips[0].backends[1].packets += 100;
         status.vips[0].backends[0].new_flows += 20;
         status.vips[0].busiest_over_average = 1.5;
-        status.vips[0].top_sources = vec![crate::control::SourceRate {
+        status.vips[0].top_sources = vec![crate::status::SourceRate {
             address: "10.0.0.1".into(),
             new_flows_per_second: 9.5,
         }];

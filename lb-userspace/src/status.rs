@@ -1,0 +1,427 @@
+//! What `lb status` shows: the status model as the control socket sends it (`GET
+//! /status`, JSON), and its rendering as a table for people.
+//!
+//! These are wire types: the agent fills them, the CLI (`client`, `top`) reads them, and
+//! their JSON names are part of the contract. Enums serialize to the words the contract
+//! names (`"draining"`, `"up"`, `"native"` ...).
+
+use std::{collections::BTreeMap, fmt::Write};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    config::{HashMode, Protocol},
+    dataplane::AttachedMode,
+    model::{AdminStatus, CheckRecord, Health},
+};
+
+/// How many heavy hitters status reports per VIP.
+pub const TOP_SOURCES: usize = 10;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Status {
+    pub dataplane: DataplaneStatus,
+    pub vips: Vec<VipStatus>,
+    /// Outcome counters of the program (`lb_common::stat::NAMES`), summed over CPUs.
+    pub counters: BTreeMap<String, u64>,
+    /// Announcing VIPs to routers (`[announce]`) and the node's drain state.
+    #[serde(default)]
+    pub node: NodeStatus,
+}
+
+/// The node's part in a multi-node deployment (`[announce]`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// VIPs are announced to routers (`[announce]` is configured).
+    pub announcing: bool,
+    /// `lb node drain`: every VIP is withdrawn until `lb node ready`.
+    pub drained: bool,
+    /// The kernel routing table and device of the announced routes.
+    pub table: Option<u32>,
+    pub device: Option<String>,
+    /// Warm-up left before anything is announced (0 once over).
+    pub warmup_left_seconds: f64,
+    /// Addresses announced now (their routes are in the table).
+    pub announced: Vec<String>,
+    /// The last failure to write the routes, while it lasts.
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DataplaneStatus {
+    pub interface: String,
+    pub interface_mac: String,
+    /// The XDP mode actually attached.
+    pub xdp_mode: AttachedMode,
+    pub maglev_table_size: u32,
+    /// Connection-table entries at the agent's last scan.
+    pub conntrack_entries: u64,
+    /// How long ago that scan was (the agent scans every 2 s); None before the first.
+    #[serde(default)]
+    pub conntrack_scan_age_seconds: Option<f64>,
+    /// How the agent found the data path at start.
+    pub start: Start,
+}
+
+/// How the agent found the data path at start. In JSON, the words of its `Display`:
+/// `"fresh"`, `"adopted"`, `"replaced (WHY); connection table lost"`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", from = "String")]
+pub enum Start {
+    /// Nothing was pinned: a new program and empty maps.
+    Fresh,
+    /// A previous agent's pinned program and maps: flows kept.
+    Adopted,
+    /// Pinned maps of another layout or size were replaced: their flows are lost.
+    Replaced { why: String },
+}
+
+const REPLACED_PREFIX: &str = "replaced (";
+const REPLACED_SUFFIX: &str = "); connection table lost";
+
+impl std::fmt::Display for Start {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Start::Fresh => f.write_str("fresh"),
+            Start::Adopted => f.write_str("adopted"),
+            Start::Replaced { why } => write!(f, "{REPLACED_PREFIX}{why}{REPLACED_SUFFIX}"),
+        }
+    }
+}
+
+impl From<Start> for String {
+    fn from(start: Start) -> String {
+        start.to_string()
+    }
+}
+
+impl From<String> for Start {
+    fn from(text: String) -> Start {
+        match text.as_str() {
+            "fresh" => Start::Fresh,
+            "adopted" => Start::Adopted,
+            other => Start::Replaced {
+                why: other
+                    .strip_prefix(REPLACED_PREFIX)
+                    .and_then(|rest| rest.strip_suffix(REPLACED_SUFFIX))
+                    .unwrap_or(other)
+                    .to_string(),
+            },
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VipStatus {
+    pub name: String,
+    /// With `[announce]`: the VIP's address is announced to the routers now.
+    #[serde(default)]
+    pub announced: bool,
+    /// Why (not): "announced", "withdrawn: <reason>", "not announced: no [announce]
+    /// section".
+    #[serde(default)]
+    pub announcement: String,
+    pub address: String,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub hash: HashMode,
+    pub packets: u64,
+    pub bytes: u64,
+    pub new_flows: u64,
+    pub healthy_backends: usize,
+    pub unhealthy_backends: usize,
+    /// New flows of the busiest in-table backend over the average, over the last sample
+    /// interval (2 s); 0 when there were none. 1.0 is perfectly even.
+    pub busiest_over_average: f64,
+    /// The client sources that opened the most new flows over the last sample interval
+    /// (heavy hitters), busiest first, at most `TOP_SOURCES`.
+    pub top_sources: Vec<SourceRate>,
+    pub backends: Vec<BackendStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SourceRate {
+    pub address: String,
+    pub new_flows_per_second: f64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BackendStatus {
+    pub address: String,
+    pub weight: u32,
+    pub state: AdminStatus,
+    /// "up", "down" or "unknown" (not checked).
+    pub health: Health,
+    pub mac: Option<String>,
+    /// Takes new flows now.
+    pub in_table: bool,
+    /// Maglev slots held.
+    pub slots: usize,
+    /// Connection-table entries that saw a packet within `flow_idle_timeout`.
+    pub active_flows: u64,
+    pub packets: u64,
+    pub bytes: u64,
+    pub new_flows: u64,
+    /// Consecutive check results agreeing with the last one.
+    pub consecutive: u32,
+    pub last_check: Option<CheckRecord>,
+    /// New flows per second over the last sample interval.
+    pub new_flows_per_second: f64,
+}
+
+/// The status as a table for people.
+pub fn render(status: &Status) -> String {
+    let mut out = String::new();
+    render_dataplane(&mut out, status);
+    for vip in &status.vips {
+        render_vip(&mut out, vip, status.node.announcing);
+    }
+    let nonzero: Vec<String> = status
+        .counters
+        .iter()
+        .filter(|(_, v)| **v > 0)
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    let _ = writeln!(
+        out,
+        "\ncounters: {}",
+        if nonzero.is_empty() {
+            "none yet".into()
+        } else {
+            nonzero.join(" ")
+        }
+    );
+    out
+}
+
+fn render_dataplane(out: &mut String, status: &Status) {
+    let d = &status.dataplane;
+    let scanned = match d.conntrack_scan_age_seconds {
+        Some(age) => format!(
+            "{} connection-table entries {age:.1}s ago",
+            d.conntrack_entries
+        ),
+        None => "connection table not scanned yet".to_string(),
+    };
+    let _ = writeln!(
+        out,
+        "data path: {} ({}) xdp mode {}, maglev table {} slots, {scanned}",
+        d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size
+    );
+    let _ = writeln!(out, "start: {}", d.start);
+    let node = &status.node;
+    if node.announcing {
+        let _ = writeln!(
+            out,
+            "node: {}, announcing through table {} (device {}): {}{}{}",
+            if node.drained { "DRAINED" } else { "ready" },
+            node.table.unwrap_or_default(),
+            node.device.as_deref().unwrap_or("?"),
+            if node.announced.is_empty() {
+                "nothing announced".to_string()
+            } else {
+                node.announced.join(", ")
+            },
+            if node.warmup_left_seconds > 0.0 {
+                format!(" (warm-up: {:.1}s left)", node.warmup_left_seconds)
+            } else {
+                String::new()
+            },
+            node.error
+                .as_deref()
+                .map(|e| format!("; error: {e}"))
+                .unwrap_or_default()
+        );
+    }
+}
+
+fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
+    let _ = writeln!(
+        out,
+        "\nvip {} {}:{}/{} hash {}: {} healthy, {} unhealthy, {} packets, {} new flows",
+        vip.name,
+        vip.address,
+        vip.port,
+        vip.protocol,
+        vip.hash,
+        vip.healthy_backends,
+        vip.unhealthy_backends,
+        vip.packets,
+        vip.new_flows
+    );
+    if announcing {
+        let _ = writeln!(out, "  announcement: {}", vip.announcement);
+    }
+    // New flows over the last sample interval: where a hot spot shows.
+    let _ = writeln!(
+        out,
+        "  busiest backend / average new flows: {}; top sources: {}",
+        if vip.busiest_over_average > 0.0 {
+            format!("{:.2}", vip.busiest_over_average)
+        } else {
+            "- (no new flows in the last sample)".to_string()
+        },
+        if vip.top_sources.is_empty() {
+            "none".to_string()
+        } else {
+            vip.top_sources
+                .iter()
+                .map(|s| format!("{} {:.1}/s", s.address, s.new_flows_per_second))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    );
+    let _ = writeln!(
+        out,
+        "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  last check",
+        "backend",
+        "weight",
+        "state",
+        "health",
+        "mac",
+        "slots",
+        "flows",
+        "packets",
+        "bytes",
+        "new_flows"
+    );
+    for b in &vip.backends {
+        let check = match &b.last_check {
+            None => "-".to_string(),
+            Some(c) if c.ok => format!("ok {:.1}ms", c.latency_ms),
+            Some(c) => format!("failed: {}", c.error.as_deref().unwrap_or("?")),
+        };
+        let _ = writeln!(
+            out,
+            "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  {}",
+            b.address,
+            b.weight,
+            b.state,
+            b.health,
+            b.mac.as_deref().unwrap_or("unresolved"),
+            b.slots,
+            b.active_flows,
+            b.packets,
+            b.bytes,
+            b.new_flows,
+            check
+        );
+    }
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+
+    /// A status as an agent with one VIP and two backends sends it.
+    pub fn sample() -> Status {
+        let backend = |address: &str| BackendStatus {
+            address: address.into(),
+            weight: 1,
+            state: AdminStatus::Ready,
+            health: Health::Up,
+            mac: Some("02:00:00:00:00:0b".into()),
+            in_table: true,
+            slots: 3,
+            active_flows: 0,
+            packets: 0,
+            bytes: 0,
+            new_flows: 0,
+            consecutive: 2,
+            last_check: None,
+            new_flows_per_second: 0.0,
+        };
+        Status {
+            dataplane: DataplaneStatus {
+                interface: "eth0".into(),
+                interface_mac: "02:00:00:00:00:01".into(),
+                xdp_mode: AttachedMode::Generic,
+                maglev_table_size: 7,
+                conntrack_entries: 0,
+                conntrack_scan_age_seconds: None,
+                start: Start::Fresh,
+            },
+            vips: vec![VipStatus {
+                name: "web".into(),
+                announced: false,
+                announcement: String::new(),
+                address: "10.0.0.100".into(),
+                port: 80,
+                protocol: Protocol::Tcp,
+                hash: HashMode::FiveTuple,
+                packets: 0,
+                bytes: 0,
+                new_flows: 0,
+                healthy_backends: 2,
+                unhealthy_backends: 0,
+                busiest_over_average: 0.0,
+                top_sources: Vec::new(),
+                backends: vec![backend("10.0.0.11"), backend("10.0.0.12")],
+            }],
+            counters: BTreeMap::new(),
+            node: NodeStatus::default(),
+        }
+    }
+
+    #[test]
+    fn the_table_for_people_has_what_status_promises() {
+        let mut status = sample();
+        status.vips[0].busiest_over_average = 1.25;
+        status.vips[0].top_sources = vec![SourceRate {
+            address: "10.0.0.1".into(),
+            new_flows_per_second: 12.5,
+        }];
+        let text = render(&status);
+        assert!(
+            text.contains("connection table not scanned yet"),
+            "before the first scan:\n{text}"
+        );
+        status.dataplane.conntrack_scan_age_seconds = Some(0.5);
+        status.dataplane.conntrack_entries = 7;
+        status.vips[0].busiest_over_average = 0.0;
+        let quiet = render(&status);
+        assert!(
+            quiet.contains("7 connection-table entries 0.5s ago"),
+            "{quiet}"
+        );
+        assert!(
+            quiet.contains("new flows: - (no new flows in the last sample)"),
+            "{quiet}"
+        );
+        for line in [
+            "start: fresh",
+            "vip web 10.0.0.100:80/tcp hash 5-tuple",
+            "busiest backend / average new flows: 1.25; top sources: 10.0.0.1 12.5/s",
+            "10.0.0.11",
+            "10.0.0.12",
+            "counters: ",
+        ] {
+            assert!(text.contains(line), "no {line:?} in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn enums_keep_their_json_words() {
+        let mut status = sample();
+        status.vips[0].backends[1].state = AdminStatus::Draining;
+        status.vips[0].backends[1].health = Health::Unknown;
+        status.dataplane.start = Start::Replaced {
+            why: "map layout 5, this program has 6".into(),
+        };
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["dataplane"]["xdp_mode"], "generic");
+        assert_eq!(
+            json["dataplane"]["start"],
+            "replaced (map layout 5, this program has 6); connection table lost"
+        );
+        assert_eq!(json["vips"][0]["protocol"], "tcp");
+        assert_eq!(json["vips"][0]["hash"], "5-tuple");
+        assert_eq!(json["vips"][0]["backends"][0]["state"], "ready");
+        assert_eq!(json["vips"][0]["backends"][0]["health"], "up");
+        assert_eq!(json["vips"][0]["backends"][1]["state"], "draining");
+        assert_eq!(json["vips"][0]["backends"][1]["health"], "unknown");
+        let back: Status = serde_json::from_value(json).unwrap();
+        assert_eq!(back.dataplane.start, status.dataplane.start);
+        assert_eq!(back.vips[0].backends[1].state, AdminStatus::Draining);
+    }
+}
