@@ -258,25 +258,7 @@ impl AyaDataplane {
         Ok(attached)
     }
 
-    /// Removes the pins (the program detaches once this process exits too).
-    pub fn unpin(&self) -> Result<(), DataplaneError> {
-        match &self.pin_dir {
-            Some(dir) => remove_pins(dir),
-            None => Ok(()),
-        }
-    }
-
-    /// Attaches to `interface` for as long as this value lives. `Auto` tries native
-    /// (driver) mode, then generic.
-    pub fn attach(
-        &mut self,
-        interface: &str,
-        mode: XdpModeSetting,
-    ) -> Result<AttachedMode, DataplaneError> {
-        self.attach_link(interface, mode)
-            .map(|(attached, _)| attached)
-    }
-
+    /// Attaches to `interface`. `Auto` tries native (driver) mode, then generic.
     fn attach_link(
         &mut self,
         interface: &str,
