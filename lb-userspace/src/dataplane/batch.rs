@@ -1,0 +1,251 @@
+//! The bpf(2) batch commands (BPF_MAP_LOOKUP_BATCH, BPF_MAP_UPDATE_BATCH), made by hand
+//! because aya 0.14 has no call for them, and `FlowReader`, the connection-table scan
+//! that uses them where the kernel can.
+
+use std::{
+    os::fd::{AsFd, AsRawFd},
+    path::PathBuf,
+};
+
+use aya::maps::{HashMap as BpfHashMap, MapData};
+use bytemuck::Zeroable;
+use lb_common::{FlowEntry, FlowKey, MAP_CONNTRACK};
+
+use super::{DataplaneError, in_map, syscall_error};
+
+/// The `batch` member of `union bpf_attr` (BPF_MAP_*_BATCH, Linux 5.6).
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Elements per batch call.
+const BATCH: usize = 8192;
+
+/// The kernel's internal ENOTSUPP, which bpf(2) returns for a command a map lacks.
+const KERNEL_ENOTSUPP: i32 = 524;
+
+/// One bpf(2) batch command.
+fn batch_call(command: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
+    // SAFETY: `attr` is a valid `union bpf_attr` prefix whose pointers the caller keeps
+    // alive, and the size passed is its own.
+    let done = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            command,
+            attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>() as u32,
+        )
+    };
+    if done != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Every entry of the connection table `fd` with BPF_MAP_LOOKUP_BATCH: one call per
+/// `BATCH` entries, where iterating costs two calls per entry (a full table of a million
+/// entries: 128 calls instead of two million).
+fn lookup_flows_batch(fd: std::os::fd::RawFd) -> std::io::Result<Vec<(FlowKey, FlowEntry)>> {
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    let mut keys = vec![FlowKey::zeroed(); BATCH];
+    let mut values = vec![FlowEntry::zeroed(); BATCH];
+    let mut flows = Vec::new();
+    // A hash map's batch position is a bucket index (a u32); none for the first call.
+    let mut position: Option<u32> = None;
+    loop {
+        let mut next: u32 = 0;
+        let mut attr = BatchAttr {
+            in_batch: position.as_ref().map_or(0, |p| p as *const u32 as u64),
+            out_batch: &mut next as *mut u32 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: BATCH as u32,
+            map_fd: fd as u32,
+            ..BatchAttr::default()
+        };
+        let result = batch_call(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        // ENOENT: the end of the table, with the last `count` entries filled in.
+        let end = match &result {
+            Ok(()) => false,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
+            Err(_) => return result.map(|()| flows),
+        };
+        let n = (attr.count as usize).min(BATCH);
+        flows.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        if end {
+            return Ok(flows);
+        }
+        position = Some(next);
+    }
+}
+
+/// Writes `(index, value)` pairs into the array map `fd` with BPF_MAP_UPDATE_BATCH
+/// (Linux 5.6), in chunks; each element is written as a single update would write it.
+pub(super) fn update_batch(fd: std::os::fd::RawFd, slots: &[(u32, u32)]) -> std::io::Result<()> {
+    const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+    for chunk in slots.chunks(BATCH) {
+        let keys: Vec<u32> = chunk.iter().map(|&(slot, _)| slot).collect();
+        let values: Vec<u32> = chunk.iter().map(|&(_, id)| id).collect();
+        let mut attr = BatchAttr {
+            keys: keys.as_ptr() as u64,
+            values: values.as_ptr() as u64,
+            count: chunk.len() as u32,
+            map_fd: fd as u32,
+            ..BatchAttr::default()
+        };
+        batch_call(BPF_MAP_UPDATE_BATCH, &mut attr)?;
+        if attr.count as usize != chunk.len() {
+            return Err(std::io::Error::other(format!(
+                "batch update wrote {} of {} slots",
+                attr.count,
+                chunk.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the connection table apart from the data path's own handle (see
+/// `Dataplane::flow_reader`).
+pub struct FlowReader(FlowSource);
+
+enum FlowSource {
+    Map(BpfHashMap<MapData, FlowKey, FlowEntry>),
+    /// The in-memory data path's entries when the reader was made.
+    #[cfg(test)]
+    Snapshot(Vec<(FlowKey, FlowEntry)>),
+}
+
+impl FlowReader {
+    /// A reader of `conntrack` through a handle of its own.
+    pub(super) fn of(
+        conntrack: &BpfHashMap<MapData, FlowKey, FlowEntry>,
+    ) -> Result<Self, DataplaneError> {
+        let fd = aya::maps::IterableMap::map(conntrack)
+            .fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| DataplaneError::Pin {
+                path: PathBuf::from(MAP_CONNTRACK),
+                source,
+            })?;
+        let data = MapData::from_fd(fd).map_err(in_map(MAP_CONNTRACK))?;
+        let map = BpfHashMap::try_from(aya::maps::Map::LruHashMap(data))
+            .map_err(in_map(MAP_CONNTRACK))?;
+        Ok(FlowReader(FlowSource::Map(map)))
+    }
+
+    /// A reader of these entries (the in-memory data path's).
+    #[cfg(test)]
+    pub(super) fn snapshot(flows: Vec<(FlowKey, FlowEntry)>) -> Self {
+        FlowReader(FlowSource::Snapshot(flows))
+    }
+
+    /// Every entry, read in batches where the kernel can.
+    pub fn flows(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+        match &self.0 {
+            FlowSource::Map(map) => read_flows(map),
+            #[cfg(test)]
+            FlowSource::Snapshot(flows) => Ok(flows.clone()),
+        }
+    }
+
+    /// Every entry, in batches only (an error where the kernel cannot): for tests.
+    pub fn flows_batched(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+        match &self.0 {
+            FlowSource::Map(map) => read_flows_batched(map),
+            #[cfg(test)]
+            FlowSource::Snapshot(flows) => Ok(flows.clone()),
+        }
+    }
+
+    /// Every entry, one key at a time: the fallback of `flows`, which tests and the
+    /// benchmark compare it with.
+    pub fn flows_by_key(&self) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+        match &self.0 {
+            FlowSource::Map(map) => read_flows_by_key(map),
+            #[cfg(test)]
+            FlowSource::Snapshot(flows) => Ok(flows.clone()),
+        }
+    }
+}
+
+fn read_flows(
+    map: &BpfHashMap<MapData, FlowKey, FlowEntry>,
+) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+    match read_flows_batched(map) {
+        Err(error) if batch_unsupported(&error) => read_flows_by_key(map),
+        read => read,
+    }
+}
+
+/// A kernel without batch lookups: EINVAL (no such command, before 5.6) or the kernel's
+/// own ENOTSUPP, 524 (none for this map type). Any other error is a real one.
+fn batch_unsupported(error: &DataplaneError) -> bool {
+    match error {
+        DataplaneError::Map {
+            source: aya::maps::MapError::SyscallError(e),
+            ..
+        } => matches!(
+            e.io_error.raw_os_error(),
+            Some(libc::EINVAL | libc::ENOTSUP | KERNEL_ENOTSUPP)
+        ),
+        _ => false,
+    }
+}
+
+/// [`read_flows`] with BPF_MAP_LOOKUP_BATCH only.
+fn read_flows_batched(
+    map: &BpfHashMap<MapData, FlowKey, FlowEntry>,
+) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+    let fd = aya::maps::IterableMap::map(map).fd().as_fd().as_raw_fd();
+    lookup_flows_batch(fd)
+        .map_err(|source| syscall_error(MAP_CONNTRACK, "bpf_map_lookup_batch", source))
+}
+
+/// [`read_flows`] one key at a time (two bpf(2) calls per entry).
+fn read_flows_by_key(
+    map: &BpfHashMap<MapData, FlowKey, FlowEntry>,
+) -> Result<Vec<(FlowKey, FlowEntry)>, DataplaneError> {
+    let mut flows = Vec::new();
+    for item in map.iter() {
+        match item {
+            Ok(flow) => flows.push(flow),
+            // An entry evicted between listing its key and reading it.
+            Err(aya::maps::MapError::KeyNotFound) => continue,
+            Err(source) => {
+                return Err(in_map(MAP_CONNTRACK)(source));
+            }
+        }
+    }
+    Ok(flows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_missing_batch_command_falls_back_to_key_by_key() {
+        let error = |errno: i32| {
+            let io_error = std::io::Error::from_raw_os_error(errno);
+            syscall_error(MAP_CONNTRACK, "bpf_map_lookup_batch", io_error)
+        };
+        for errno in [libc::EINVAL, KERNEL_ENOTSUPP, libc::ENOTSUP] {
+            assert!(batch_unsupported(&error(errno)), "errno {errno}");
+        }
+        for errno in [libc::EFAULT, libc::ENOSPC, libc::EPERM, libc::ENOMEM] {
+            assert!(!batch_unsupported(&error(errno)), "errno {errno}");
+        }
+        assert!(!batch_unsupported(&DataplaneError::NoObject));
+    }
+}

@@ -1,0 +1,474 @@
+//! `AyaDataplane`: the program loaded into the kernel, attached to an interface,
+//! adopting what a previous agent pinned, and the `Dataplane` trait over its maps.
+
+use std::{
+    os::fd::{AsFd, AsRawFd},
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap as BpfHashMap, IterableMap, MapData, PerCpuArray, PerCpuHashMap},
+    programs::{Xdp, XdpMode, xdp::XdpLinkId},
+};
+use lb_common::{
+    BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE, GLOBAL_CT_INSERT_LIMIT,
+    GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, MAP_BACKEND_IDS, MAP_BACKEND_STATS,
+    MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS,
+    MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS,
+    TrafficCounters, VipInfo, VipKey, stat,
+};
+
+use super::{
+    Adopted, AttachedMode, Counters, Dataplane, DataplaneError, FlowReader, Found, LoadOptions,
+    batch::update_batch,
+    in_map,
+    pins::{self, LINK_PIN, PINNED_MAPS},
+    remove_pins,
+    slots::Vips,
+    syscall_error,
+};
+use crate::config::XdpModeSetting;
+
+/// The real data path: the program loaded into the kernel and its maps.
+pub struct AyaDataplane {
+    // Dropping `Ebpf` detaches the program and frees the maps; keep it for our lifetime.
+    ebpf: Ebpf,
+    /// `LB_VIPS` and `LB_VIP_SLOTS`.
+    vips: Vips,
+    maglev: Array<MapData, u32>,
+    backends: Array<MapData, BackendInfo>,
+    stats: PerCpuArray<MapData, Outcomes>,
+    vip_stats: PerCpuArray<MapData, TrafficCounters>,
+    backend_stats: PerCpuArray<MapData, TrafficCounters>,
+    conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    sources: PerCpuHashMap<MapData, SourceKey, u64>,
+    identities: Array<MapData, BackendIdentity>,
+    meta: Array<MapData, u64>,
+    /// Where the maps and the link are pinned, if they are.
+    pin_dir: Option<PathBuf>,
+    /// The options in force (adopted pins may have a larger VIP capacity than asked).
+    options: LoadOptions,
+    /// The mode of a pinned link on this interface that the program can take over.
+    link_mode: Option<AttachedMode>,
+    /// When incompatible pins were replaced: the backends the old program served.
+    previous: Option<Adopted>,
+    /// Whether the kernel takes batch map updates (BPF_MAP_UPDATE_BATCH).
+    batch_writes: bool,
+}
+
+impl AyaDataplane {
+    /// Loads (not attaches) the `lb_xdp` program from `object`, with maps of its own.
+    pub fn load(object: &[u8], options: LoadOptions) -> Result<Self, DataplaneError> {
+        let mut dataplane = Self::load_with(object, options, None)?;
+        dataplane.vips.mend()?;
+        Ok(dataplane)
+    }
+
+    /// Loads the program with its maps pinned in `dir`, adopting what a previous agent
+    /// left there when it is of this layout and these sizes, and replacing it otherwise.
+    pub fn load_pinned(
+        object: &[u8],
+        options: LoadOptions,
+        dir: &Path,
+    ) -> Result<(Self, Found), DataplaneError> {
+        let mut options = options;
+        let mut previous = None;
+        let link_mode = pins::pinned_link_mode(dir, &options);
+        let found = pins::inspect_pins(dir, &mut options);
+        if let Found::Incompatible(_) = found {
+            if link_mode.is_some() {
+                // The backends the running program serves (ids, MACs, serving state), read
+                // through the old maps while they are still pinned, so the new tables are
+                // not empty while health checks start again. Unreadable (another layout):
+                // backends start as a fresh agent's do.
+                previous = Self::load_with(object, options, Some(dir))
+                    .and_then(|old| old.adopted(0))
+                    .ok()
+                    .map(|adopted| Adopted {
+                        backends: adopted.backends,
+                        freed: adopted.freed,
+                        ..Adopted::default()
+                    });
+                // New maps, same link: `attach_pinned` swaps the new program onto it, so
+                // the interface is never without a program.
+                pins::remove_map_pins(dir)?;
+            } else {
+                remove_pins(dir)?;
+            }
+        }
+        std::fs::create_dir_all(dir).map_err(|source| DataplaneError::Pin {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let mut dataplane = Self::load_with(object, options, Some(dir))?;
+        dataplane.vips.mend()?;
+        dataplane.link_mode = link_mode;
+        dataplane.previous = previous;
+        if !matches!(found, Found::Compatible(_)) {
+            pins::write_meta(&mut dataplane.meta, &dataplane.options, None)?;
+        }
+        Ok((dataplane, found))
+    }
+
+    fn load_with(
+        object: &[u8],
+        options: LoadOptions,
+        pins: Option<&Path>,
+    ) -> Result<Self, DataplaneError> {
+        if object.is_empty() {
+            return Err(DataplaneError::NoObject);
+        }
+        let maglev_entries = options.vip_capacity * TABLE_GENERATIONS * options.maglev_table_size;
+        let udp_idle_ns = options.flow_idle.as_nanos().min(u64::MAX as u128) as u64;
+        let mut loader = EbpfLoader::new();
+        loader
+            .override_global(GLOBAL_MAGLEV_SIZE, &options.maglev_table_size, true)
+            .override_global(GLOBAL_IFACE_MAC, &options.iface_mac, true)
+            .override_global(GLOBAL_UDP_IDLE_NS, &udp_idle_ns, true)
+            .override_global(
+                GLOBAL_CT_INSERT_LIMIT,
+                &options.conntrack_insert_limit,
+                true,
+            )
+            .override_global(GLOBAL_CAPTURE_RATE, &options.capture_rate, true)
+            .override_global(
+                lb_common::GLOBAL_SOURCE_SAMPLE,
+                &options.source_sample,
+                true,
+            )
+            .map_max_entries(MAP_MAGLEV, maglev_entries)
+            .map_max_entries(MAP_CONNTRACK, options.conntrack_entries);
+        if let Some(dir) = pins {
+            for name in PINNED_MAPS {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
+        let mut ebpf = loader.load(object)?;
+        let program: &mut Xdp = program(&mut ebpf)?;
+        program.load().map_err(lb_xdp_error)?;
+        let vips = Vips::new(
+            take_map(&mut ebpf, MAP_VIPS)?,
+            take_map(&mut ebpf, MAP_VIP_SLOTS)?,
+        )?;
+        let dataplane = Self {
+            vips,
+            maglev: take_map(&mut ebpf, MAP_MAGLEV)?,
+            backends: take_map(&mut ebpf, MAP_BACKENDS)?,
+            stats: take_map(&mut ebpf, MAP_STATS)?,
+            vip_stats: take_map(&mut ebpf, MAP_VIP_STATS)?,
+            backend_stats: take_map(&mut ebpf, MAP_BACKEND_STATS)?,
+            conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
+            sources: take_map(&mut ebpf, MAP_SOURCES)?,
+            identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
+            meta: take_map(&mut ebpf, MAP_META)?,
+            pin_dir: pins.map(Path::to_path_buf),
+            options,
+            link_mode: None,
+            previous: None,
+            batch_writes: true,
+            ebpf,
+        };
+        Ok(dataplane)
+    }
+
+    /// After replacing incompatible pins: the backends the replaced program served.
+    pub fn previous(&self) -> Option<&Adopted> {
+        self.previous.as_ref()
+    }
+
+    /// The options in force: as asked, except a larger VIP capacity adopted from pins.
+    pub fn options(&self) -> &LoadOptions {
+        &self.options
+    }
+
+    /// Reads back what adopted maps hold: VIPs, backends in use and each VIP's live table.
+    pub fn adopted(&self, table_size: u32) -> Result<Adopted, DataplaneError> {
+        let mut adopted = Adopted {
+            vips: self.vips.read()?,
+            ..Adopted::default()
+        };
+        for id in 0..MAX_BACKENDS {
+            let identity = self
+                .identities
+                .get(&id, 0)
+                .map_err(in_map(MAP_BACKEND_IDS))?;
+            if identity.in_use == 1 {
+                let info = self.backends.get(&id, 0).map_err(in_map(MAP_BACKENDS))?;
+                adopted.backends.push((id, info, identity));
+            } else if identity.addr != [0; 16] {
+                adopted.freed.push(id);
+            }
+        }
+        for (_, info) in &adopted.vips {
+            let base = info.table_base(table_size);
+            let table = (base..base + table_size)
+                .map(|slot| self.maglev.get(&slot, 0).map_err(in_map(MAP_MAGLEV)))
+                .collect::<Result<Vec<u32>, _>>()?;
+            adopted.tables.push((info.vip_id, table));
+        }
+        Ok(adopted)
+    }
+
+    /// Attaches to `interface` and pins the link next to the maps, so the program stays
+    /// attached after this process exits. When `found` is a compatible pinned state, the
+    /// new program replaces the old one on its link in one step: no packet sees no
+    /// program.
+    pub fn attach_pinned(
+        &mut self,
+        interface: &str,
+        mode: XdpModeSetting,
+    ) -> Result<AttachedMode, DataplaneError> {
+        let dir = self
+            .pin_dir
+            .clone()
+            .expect("attach_pinned after load_pinned");
+        let link_path = dir.join(LINK_PIN);
+        // Take over a pinned link of a mode the configuration accepts; otherwise (a
+        // changed xdp_mode) attach afresh.
+        let wanted = |m: AttachedMode| match mode {
+            XdpModeSetting::Auto => true,
+            XdpModeSetting::Native => m == AttachedMode::Native,
+            XdpModeSetting::Generic => m == AttachedMode::Generic,
+        };
+        if let Some(mode) = self.link_mode.filter(|m| wanted(*m))
+            && link_path.exists()
+        {
+            let link = pins::open_pinned_link(&link_path)?;
+            let program = program(&mut self.ebpf)?;
+            let id = program.attach_to_link(link).map_err(lb_xdp_error)?;
+            // The link stays pinned; our handle to it must not detach it on exit.
+            let link = program.take_link(id).map_err(lb_xdp_error)?;
+            std::mem::forget(link);
+            pins::write_meta(&mut self.meta, &self.options, Some(mode))?;
+            return Ok(mode);
+        }
+        if link_path.exists() {
+            std::fs::remove_file(&link_path).map_err(|source| DataplaneError::Pin {
+                path: link_path.clone(),
+                source,
+            })?;
+        }
+        let (attached, id) = self.attach_link(interface, mode)?;
+        let link = program(&mut self.ebpf)?
+            .take_link(id)
+            .map_err(lb_xdp_error)?;
+        pins::pin_link(link, &link_path)?;
+        pins::write_meta(&mut self.meta, &self.options, Some(attached))?;
+        Ok(attached)
+    }
+
+    /// Attaches to `interface`. `Auto` tries native (driver) mode, then generic.
+    fn attach_link(
+        &mut self,
+        interface: &str,
+        mode: XdpModeSetting,
+    ) -> Result<(AttachedMode, XdpLinkId), DataplaneError> {
+        let program = program(&mut self.ebpf)?;
+        let mut try_attach = |attached: AttachedMode| {
+            let (xdp_mode, name) = match attached {
+                AttachedMode::Native => (XdpMode::Driver, "native"),
+                AttachedMode::Generic => (XdpMode::Skb, "generic"),
+            };
+            program
+                .attach(interface, xdp_mode)
+                .map(|id| (attached, id))
+                .map_err(|source| DataplaneError::Attach {
+                    interface: interface.to_string(),
+                    mode: name,
+                    source,
+                })
+        };
+        match mode {
+            XdpModeSetting::Native => try_attach(AttachedMode::Native),
+            XdpModeSetting::Generic => try_attach(AttachedMode::Generic),
+            XdpModeSetting::Auto => {
+                try_attach(AttachedMode::Native).or_else(|_| try_attach(AttachedMode::Generic))
+            }
+        }
+    }
+
+    /// The loaded program, for BPF_PROG_TEST_RUN in tests and benchmarks.
+    pub fn program_mut(&mut self) -> Result<&mut Xdp, DataplaneError> {
+        program(&mut self.ebpf)
+    }
+
+    /// The debug capture's ring buffer, for `capture::write_pcap` (once).
+    pub fn take_capture(&mut self) -> Result<aya::maps::RingBuf<MapData>, DataplaneError> {
+        take_map(&mut self.ebpf, MAP_CAPTURE)
+    }
+
+    /// Writes a connection-table entry (tests: to age or plant an entry).
+    pub fn insert_flow(&mut self, key: &FlowKey, entry: &FlowEntry) -> Result<(), DataplaneError> {
+        self.conntrack
+            .insert(key, entry, 0)
+            .map_err(in_map(MAP_CONNTRACK))
+    }
+
+    /// The XDP_TX counter: how many packets were forwarded so far.
+    pub fn forwarded(&self) -> Result<u64, DataplaneError> {
+        Ok(self.outcomes()?[stat::XDP_TX as usize])
+    }
+
+    /// Every outcome counter, summed over CPUs.
+    fn outcomes(&self) -> Result<Vec<u64>, DataplaneError> {
+        let per_cpu = self.stats.get(&0, 0).map_err(in_map(MAP_STATS))?;
+        let mut sums = vec![0u64; stat::COUNT as usize];
+        for outcomes in per_cpu.iter() {
+            for (sum, count) in sums.iter_mut().zip(outcomes.counts) {
+                *sum += count;
+            }
+        }
+        Ok(sums)
+    }
+}
+
+fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
+    let program = ebpf
+        .program_mut("lb_xdp")
+        .ok_or_else(|| lb_xdp_error(aya::programs::ProgramError::NotLoaded))?;
+    program.try_into().map_err(lb_xdp_error)
+}
+
+fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DataplaneError>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf
+        .take_map(name)
+        .ok_or(DataplaneError::MissingMap { map: name })?;
+    T::try_from(map).map_err(in_map(name))
+}
+
+/// Zeroes entry `index` of a per-CPU counter map on every CPU.
+fn zero(
+    map: &mut PerCpuArray<MapData, TrafficCounters>,
+    name: &'static str,
+    index: u32,
+) -> Result<(), DataplaneError> {
+    let cpus = aya::util::nr_cpus().map_err(|(_, source)| DataplaneError::Cpus(source))?;
+    let zeros = aya::maps::PerCpuValues::try_from(vec![TrafficCounters::default(); cpus])
+        .map_err(DataplaneError::Cpus)?;
+    map.set(index, zeros, 0).map_err(in_map(name))
+}
+
+/// An error of the `lb_xdp` program (loading, attaching, links).
+fn lb_xdp_error(source: aya::programs::ProgramError) -> DataplaneError {
+    DataplaneError::Program {
+        program: "lb_xdp",
+        source,
+    }
+}
+
+fn sum_per_cpu(
+    map: &PerCpuArray<MapData, TrafficCounters>,
+    name: &'static str,
+    index: u32,
+) -> Result<TrafficCounters, DataplaneError> {
+    let values = map.get(&index, 0).map_err(in_map(name))?;
+    Ok(values
+        .iter()
+        .fold(TrafficCounters::default(), |sum, c| TrafficCounters {
+            packets: sum.packets + c.packets,
+            bytes: sum.bytes + c.bytes,
+            new_flows: sum.new_flows + c.new_flows,
+            _reserved: 0,
+        }))
+}
+
+impl Dataplane for AyaDataplane {
+    fn write_slots(&mut self, slots: &[(u32, u32)]) -> Result<(), DataplaneError> {
+        // One bpf() call per chunk instead of one per slot (a full table is 65537).
+        if slots.len() > 1 && self.batch_writes {
+            let fd = IterableMap::map(&self.maglev).fd().as_fd().as_raw_fd();
+            match update_batch(fd, slots) {
+                Ok(()) => return Ok(()),
+                // An old kernel: each slot on its own from now on.
+                Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
+                    self.batch_writes = false;
+                }
+                Err(source) => {
+                    return Err(syscall_error(MAP_MAGLEV, "bpf_map_update_batch", source));
+                }
+            }
+        }
+        for &(slot, id) in slots {
+            self.maglev.set(slot, id, 0).map_err(in_map(MAP_MAGLEV))?;
+        }
+        Ok(())
+    }
+
+    fn set_vip(&mut self, key: &VipKey, info: &VipInfo) -> Result<(), DataplaneError> {
+        self.vips.set(key, info)
+    }
+
+    fn remove_vip(&mut self, key: &VipKey) -> Result<(), DataplaneError> {
+        self.vips.remove(key)
+    }
+
+    fn set_backend(
+        &mut self,
+        id: u32,
+        info: &BackendInfo,
+        identity: &BackendIdentity,
+    ) -> Result<(), DataplaneError> {
+        debug_assert!(id < MAX_BACKENDS);
+        self.identities
+            .set(id, identity, 0)
+            .map_err(in_map(MAP_BACKEND_IDS))?;
+        self.backends.set(id, info, 0).map_err(in_map(MAP_BACKENDS))
+    }
+
+    fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError> {
+        let outcomes = self.outcomes()?;
+        let mut counters = Counters {
+            outcomes,
+            ..Counters::default()
+        };
+        for &id in vip_ids {
+            counters
+                .vips
+                .insert(id, sum_per_cpu(&self.vip_stats, MAP_VIP_STATS, id)?);
+        }
+        for &id in backend_ids {
+            counters
+                .backends
+                .insert(id, sum_per_cpu(&self.backend_stats, MAP_BACKEND_STATS, id)?);
+        }
+        Ok(counters)
+    }
+
+    fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError> {
+        zero(&mut self.vip_stats, MAP_VIP_STATS, vip_id)
+    }
+
+    fn reset_backend_counters(&mut self, backend_id: u32) -> Result<(), DataplaneError> {
+        zero(&mut self.backend_stats, MAP_BACKEND_STATS, backend_id)
+    }
+
+    fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError> {
+        match self.conntrack.get(key, 0) {
+            Ok(entry) => Ok(Some(entry)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(in_map(MAP_CONNTRACK)(source)),
+        }
+    }
+
+    fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
+        let mut sources = Vec::new();
+        for item in self.sources.iter() {
+            match item {
+                Ok((key, per_cpu)) => sources.push((key, per_cpu.iter().sum())),
+                Err(aya::maps::MapError::KeyNotFound) => continue,
+                Err(source) => {
+                    return Err(in_map(MAP_SOURCES)(source));
+                }
+            }
+        }
+        Ok(sources)
+    }
+
+    fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {
+        FlowReader::of(&self.conntrack)
+    }
+}

@@ -1,0 +1,220 @@
+//! How tables are written: a small `Dataplane` trait, implemented over the real BPF maps
+//! (`AyaDataplane`) and in memory (`MemoryDataplane`, for unit tests of what is written
+//! and in which order).
+//!
+//! One job a file:
+//! - `mod.rs`: the trait, its error and the types callers pass in and get back;
+//! - `kernel.rs`: `AyaDataplane`: loading the program, attaching it, adopting what a
+//!   previous agent pinned, and the trait over the real maps;
+//! - `pins.rs`: what is pinned and whether a restarted agent may adopt it: the pinned
+//!   maps, their metadata in `LB_META`, the pinned link, removing pins;
+//! - `slots.rs`: `LB_VIPS` and its slot index `LB_VIP_SLOTS`, written in steps so that no
+//!   packet reads a half-changed slot;
+//! - `batch.rs`: the bpf(2) batch commands (by hand: aya 0.14 has none) and
+//!   `FlowReader`, the connection-table scan built on them;
+//! - `memory.rs`: `MemoryDataplane`, compiled for unit tests only.
+
+mod batch;
+mod kernel;
+#[cfg(test)]
+mod memory;
+mod pins;
+mod slots;
+
+use std::{collections::HashMap, path::PathBuf, time::Duration};
+
+use lb_common::{
+    BackendIdentity, BackendInfo, FlowEntry, FlowKey, MAX_VIPS, SourceKey, TrafficCounters,
+    VipInfo, VipKey,
+};
+
+use crate::config::Config;
+
+pub use batch::FlowReader;
+pub use kernel::AyaDataplane;
+#[cfg(test)]
+pub use memory::{MemoryDataplane, Write};
+pub use pins::remove_pins;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    #[error("the eBPF object is empty: this binary was built with AYA_BUILD_SKIP=1")]
+    NoObject,
+    #[error("loading the eBPF object")]
+    Load(#[from] aya::EbpfError),
+    #[error("map {map}")]
+    Map {
+        map: &'static str,
+        source: aya::maps::MapError,
+    },
+    #[error("program {program}")]
+    Program {
+        program: &'static str,
+        source: aya::programs::ProgramError,
+    },
+    #[error("attaching to {interface} in {mode} mode")]
+    Attach {
+        interface: String,
+        mode: &'static str,
+        source: aya::programs::ProgramError,
+    },
+    #[error("counting the possible CPUs")]
+    Cpus(#[source] std::io::Error),
+    #[error("map {map} missing from the eBPF object")]
+    MissingMap { map: &'static str },
+    #[error("pin directory {path}")]
+    Pin {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("pinned link {path}")]
+    Link {
+        path: PathBuf,
+        source: aya::programs::links::LinkError,
+    },
+    #[error("pinning the link at {path}")]
+    PinLink {
+        path: PathBuf,
+        source: aya::pin::PinError,
+    },
+}
+
+/// Summed (over CPUs) counters of the data path.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Indexed by `lb_common::stat`.
+    pub outcomes: Vec<u64>,
+    pub vips: HashMap<u32, TrafficCounters>,
+    pub backends: HashMap<u32, TrafficCounters>,
+}
+
+/// What the agent needs of a data path.
+pub trait Dataplane {
+    /// Writes `(slot, backend id)` pairs into `LB_MAGLEV`.
+    fn write_slots(&mut self, slots: &[(u32, u32)]) -> Result<(), DataplaneError>;
+    fn set_vip(&mut self, key: &VipKey, info: &VipInfo) -> Result<(), DataplaneError>;
+    fn remove_vip(&mut self, key: &VipKey) -> Result<(), DataplaneError>;
+    /// Writes a backend's data-path entry and, for restarts, which backend the id names.
+    fn set_backend(
+        &mut self,
+        id: u32,
+        info: &BackendInfo,
+        identity: &BackendIdentity,
+    ) -> Result<(), DataplaneError>;
+    /// Zeroes a VIP id's traffic counters (a new VIP must not inherit an old one's).
+    fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError>;
+    /// Zeroes a backend id's traffic counters.
+    fn reset_backend_counters(&mut self, backend_id: u32) -> Result<(), DataplaneError>;
+    /// Counters of the given VIP and backend ids.
+    fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError>;
+    /// The connection-table entry of one flow.
+    fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError>;
+    /// A handle that reads the connection table on its own, so a long scan need not
+    /// hold the agent's lock.
+    fn flow_reader(&self) -> Result<FlowReader, DataplaneError>;
+    /// New flows per client source and VIP (summed over CPUs) since the program loaded.
+    fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError>;
+}
+
+/// The XDP mode that was actually attached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttachedMode {
+    Native,
+    Generic,
+}
+
+impl std::fmt::Display for AttachedMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AttachedMode::Native => "native",
+            AttachedMode::Generic => "generic",
+        })
+    }
+}
+
+/// Load-time parameters of the program.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions {
+    pub maglev_table_size: u32,
+    /// How many VIPs the table map has room for (each gets `TABLE_GENERATIONS` tables).
+    pub vip_capacity: u32,
+    pub iface_mac: [u8; 6],
+    pub conntrack_entries: u32,
+    /// UDP entries idle this long are re-balanced.
+    pub flow_idle: Duration,
+    /// Connection-table inserts per second per CPU; 0: unlimited.
+    pub conntrack_insert_limit: u64,
+    /// Frames per second per CPU copied to the debug capture; 0: off.
+    pub capture_rate: u64,
+    /// One new flow in this many is counted for heavy hitters.
+    pub source_sample: u32,
+    /// The interface the program is for (0: not known, as in tests without one); pinned
+    /// state of another interface is not adopted.
+    pub ifindex: u32,
+}
+
+impl LoadOptions {
+    /// The options a configuration asks for.
+    pub fn from_config(config: &Config, iface_mac: [u8; 6]) -> Self {
+        Self {
+            maglev_table_size: config.dataplane.maglev_table_size,
+            vip_capacity: vip_capacity(config.vips.len()),
+            iface_mac,
+            conntrack_entries: config.dataplane.conntrack_entries,
+            flow_idle: config.dataplane.flow_idle_timeout,
+            conntrack_insert_limit: config.dataplane.conntrack_insert_limit,
+            capture_rate: config.debug.program_rate(),
+            source_sample: lb_common::DEFAULT_SOURCE_SAMPLE,
+            ifindex: 0,
+        }
+    }
+}
+
+/// VIP capacity for a configuration with `vips` VIPs: room to grow by reload without
+/// reloading the program, within MAX_VIPS.
+pub fn vip_capacity(vips: usize) -> u32 {
+    (vips as u32 * 2).clamp(16, MAX_VIPS)
+}
+
+/// What a pinned load found in its pin directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Found {
+    /// Nothing pinned: a first start.
+    Nothing,
+    /// Maps of this layout and these sizes, attached in this mode: adopted.
+    Compatible(AttachedMode),
+    /// Pinned state of another layout or other sizes: replaced (the connection table is
+    /// lost).
+    Incompatible(String),
+}
+
+/// What the data path holds, read back from adopted maps.
+#[derive(Clone, Debug, Default)]
+pub struct Adopted {
+    pub vips: Vec<(VipKey, VipInfo)>,
+    /// By backend id, the ids in use.
+    pub backends: Vec<(u32, BackendInfo, BackendIdentity)>,
+    /// By vip id, the slots of the table the VIP points at.
+    pub tables: Vec<(u32, Vec<u32>)>,
+    /// Backend ids a previous agent used and freed: connection-table entries may still
+    /// name them, so they are reused last, after the quarantine.
+    pub freed: Vec<u32>,
+}
+
+/// A bpf(2) command made by hand (`call`) that failed on `map`.
+fn syscall_error(
+    map: &'static str,
+    call: &'static str,
+    io_error: std::io::Error,
+) -> DataplaneError {
+    in_map(map)(aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+        call,
+        io_error,
+    }))
+}
+
+/// Names the map a map operation failed on.
+fn in_map(map: &'static str) -> impl Fn(aya::maps::MapError) -> DataplaneError {
+    move |source| DataplaneError::Map { map, source }
+}

@@ -1,0 +1,230 @@
+//! What lb pins and whether a restarted agent may adopt it: the maps shared across
+//! restarts, `LB_META` (layout, sizes, interface and attach mode of the pinned state),
+//! the pinned link, and removing pins.
+
+use std::path::Path;
+
+use aya::{
+    maps::{Array, MapData},
+    programs::{
+        links::{FdLink, PinnedLink},
+        xdp::XdpLink,
+    },
+};
+use lb_common::{
+    LAYOUT_VERSION, MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CONNTRACK, MAP_FLOOD,
+    MAP_MAGLEV, MAP_META, MAP_STATS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, meta,
+};
+
+use super::{AttachedMode, DataplaneError, Found, LoadOptions, in_map};
+
+/// The name the link is pinned under, next to the maps.
+pub(super) const LINK_PIN: &str = "link";
+/// Maps pinned (shared with a restarted agent); the rest are per program instance.
+pub(super) const PINNED_MAPS: [&str; 11] = [
+    MAP_VIPS,
+    MAP_VIP_SLOTS,
+    MAP_MAGLEV,
+    MAP_BACKENDS,
+    MAP_STATS,
+    MAP_VIP_STATS,
+    MAP_BACKEND_STATS,
+    MAP_CONNTRACK,
+    MAP_FLOOD,
+    MAP_BACKEND_IDS,
+    MAP_META,
+];
+
+/// Records the layout, sizes and interface in force (and the attach mode, once
+/// attached) in `LB_META`, for a restarted agent.
+pub(super) fn write_meta(
+    map: &mut Array<MapData, u64>,
+    options: &LoadOptions,
+    mode: Option<AttachedMode>,
+) -> Result<(), DataplaneError> {
+    let mut values = vec![
+        (meta::LAYOUT, LAYOUT_VERSION),
+        (meta::MAGLEV_SIZE, options.maglev_table_size as u64),
+        (meta::VIP_CAPACITY, options.vip_capacity as u64),
+        (meta::CONNTRACK_ENTRIES, options.conntrack_entries as u64),
+        (meta::IFINDEX, options.ifindex as u64),
+    ];
+    if let Some(mode) = mode {
+        values.push((meta::XDP_MODE, mode_code(mode)));
+    }
+    for (index, value) in values {
+        map.set(index, value, 0).map_err(in_map(MAP_META))?;
+    }
+    Ok(())
+}
+
+fn mode_code(mode: AttachedMode) -> u64 {
+    match mode {
+        AttachedMode::Native => meta::MODE_NATIVE,
+        AttachedMode::Generic => meta::MODE_GENERIC,
+    }
+}
+
+/// The mode `mode_code` recorded, if any.
+fn mode_from_code(code: u64) -> Option<AttachedMode> {
+    match code {
+        meta::MODE_NATIVE => Some(AttachedMode::Native),
+        meta::MODE_GENERIC => Some(AttachedMode::Generic),
+        _ => None,
+    }
+}
+
+/// The values of the `LB_META` pinned in `dir`, indexed by `meta`.
+fn read_meta(dir: &Path) -> Result<Vec<u64>, String> {
+    let map = MapData::from_pin(dir.join(MAP_META)).map_err(|e| e.to_string())?;
+    let array: Array<MapData, u64> =
+        Array::try_from(aya::maps::Map::Array(map)).map_err(|e| e.to_string())?;
+    (0..meta::COUNT)
+        .map(|i| array.get(&i, 0).map_err(|e| e.to_string()))
+        .collect()
+}
+
+/// Whether pins recorded for interface index `pinned` are for the interface `options`
+/// name (an unknown index, 0, on either side matches).
+fn same_interface(pinned: u64, options: &LoadOptions) -> bool {
+    pinned == 0 || options.ifindex == 0 || pinned == options.ifindex as u64
+}
+
+/// What is pinned in `dir`, compared with what `options` ask for.
+/// A larger pinned VIP capacity than asked is adopted into `options` (the agent then
+/// uses it).
+pub(super) fn inspect_pins(dir: &Path, options: &mut LoadOptions) -> Found {
+    let meta_path = dir.join(MAP_META);
+    if !meta_path.exists() {
+        return Found::Nothing;
+    }
+    let values = match read_meta(dir) {
+        Ok(values) => values,
+        Err(error) => {
+            return Found::Incompatible(format!("unreadable {}: {error}", meta_path.display()));
+        }
+    };
+    let expected = [
+        ("layout version", meta::LAYOUT, LAYOUT_VERSION),
+        (
+            "maglev_table_size",
+            meta::MAGLEV_SIZE,
+            options.maglev_table_size as u64,
+        ),
+        (
+            "conntrack_entries",
+            meta::CONNTRACK_ENTRIES,
+            options.conntrack_entries as u64,
+        ),
+    ];
+    for (what, index, want) in expected {
+        let have = values[index as usize];
+        if have != want {
+            return Found::Incompatible(format!(
+                "pinned {what} is {have}, this agent needs {want}"
+            ));
+        }
+    }
+    let pinned_capacity = values[meta::VIP_CAPACITY as usize];
+    if pinned_capacity < options.vip_capacity as u64 {
+        return Found::Incompatible(format!(
+            "pinned VIP capacity is {pinned_capacity}, this configuration needs {}",
+            options.vip_capacity
+        ));
+    }
+    let pinned_ifindex = values[meta::IFINDEX as usize];
+    if !same_interface(pinned_ifindex, options) {
+        return Found::Incompatible(format!(
+            "pinned for interface index {pinned_ifindex}, this agent attaches to {}",
+            options.ifindex
+        ));
+    }
+    options.vip_capacity = pinned_capacity as u32;
+    // Maps pinned by a program that never attached are adopted too.
+    Found::Compatible(
+        mode_from_code(values[meta::XDP_MODE as usize]).unwrap_or(AttachedMode::Generic),
+    )
+}
+
+/// The mode of the link pinned in `dir` when it is on the interface `options` names (or
+/// either index is unknown) and its mode is recorded.
+pub(super) fn pinned_link_mode(dir: &Path, options: &LoadOptions) -> Option<AttachedMode> {
+    if !dir.join(LINK_PIN).exists() {
+        return None;
+    }
+    let values = read_meta(dir).ok()?;
+    if !same_interface(values[meta::IFINDEX as usize], options) {
+        return None;
+    }
+    mode_from_code(values[meta::XDP_MODE as usize])
+}
+
+/// Opens the XDP link pinned at `path`, for a new program to take over.
+pub(super) fn open_pinned_link(path: &Path) -> Result<XdpLink, DataplaneError> {
+    let pinned = PinnedLink::from_pin(path).map_err(|source| DataplaneError::Link {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    XdpLink::try_from(FdLink::from(pinned)).map_err(|source| DataplaneError::Link {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Pins `link` at `path`, so the program stays attached after this process exits.
+pub(super) fn pin_link(link: XdpLink, path: &Path) -> Result<(), DataplaneError> {
+    let fd_link = FdLink::try_from(link).map_err(|source| DataplaneError::Link {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    fd_link
+        .pin(path)
+        .map_err(|source| DataplaneError::PinLink {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    Ok(())
+}
+
+/// Removes the pinned maps but not the link (the program stays attached).
+pub(super) fn remove_map_pins(dir: &Path) -> Result<(), DataplaneError> {
+    // Every map lb pins is named LB_*: maps of other layouts (names since gone) too.
+    let names = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("LB_"))
+            .collect::<Vec<_>>(),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(source) => {
+            return Err(DataplaneError::Pin {
+                path: dir.to_path_buf(),
+                source,
+            });
+        }
+    };
+    for name in names {
+        remove_pin(&dir.join(name))?;
+    }
+    Ok(())
+}
+
+/// Removes one pinned file; one already gone is no error.
+fn remove_pin(path: &Path) -> Result<(), DataplaneError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(DataplaneError::Pin {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Removes everything lb pinned in `dir` (the link first: that detaches the program).
+pub fn remove_pins(dir: &Path) -> Result<(), DataplaneError> {
+    remove_pin(&dir.join(LINK_PIN))?;
+    remove_map_pins(dir)?;
+    let _ = std::fs::remove_dir(dir);
+    Ok(())
+}
