@@ -309,7 +309,7 @@ impl Tun {
 }
 
 /// One route of ours found in the table.
-struct Found {
+struct OurRoute {
     address: IpAddr,
     /// A host route (/32, /128) through our device: exactly what we add.
     exact: bool,
@@ -349,7 +349,7 @@ impl Announcer {
     }
 
     /// Routes in our table with our protocol (of either family).
-    async fn list(&self) -> Result<Vec<Found>, AnnounceError> {
+    async fn list(&self) -> Result<Vec<OurRoute>, AnnounceError> {
         let list_error = |source| AnnounceError::List {
             table: self.table,
             source,
@@ -369,7 +369,7 @@ impl Announcer {
         Ok(found)
     }
 
-    fn ours(&self, message: RouteMessage) -> Option<Found> {
+    fn ours(&self, message: RouteMessage) -> Option<OurRoute> {
         // Tables above 255 are only in the attribute (the header says 252, "compat").
         let table = message
             .attributes
@@ -394,7 +394,7 @@ impl Announcer {
         }
         let address: IpAddr = address?;
         let full = if address.is_ipv4() { 32 } else { 128 };
-        Some(Found {
+        Some(OurRoute {
             address,
             exact: message.header.destination_prefix_length == full && oif == Some(self.tun.index),
             message,

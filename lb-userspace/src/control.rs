@@ -201,7 +201,23 @@ async fn explain(
         })
 }
 
+/// How many pending table writes `/status` waits for before answering anyway.
+const STATUS_WAITS: usize = 10;
+
+/// `GET /status`, once the tables the model asks for are written: a backend shown down
+/// holds no slots any more (the writer takes milliseconds after a health change).
 async fn status(Extract(Api { shared, .. }): Extract<Api>) -> Result<Json<Status>, Refusal> {
+    for _ in 0..STATUS_WAITS {
+        let pending = {
+            let shared = shared.lock().expect("agent state poisoned");
+            if shared.tables.is_current() {
+                break;
+            }
+            shared.tables.requested()
+        };
+        // A failed write is reported where it was asked for; status shows what is.
+        let _ = pending.done().await;
+    }
     let shared = shared.lock().expect("agent state poisoned");
     shared
         .status()

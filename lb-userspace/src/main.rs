@@ -209,18 +209,7 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             };
             agent::run(config, on_exit).await?
         }
-        Command::Detach { config } => {
-            let config = Config::load(&config)?;
-            let dir = config.dataplane.pin_dir();
-            if client::agent_answers(&config.control.socket).await {
-                anyhow::bail!(
-                    "an agent is running on {}: stop it first (or run it with --detach-on-exit)",
-                    config.control.socket.display()
-                );
-            }
-            lb_userspace::dataplane::remove_pins(&dir)?;
-            println!("detached: removed the pins in {}", dir.display());
-        }
+        Command::Detach { config } => detach(&config).await?,
         Command::Check { config } => {
             let parsed = Config::load(&config)?;
             let backends: usize = parsed.vips.iter().map(|v| v.backends.len()).sum();
@@ -253,25 +242,7 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
                 );
             } else {
                 let e = client::explain(&target.socket()?, &request).await?;
-                let none = || "no backend".to_string();
-                println!(
-                    "flow {source} -> {vip} (vip {}): hash {:#010x}, slot {}",
-                    e.vip, e.hash, e.slot
-                );
-                println!(
-                    "  maglev table:     {}",
-                    e.table_backend.unwrap_or_else(none)
-                );
-                match (e.conntrack_backend, e.conntrack_idle_seconds) {
-                    (Some(b), Some(idle)) => {
-                        println!("  connection table: {b} (last packet {idle:.1}s ago)")
-                    }
-                    _ => println!("  connection table: no entry"),
-                }
-                println!(
-                    "  next packet goes to: {}",
-                    e.next_packet_backend.unwrap_or_else(none)
-                );
+                print_explanation(&request, e);
             }
         }
         Command::Drain(args) => change_state(args, AdminState::Drain).await?,
@@ -327,6 +298,43 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `lb detach`: removes the pins a stopped agent left, which detaches its program.
+async fn detach(config: &std::path::Path) -> anyhow::Result<()> {
+    let config = Config::load(config)?;
+    let dir = config.dataplane.pin_dir();
+    if client::agent_answers(&config.control.socket).await {
+        anyhow::bail!(
+            "an agent is running on {}: stop it first (or run it with --detach-on-exit)",
+            config.control.socket.display()
+        );
+    }
+    lb_userspace::dataplane::remove_pins(&dir)?;
+    println!("detached: removed the pins in {}", dir.display());
+    Ok(())
+}
+
+fn print_explanation(request: &ExplainRequest, e: lb_userspace::explain::Explanation) {
+    let none = || "no backend".to_string();
+    println!(
+        "flow {} -> {} (vip {}): hash {:#010x}, slot {}",
+        request.source, request.vip, e.vip, e.hash, e.slot
+    );
+    println!(
+        "  maglev table:     {}",
+        e.table_backend.unwrap_or_else(none)
+    );
+    match (e.conntrack_backend, e.conntrack_idle_seconds) {
+        (Some(b), Some(idle)) => {
+            println!("  connection table: {b} (last packet {idle:.1}s ago)")
+        }
+        _ => println!("  connection table: no entry"),
+    }
+    println!(
+        "  next packet goes to: {}",
+        e.next_packet_backend.unwrap_or_else(none)
+    );
 }
 
 async fn change_state(args: BackendArgs, state: AdminState) -> anyhow::Result<()> {

@@ -296,76 +296,8 @@ impl Model {
                     .position(|b| b.config.address == backend_config.address)
                     .map(|i| old_backends.swap_remove(i));
                 let state = match kept {
-                    Some(mut b) => {
-                        if let Some(mac) = backend_config.mac {
-                            b.mac = Some(mac);
-                        }
-                        let leaves_maint = b.config.state == AdminState::Maint
-                            && backend_config.state != AdminState::Maint;
-                        if vip_config.health_of(backend_config).kind == HealthKind::None {
-                            b.health = Health::Unknown;
-                        } else if b.health == Health::Unknown || leaves_maint {
-                            // Not checked in maintenance: its health from before may be
-                            // stale, so it returns only after `rise` passing checks.
-                            if leaves_maint {
-                                tracing::info!(
-                                    "backend {} of vip {} is back from maintenance: out of \
-                                     the table until its checks pass",
-                                    backend_config.address,
-                                    vip_config.name
-                                );
-                            }
-                            b.health = Health::Down;
-                            b.streak = 0;
-                            b.last_check = None;
-                        }
-                        if backend_config.state != AdminState::Drain {
-                            b.drain_started = None;
-                            b.drained = false;
-                        } else if b.config.state != AdminState::Drain {
-                            b.drain_started = Some(now);
-                            b.drained = false;
-                        }
-                        b.config = backend_config.clone();
-                        b
-                    }
-                    None => {
-                        let reserved = self
-                            .reserved_backends
-                            .remove(&(id, identity(backend_config.address, id).addr));
-                        let (backend_id, mac, health) = match reserved {
-                            Some((backend_id, info)) => {
-                                let serving = info.flags & BACKEND_F_SERVES_FLOWS != 0;
-                                let health = match initial_health(vip_config, backend_config) {
-                                    Health::Down if serving => Health::Up,
-                                    other => other,
-                                };
-                                (
-                                    backend_id,
-                                    Some(backend_config.mac.unwrap_or(MacAddr(info.mac))),
-                                    health,
-                                )
-                            }
-                            None => (
-                                self.backend_ids
-                                    .take(now)
-                                    .ok_or(ModelError::Exhausted("backend"))?,
-                                backend_config.mac,
-                                initial_health(vip_config, backend_config),
-                            ),
-                        };
-                        BackendState {
-                            id: backend_id,
-                            config: backend_config.clone(),
-                            mac,
-                            health,
-                            streak: 0,
-                            last_check: None,
-                            drain_started: (backend_config.state == AdminState::Drain)
-                                .then_some(now),
-                            drained: false,
-                        }
-                    }
+                    Some(b) => Self::keep_backend(b, vip_config, backend_config, now),
+                    None => self.new_backend(id, vip_config, backend_config, now)?,
                 };
                 backends.push(state);
             }
@@ -392,6 +324,92 @@ impl Model {
             self.backend_ids.give_back(id, now);
         }
         Ok(())
+    }
+
+    /// A backend the configuration still names, updated to `backend_config`: keeps its
+    /// id, MAC and health, except where the change says otherwise.
+    fn keep_backend(
+        mut b: BackendState,
+        vip_config: &VipConfig,
+        backend_config: &BackendConfig,
+        now: Instant,
+    ) -> BackendState {
+        if let Some(mac) = backend_config.mac {
+            b.mac = Some(mac);
+        }
+        let leaves_maint =
+            b.config.state == AdminState::Maint && backend_config.state != AdminState::Maint;
+        if vip_config.health_of(backend_config).kind == HealthKind::None {
+            b.health = Health::Unknown;
+        } else if b.health == Health::Unknown || leaves_maint {
+            // Not checked in maintenance: its health from before may be stale, so it
+            // returns only after `rise` passing checks.
+            if leaves_maint {
+                tracing::info!(
+                    "backend {} of vip {} is back from maintenance: out of the table until \
+                     its checks pass",
+                    backend_config.address,
+                    vip_config.name
+                );
+            }
+            b.health = Health::Down;
+            b.streak = 0;
+            b.last_check = None;
+        }
+        if backend_config.state != AdminState::Drain {
+            b.drain_started = None;
+            b.drained = false;
+        } else if b.config.state != AdminState::Drain {
+            b.drain_started = Some(now);
+            b.drained = false;
+        }
+        b.config = backend_config.clone();
+        b
+    }
+
+    /// A backend new to VIP `vip_id`: on the id an adopted data path had for it (with
+    /// its MAC, and up when it served flows there), else on a fresh id.
+    fn new_backend(
+        &mut self,
+        vip_id: u32,
+        vip_config: &VipConfig,
+        backend_config: &BackendConfig,
+        now: Instant,
+    ) -> Result<BackendState, ModelError> {
+        let reserved = self
+            .reserved_backends
+            .remove(&(vip_id, identity(backend_config.address, vip_id).addr));
+        let (backend_id, mac, health) = match reserved {
+            Some((backend_id, info)) => {
+                let serving = info.flags & BACKEND_F_SERVES_FLOWS != 0;
+                let health = match initial_health(vip_config, backend_config) {
+                    Health::Down if serving => Health::Up,
+                    other => other,
+                };
+                (
+                    backend_id,
+                    Some(backend_config.mac.unwrap_or(MacAddr(info.mac))),
+                    health,
+                )
+            }
+            None => (
+                self.backend_ids
+                    .take(now)
+                    .ok_or(ModelError::Exhausted("backend"))?,
+                backend_config.mac,
+                initial_health(vip_config, backend_config),
+            ),
+        };
+        Ok(BackendState {
+            id: backend_id,
+            config: backend_config.clone(),
+            mac,
+            health,
+            streak: 0,
+            last_check: None,
+            drain_started: (backend_config.state == AdminState::Drain).then_some(now),
+            drained: false,
+        })
     }
 
     /// The tables the data path should hold now.

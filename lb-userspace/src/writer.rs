@@ -177,6 +177,17 @@ impl Writer {
         }
     }
 
+    /// Whether every request has been written (or failed): nothing is pending.
+    pub fn is_current(&self) -> bool {
+        let last = self
+            .inner
+            .pending
+            .lock()
+            .expect("writer queue poisoned")
+            .last_ticket;
+        self.written.borrow().ticket >= last
+    }
+
     /// The tables the data path holds, as last written.
     pub fn desired(&self) -> Arc<Desired> {
         self.written.borrow().desired.clone()
