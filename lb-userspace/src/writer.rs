@@ -32,6 +32,8 @@ pub struct Written {
     pub desired: Arc<Desired>,
     /// Why the write failed; the next request tries again.
     pub error: Option<String>,
+    /// Writes done since the writer started (requests it coalesced count once).
+    pub writes: u64,
 }
 
 /// A request to wait for.
@@ -126,6 +128,7 @@ impl Writer {
             ticket: 0,
             desired: Arc::new(desired),
             error: None,
+            writes: 0,
         });
         let writer = Self {
             inner: Arc::new(Inner {
@@ -186,6 +189,11 @@ impl Writer {
             .expect("writer queue poisoned")
             .last_ticket;
         self.written.borrow().ticket >= last
+    }
+
+    /// The last write's report.
+    pub fn written(&self) -> Written {
+        self.written.borrow().clone()
     }
 
     /// The tables the data path holds, as last written.
@@ -281,10 +289,83 @@ impl Work {
         } else {
             self.written.borrow().desired.clone()
         };
+        let writes = self.written.borrow().writes + 1;
         self.written.send_replace(Written {
             ticket,
             desired,
             error,
+            writes,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::MemoryDataplane;
+
+    fn inputs(members: &[u32]) -> TableInputs {
+        let key = crate::model::vip_key("10.0.0.100".parse().unwrap(), 80, 6);
+        TableInputs {
+            table_size: 7,
+            vips: vec![crate::tables::VipInputs {
+                key,
+                vip_id: 0,
+                flags: 0,
+                members: members
+                    .iter()
+                    .map(|&id| lb_common::maglev::MaglevBackend {
+                        id,
+                        address: std::net::IpAddr::from([10, 0, 0, id as u8]),
+                        weight: 1,
+                    })
+                    .collect(),
+            }],
+            backends: Default::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_requests_is_written_once() {
+        let writer = Writer::spawn(
+            Box::new(MemoryDataplane::default()),
+            TableWriter::new(7),
+            Desired::default(),
+        )
+        .unwrap();
+        {
+            // While the data path is busy, a backend flaps a hundred times.
+            let _busy = writer.dataplane();
+            for i in 0..100 {
+                writer.request(inputs(if i % 2 == 0 { &[1, 2] } else { &[1] }));
+            }
+        }
+        writer.requested().done().await.unwrap();
+        let written = writer.written();
+        assert_eq!(written.ticket, 100);
+        assert!(
+            written.writes <= 2,
+            "{} writes for one burst: at most the one that was waiting and the last",
+            written.writes
+        );
+        let table = &written.desired.vips[0].table;
+        assert!(
+            table.iter().all(|&id| id == 1),
+            "the last request won: {table:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_request_is_written_before_it_is_done() {
+        let writer = Writer::spawn(
+            Box::new(MemoryDataplane::default()),
+            TableWriter::new(7),
+            Desired::default(),
+        )
+        .unwrap();
+        writer.request(inputs(&[3]));
+        writer.requested().done().await.unwrap();
+        assert!(writer.is_current());
+        assert!(writer.desired().vips[0].table.iter().all(|&id| id == 3));
     }
 }
