@@ -23,6 +23,7 @@ pub mod status;
 pub mod tables;
 pub mod telemetry;
 pub mod top;
+pub mod weights;
 pub mod writer;
 
 /// The compiled XDP object (`lb-ebpf`), embedded at build time. Empty when built with
