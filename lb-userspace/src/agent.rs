@@ -22,7 +22,7 @@ use crate::{
         AyaDataplane, Dataplane, FlowReader, Found, LoadOptions, remove_pins, vip_capacity,
     },
     explain::monotonic_ns,
-    health::{self, HealthTasks},
+    health::HealthTasks,
     metrics,
     model::Model,
     neighbor::Neighbors,
@@ -34,7 +34,9 @@ use crate::{
 
 /// How often the neighbour table is re-read for backend MAC changes.
 const NEIGHBOR_REFRESH: Duration = Duration::from_secs(1);
-/// How often live flows are counted per backend (status, draining).
+/// How often time-driven weights (slow-start steps) are looked at.
+const LOAD_REFRESH: Duration = Duration::from_millis(250);
+/// How often live flows are counted per backend (status, draining, least-flows).
 const FLOW_SCAN: Duration = Duration::from_secs(2);
 /// How long start-up waits for missing backend MACs before serving without them.
 const FIRST_RESOLVE_WAIT: Duration = Duration::from_secs(3);
@@ -235,7 +237,7 @@ impl Services {
             health_tasks.clone(),
         )
         .await?;
-        health::spawn_checks(state, &health_tasks);
+        state::spawn_checks(state, &health_tasks);
         let metrics = match config.control.metrics {
             Some(address) => {
                 let state = state.clone();
@@ -285,6 +287,7 @@ async fn serve(
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sighup = signal(SignalKind::hangup())?;
     let mut refresh = tokio::time::interval(NEIGHBOR_REFRESH);
+    let mut load = tokio::time::interval(LOAD_REFRESH);
     let mut flow_scan = tokio::time::interval(FLOW_SCAN);
     // After a slow tick, the next comes a full period later, not at once: rates are
     // sampled over a real interval.
@@ -299,6 +302,7 @@ async fn serve(
                 let _ = state::reload(state, health_tasks);
             }
             _ = flow_scan.tick() => scan_and_sample(state, flow_reader, &mut scans).await,
+            _ = load.tick() => state.lock().expect("agent state poisoned").refresh_load(Instant::now()),
             _ = refresh.tick() => {
                 if let Err(error) = follow_neighbors(neighbors, state).await {
                     tracing::warn!("neighbour refresh: {error:#}");
@@ -356,6 +360,7 @@ async fn scan_and_sample(
     if let Err(error) = state.advance_drains(Instant::now()) {
         tracing::warn!("draining: {error:#}");
     }
+    state.reweigh();
 }
 
 /// Makes sure `pin_dir` lies on a bpf filesystem: mounts one at /sys/fs/bpf when the

@@ -267,9 +267,57 @@ pub struct VipConfig {
     /// flows (admin ready, MAC known, not failed by health checks).
     #[serde(default = "default_min_healthy")]
     pub min_healthy: u32,
+    /// A backend that becomes usable (comes up, leaves maint or drain, is added) ramps
+    /// from a tenth of its weight to all of it over this time.
+    #[serde(
+        default,
+        with = "option_duration",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub slow_start: Option<Duration>,
+    /// How new flows are shared: by the Maglev table over the weights, or re-weighted
+    /// from each backend's live flows ("least-flows").
+    #[serde(default)]
+    pub balance: Balance,
+    /// With `hash = "src-ip"`: a source above this share of the VIP's new flows is
+    /// balanced per connection (5-tuple) until it falls below it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_source_share: Option<f64>,
+    /// The backends report their own weight and state (HAProxy's agent-check words).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<AgentCheckConfig>,
     /// A VIP may start with no backends; they can be added at run time.
     #[serde(rename = "backend", default)]
     pub backends: Vec<BackendConfig>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
+pub enum Balance {
+    #[default]
+    #[serde(rename = "maglev")]
+    Maglev,
+    #[serde(rename = "least-flows")]
+    LeastFlows,
+}
+
+/// `[vip.agent]`: each backend answers one line on `port` (HAProxy agent-check words:
+/// "75%", "drain", "ready", "maint", "down", "up").
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentCheckConfig {
+    pub port: u16,
+    #[serde(default = "default_agent_interval", with = "duration")]
+    pub interval: Duration,
+    #[serde(default = "default_agent_timeout", with = "duration")]
+    pub timeout: Duration,
+}
+
+fn default_agent_interval() -> Duration {
+    Duration::from_secs(2)
+}
+
+fn default_agent_timeout() -> Duration {
+    Duration::from_secs(1)
 }
 
 fn default_drain_timeout() -> Duration {
@@ -443,6 +491,7 @@ display_as!(Protocol { Tcp => "tcp", Udp => "udp" });
 display_as!(HashMode { FiveTuple => "5-tuple", SrcIp => "src-ip" });
 display_as!(HealthKind { Tcp => "tcp", Http => "http", None => "none" });
 display_as!(AdminState { Ready => "ready", Drain => "drain", Maint => "maint" });
+display_as!(Balance { Maglev => "maglev", LeastFlows => "least-flows" });
 
 /// An Ethernet address, written `02:00:00:00:00:0b`.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -876,6 +925,7 @@ impl VipConfig {
                 "must be at least 1: a VIP without a backend to send to must not attract traffic",
             ));
         }
+        self.validate_load(at)?;
 
         if self.backends.len() >= maglev_table_size as usize {
             return Err(invalid(
@@ -954,6 +1004,54 @@ fn unusable_address(addr: IpAddr) -> Option<String> {
     Some(format!("{addr} is {kind}"))
 }
 
+impl VipConfig {
+    /// `slow_start`, `hot_source_share` and `[vip.agent]`.
+    fn validate_load(&self, at: &str) -> Result<(), ConfigError> {
+        if let Some(ramp) = self.slow_start
+            && !(Duration::from_secs(1)..=Duration::from_secs(86400)).contains(&ramp)
+        {
+            return Err(invalid(
+                format!("{at}.slow_start"),
+                "must be between 1s and 1 day",
+            ));
+        }
+        if let Some(share) = self.hot_source_share {
+            if self.hash != HashMode::SrcIp {
+                return Err(invalid(
+                    format!("{at}.hot_source_share"),
+                    "applies only with hash = \"src-ip\" (5-tuple hashing spreads every source already)",
+                ));
+            }
+            if !(share > 0.0 && share < 1.0) {
+                return Err(invalid(
+                    format!("{at}.hot_source_share"),
+                    format!("{share} must be a share between 0 and 1, e.g. 0.1"),
+                ));
+            }
+        }
+        if let Some(agent) = &self.agent {
+            if agent.port == 0 {
+                return Err(invalid(format!("{at}.agent.port"), "must not be 0"));
+            }
+            if agent.interval < Duration::from_millis(100)
+                || agent.interval > Duration::from_secs(86400)
+            {
+                return Err(invalid(
+                    format!("{at}.agent.interval"),
+                    "must be between 100ms and 1 day",
+                ));
+            }
+            if agent.timeout.is_zero() || agent.timeout > agent.interval {
+                return Err(invalid(
+                    format!("{at}.agent.timeout"),
+                    "must be positive and at most the interval",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl HealthConfig {
     fn validate(&self, at: &str) -> Result<(), ConfigError> {
         let show = |d: Duration| humantime::format_duration(d).to_string();
@@ -1025,6 +1123,46 @@ impl HealthConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn load_settings_parse_and_are_checked() {
+        let text = MINIMAL.replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nslow_start = \"30s\"\nbalance = \"least-flows\"\n\
+             hash = \"src-ip\"\nhot_source_share = 0.1\n[vip.agent]\nport = 4500",
+        );
+        let config = Config::from_toml(&text).unwrap();
+        let vip = &config.vips[0];
+        assert_eq!(vip.slow_start, Some(Duration::from_secs(30)));
+        assert_eq!(vip.balance, Balance::LeastFlows);
+        assert_eq!(vip.hot_source_share, Some(0.1));
+        let agent = vip.agent.as_ref().unwrap();
+        assert_eq!(
+            (agent.port, agent.interval, agent.timeout),
+            (4500, Duration::from_secs(2), Duration::from_secs(1))
+        );
+        let defaults = minimal();
+        assert_eq!(defaults.vips[0].balance, Balance::Maglev);
+        assert_eq!(defaults.vips[0].slow_start, None);
+        for (change, field) in [
+            ("slow_start = \"10ms\"", "vip[0].slow_start"),
+            ("hot_source_share = 0.1", "vip[0].hot_source_share"),
+            ("balance = \"fewest\"", "balance"),
+        ] {
+            let text = MINIMAL.replace(
+                "protocol = \"tcp\"",
+                &format!("protocol = \"tcp\"\n{change}"),
+            );
+            let error = Config::from_toml(&text).unwrap_err().to_string();
+            assert!(error.contains(field), "{change}: {error}");
+        }
+        let text = MINIMAL.replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nhash = \"src-ip\"\nhot_source_share = 1.5",
+        );
+        let error = Config::from_toml(&text).unwrap_err().to_string();
+        assert!(error.contains("hot_source_share"), "{error}");
+    }
 
     #[test]
     fn a_reload_may_change_the_warmup_but_not_where_routes_go() {
@@ -1192,6 +1330,10 @@ address = "10.0.0.11"
                     expect_status: 200,
                 },
                 min_healthy: 1,
+                slow_start: None,
+                balance: Balance::Maglev,
+                hot_source_share: None,
+                agent: None,
                 backends: vec![backend("10.0.0.11")],
             }]
         );

@@ -159,7 +159,7 @@ impl Api {
             let change = apply(&mut shared).map_err(refused)?;
             (change, shared.tables.requested())
         };
-        crate::health::spawn_checks(&self.shared, &self.health_tasks);
+        state::spawn_checks(&self.shared, &self.health_tasks);
         written(requested).await?;
         Ok(Json(ChangeAnswer { change }))
     }

@@ -157,10 +157,11 @@ pub trait CheckHost: Send + 'static {
     fn record_check(&mut self, id: u32, record: CheckRecord, rise: u32, fall: u32);
 }
 
-/// What starting health-check tasks needs.
+/// What starting health-check (and agent-check) tasks needs.
 #[derive(Clone)]
 pub struct HealthTasks {
     pub running: Arc<Mutex<HashSet<u32>>>,
+    pub agents: crate::agentcheck::Tasks,
     pub shutdown: CancellationToken,
 }
 
@@ -168,6 +169,7 @@ impl HealthTasks {
     pub fn new(shutdown: CancellationToken) -> Self {
         Self {
             running: Arc::new(Mutex::new(HashSet::new())),
+            agents: Default::default(),
             shutdown,
         }
     }

@@ -6,6 +6,7 @@
 //! `client`, `top`; `agent`. The README's Layout section says what each is for.
 
 pub mod agent;
+pub mod agentcheck;
 pub mod announce;
 pub mod api;
 pub mod capture;

@@ -205,6 +205,11 @@ fn register_backends(registry: &mut Registry, status: &Status) {
         "backend_admin_state",
         "1 for the backend's admin state",
     );
+    let effective = family::<BackendLabels, Gauge<f64, std::sync::atomic::AtomicU64>>(
+        registry,
+        "backend_effective_weight",
+        "The weight new flows are shared by now (configured weight after slow start, agent and least-flows)",
+    );
     for vip in &status.vips {
         for b in &vip.backends {
             let labels = BackendLabels {
@@ -217,6 +222,7 @@ fn register_backends(registry: &mut Registry, status: &Status) {
             up.get_or_create(&labels)
                 .set(i64::from(b.health != Health::Down));
             flows.get_or_create(&labels).set(b.active_flows as i64);
+            effective.get_or_create(&labels).set(b.effective_weight);
             for state in AdminStatus::ALL {
                 let labels = StateLabels {
                     vip: vip.name.clone(),

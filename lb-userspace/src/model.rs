@@ -11,9 +11,12 @@ use lb_common::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::config::{AdminState, BackendConfig, Config, HashMode, HealthKind, MacAddr, VipConfig};
+use crate::config::{
+    AdminState, BackendConfig, Balance, Config, HashMode, HealthKind, MacAddr, VipConfig,
+};
 use crate::dataplane::Adopted;
 use crate::tables::{Desired, DesiredBackend, TableInputs, VipInputs};
+use crate::weights;
 
 /// What the health checks say of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -95,23 +98,77 @@ pub struct BackendState {
     pub drain_started: Option<Instant>,
     /// Draining is over: its flows ended, went idle, or `drain_timeout` passed.
     pub drained: bool,
+    /// What the backend's own agent said (`[vip.agent]`).
+    pub agent: AgentState,
+    /// Load rules (`slow_start`, `balance = "least-flows"`).
+    pub load: LoadState,
+}
+
+/// What a backend's agent check last said. A malformed or missing answer changes
+/// nothing: the last good one stays, and the error is shown.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AgentState {
+    /// `ready`, `drain`, `maint`: applies while the file and runtime commands say ready
+    /// (they keep priority).
+    pub admin: Option<AdminState>,
+    /// `down` (until `up`): out of the table, like a failed health check.
+    pub down: bool,
+    /// `NN%` of the configured weight.
+    pub percent: Option<u32>,
+    /// Why the last answer was not used.
+    pub error: Option<String>,
+}
+
+/// Where a backend is in the load rules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadState {
+    /// It took new flows at the last table request (ramps start when this turns true).
+    pub was_in_table: bool,
+    /// Slow start: when the ramp began, while it lasts.
+    pub ramp_started: Option<Instant>,
+    /// Least-flows: its level (`weights::LEAST_FLOWS_LEVELS`).
+    pub least_flows_level: usize,
+}
+
+impl Default for LoadState {
+    fn default() -> Self {
+        Self {
+            was_in_table: false,
+            ramp_started: None,
+            least_flows_level: weights::least_flows_neutral(),
+        }
+    }
 }
 
 impl BackendState {
+    /// The admin state in force: the file's or a runtime command's, and while that is
+    /// ready, the agent's.
+    pub fn admin_state(&self) -> AdminState {
+        match self.config.state {
+            AdminState::Ready => self.agent.admin.unwrap_or(AdminState::Ready),
+            other => other,
+        }
+    }
+
+    /// Not failed: by its health checks, or by its agent saying `down`.
+    fn alive(&self) -> bool {
+        self.health != Health::Down && !self.agent.down
+    }
+
     /// May flows it already has stay? (Ready, or draining and not yet drained; and not
     /// failed.)
     pub fn serves_flows(&self) -> bool {
-        let admin = match self.config.state {
+        let admin = match self.admin_state() {
             AdminState::Ready => true,
             AdminState::Drain => !self.drained,
             AdminState::Maint => false,
         };
-        admin && self.mac.is_some() && self.health != Health::Down
+        admin && self.mac.is_some() && self.alive()
     }
 
     /// The admin state as status shows it: ready, draining, drained or maint.
     pub fn admin_status(&self) -> AdminStatus {
-        match (self.config.state, self.drained) {
+        match (self.admin_state(), self.drained) {
             (AdminState::Ready, _) => AdminStatus::Ready,
             (AdminState::Drain, false) => AdminStatus::Draining,
             (AdminState::Drain, true) => AdminStatus::Drained,
@@ -126,7 +183,72 @@ impl BackendState {
 
     /// May new flows go to this backend?
     pub fn in_table(&self) -> bool {
-        self.config.state == AdminState::Ready && self.mac.is_some() && self.health != Health::Down
+        self.admin_state() == AdminState::Ready && self.mac.is_some() && self.alive()
+    }
+
+    /// Starts or ends a drain when the admin state in force moved into or out of it.
+    fn admin_changed(&mut self, before: AdminState, now: Instant) {
+        let after = self.admin_state();
+        if after != AdminState::Drain {
+            self.drain_started = None;
+            self.drained = false;
+        } else if before != AdminState::Drain {
+            self.drain_started = Some(now);
+            self.drained = false;
+        }
+    }
+
+    /// The weight the table builder gets now, and why.
+    pub fn effective_weight(&self, vip: &VipConfig, now: Instant) -> weights::Effective {
+        let slow_start = vip.slow_start.and_then(|ramp| {
+            let started = self.load.ramp_started?;
+            weights::slow_start_factor(now.saturating_duration_since(started), ramp)
+        });
+        let least_flows = (vip.balance == Balance::LeastFlows)
+            .then(|| weights::LEAST_FLOWS_LEVELS[self.load.least_flows_level]);
+        weights::effective(
+            self.config.weight,
+            weights::Factors {
+                slow_start,
+                agent_percent: self.agent.percent,
+                least_flows,
+            },
+        )
+    }
+
+    /// Takes an agent's answer (or why there was none usable). Returns whether the
+    /// tables may change.
+    pub fn record_agent(
+        &mut self,
+        answer: Result<weights::AgentReport, String>,
+        now: Instant,
+    ) -> bool {
+        let report = match answer {
+            Ok(report) => report,
+            Err(error) => {
+                self.agent.error = Some(error);
+                return false;
+            }
+        };
+        let before = (self.admin_state(), self.agent.clone());
+        let mut agent = AgentState {
+            error: None,
+            ..self.agent.clone()
+        };
+        if let Some(admin) = report.admin {
+            agent.admin = Some(admin);
+        }
+        if let Some(health) = report.health {
+            agent.down = health == weights::AgentHealth::Down;
+        }
+        if let Some(percent) = report.weight_percent {
+            agent.percent = Some(percent);
+        }
+        self.agent = agent;
+        self.admin_changed(before.0, now);
+        before.1.admin != self.agent.admin
+            || before.1.down != self.agent.down
+            || before.1.percent != self.agent.percent
     }
 }
 
@@ -356,14 +478,9 @@ impl Model {
             b.streak = 0;
             b.last_check = None;
         }
-        if backend_config.state != AdminState::Drain {
-            b.drain_started = None;
-            b.drained = false;
-        } else if b.config.state != AdminState::Drain {
-            b.drain_started = Some(now);
-            b.drained = false;
-        }
+        let before = b.admin_state();
         b.config = backend_config.clone();
+        b.admin_changed(before, now);
         b
     }
 
@@ -409,6 +526,8 @@ impl Model {
             last_check: None,
             drain_started: (backend_config.state == AdminState::Drain).then_some(now),
             drained: false,
+            agent: AgentState::default(),
+            load: LoadState::default(),
         })
     }
 
@@ -417,8 +536,74 @@ impl Model {
         self.table_inputs().build()
     }
 
-    /// What the tables are built from: each VIP's members, and every backend with a MAC.
+    /// What the tables are built from now: each VIP's members at their effective
+    /// weights, and every backend with a MAC.
     pub fn table_inputs(&self) -> TableInputs {
+        self.table_inputs_at(Instant::now())
+    }
+
+    /// Notes which backends take new flows, starting a slow-start ramp for each that just
+    /// began to (and ending those that stopped or are done). Call before taking inputs.
+    pub fn note_usable(&mut self, now: Instant) {
+        for vip in &mut self.vips {
+            for b in &mut vip.backends {
+                let in_table = b.in_table();
+                if !in_table {
+                    b.load.ramp_started = None;
+                } else if !b.load.was_in_table && vip.config.slow_start.is_some() {
+                    b.load.ramp_started = Some(now);
+                } else if let (Some(started), Some(ramp)) =
+                    (b.load.ramp_started, vip.config.slow_start)
+                    && weights::slow_start_factor(now.saturating_duration_since(started), ramp)
+                        .is_none()
+                {
+                    b.load.ramp_started = None;
+                }
+                b.load.was_in_table = in_table;
+            }
+        }
+    }
+
+    /// Marks the backends that take new flows now as having always done so: no ramp for
+    /// what already served when the agent started.
+    pub fn settle_usable(&mut self) {
+        for b in self.backends_mut() {
+            b.load.was_in_table = b.in_table();
+        }
+    }
+
+    /// Least-flows: re-weights every backend of a `balance = "least-flows"` VIP from the
+    /// live flows per backend (`flows_of`). Returns whether any weight changed.
+    pub fn reweigh_least_flows(&mut self, flows_of: impl Fn(u32) -> u64) -> bool {
+        let mut changed = false;
+        for vip in &mut self.vips {
+            if vip.config.balance != Balance::LeastFlows {
+                continue;
+            }
+            let live: Vec<u64> = vip
+                .backends
+                .iter()
+                .filter(|b| b.in_table())
+                .map(|b| flows_of(b.id))
+                .collect();
+            if live.is_empty() {
+                continue;
+            }
+            let mean = live.iter().sum::<u64>() as f64 / live.len() as f64;
+            for b in vip.backends.iter_mut().filter(|b| b.in_table()) {
+                let level =
+                    weights::least_flows_level(b.load.least_flows_level, flows_of(b.id), mean);
+                if level != b.load.least_flows_level {
+                    b.load.least_flows_level = level;
+                    changed = true;
+                }
+            }
+        }
+        changed
+    }
+
+    /// `table_inputs` at `now` (slow-start ramps depend on the time).
+    pub fn table_inputs_at(&self, now: Instant) -> TableInputs {
         let mut inputs = TableInputs {
             table_size: self.table_size,
             ..TableInputs::default()
@@ -431,7 +616,7 @@ impl Model {
                 .map(|b| MaglevBackend {
                     id: b.id,
                     address: b.config.address,
-                    weight: b.config.weight,
+                    weight: b.effective_weight(&vip.config, now).weight,
                 })
                 .collect();
             for b in &vip.backends {

@@ -19,6 +19,7 @@ use std::{
 use lb_common::stat;
 
 use crate::{
+    agentcheck::{self, AgentHost},
     announce,
     config::{AdminState, BackendConfig, Config, ConfigError, MacAddr, VipConfig},
     dataplane::AttachedMode,
@@ -28,7 +29,9 @@ use crate::{
     model::{CheckRecord, Health, Model, ModelError, VipState},
     neighbor::Interface,
     status::{BackendStatus, DataplaneStatus, Start, Status, VipStatus},
+    tables::TableInputs,
     telemetry::Telemetry,
+    weights::AgentReport,
     writer::{Requested, Writer},
 };
 
@@ -54,6 +57,8 @@ pub struct State {
     pub observed: Observed,
     /// Announcing VIPs to routers (`[announce]`) and the node's drain state.
     pub announce: announce::State,
+    /// What the table writer was last asked for.
+    last_inputs: TableInputs,
 }
 
 /// Why a reload was refused; nothing changed.
@@ -87,11 +92,13 @@ impl State {
     pub fn new(
         config_path: PathBuf,
         config: Config,
-        model: Model,
+        mut model: Model,
         tables: Writer,
         interface: Interface,
         mode: AttachedMode,
     ) -> Self {
+        // What serves already was not just added: no slow start for it.
+        model.settle_usable();
         Self {
             config_path,
             config,
@@ -105,14 +112,38 @@ impl State {
             remove_when_drained: HashSet::new(),
             observed: Observed::default(),
             announce: Default::default(),
+            last_inputs: TableInputs::default(),
         }
     }
 
     /// Hands the table writer what the model asks for now (it coalesces bursts), and
     /// tells the announcer to look again. Returns at once; `tables.requested()` waits.
     pub fn sync(&mut self) {
-        self.tables.request(self.model.table_inputs());
+        let now = Instant::now();
+        self.model.note_usable(now);
+        self.last_inputs = self.model.table_inputs_at(now);
+        self.tables.request(self.last_inputs.clone());
         self.announce.changed();
+    }
+
+    /// Follows what changes with time alone (a slow-start step): asks for new tables
+    /// when the inputs differ from the last request.
+    pub fn refresh_load(&mut self, now: Instant) {
+        self.model.note_usable(now);
+        let inputs = self.model.table_inputs_at(now);
+        if inputs != self.last_inputs {
+            self.last_inputs = inputs.clone();
+            self.tables.request(inputs);
+        }
+    }
+
+    /// Least-flows: re-weights from the last scan's live flows; new tables when a
+    /// weight moved.
+    pub fn reweigh(&mut self) {
+        let telemetry = &self.telemetry;
+        if self.model.reweigh_least_flows(|id| telemetry.flows_of(id)) {
+            self.sync();
+        }
     }
 
     /// Applies neighbour-table MACs to backends without a configured MAC. Returns whether
@@ -374,6 +405,7 @@ impl State {
                     .iter()
                     .map(|b| {
                         let traffic = counters.backends.get(&b.id).copied().unwrap_or_default();
+                        let effective = b.effective_weight(&vip.config, now);
                         BackendStatus {
                             address: b.config.address.to_string(),
                             weight: b.config.weight,
@@ -394,6 +426,10 @@ impl State {
                                 .get(&b.id)
                                 .copied()
                                 .unwrap_or(0.0),
+                            effective_weight: effective.weight as f64
+                                / crate::weights::SCALE as f64,
+                            weight_reason: effective.reason,
+                            agent_error: b.agent.error.clone(),
                         }
                     })
                     .collect();
@@ -497,6 +533,52 @@ impl CheckHost for State {
     }
 }
 
+impl AgentHost for State {
+    fn model(&self) -> &Model {
+        &self.model
+    }
+
+    fn record_agent(&mut self, id: u32, answer: Result<AgentReport, String>) {
+        let now = Instant::now();
+        let Some((vip, b)) = self.model.vips.iter_mut().find_map(|v| {
+            let name = v.config.name.clone();
+            v.backends
+                .iter_mut()
+                .find(|b| b.id == id)
+                .map(|b| (name, b))
+        }) else {
+            return;
+        };
+        let address = b.config.address;
+        let old_error = b.agent.error.clone();
+        let changed = b.record_agent(answer, now);
+        match &b.agent.error {
+            // Logged once per new error, not every interval.
+            Some(error) if old_error.as_ref() != Some(error) => tracing::warn!(
+                "backend {address} of vip {vip}: {error}; its last answer stays in force"
+            ),
+            _ => {}
+        }
+        if changed {
+            let agent = &b.agent;
+            tracing::info!(
+                "backend {address} of vip {vip}: its agent says{}{}{}",
+                agent.percent.map(|p| format!(" {p}%")).unwrap_or_default(),
+                agent.admin.map(|a| format!(" {a}")).unwrap_or_default(),
+                if agent.down { " down" } else { "" }
+            );
+            self.sync();
+        }
+    }
+}
+
+/// Starts the check tasks (health and agent) that are missing: after a start, a reload or
+/// a runtime change.
+pub fn spawn_checks(state: &Arc<Mutex<State>>, tasks: &HealthTasks) {
+    health::spawn_checks(state, tasks);
+    agentcheck::spawn(state, &tasks.agents, &tasks.shutdown);
+}
+
 impl announce::Host for State {
     fn announce_view(&self) -> announce::View<'_> {
         announce::View {
@@ -538,7 +620,7 @@ pub fn reload(
             return Err(error);
         }
     };
-    health::spawn_checks(state, health_tasks);
+    spawn_checks(state, health_tasks);
     if changes.is_empty() {
         tracing::info!("reload: no change");
     }
@@ -826,6 +908,124 @@ mod tests {
         );
     }
 
+    fn member_weights(shared: &State) -> Vec<u32> {
+        shared.last_inputs.vips[0]
+            .members
+            .iter()
+            .map(|m| m.weight)
+            .collect()
+    }
+
+    #[test]
+    fn slow_start_ramps_a_backend_that_returns_in_steps() {
+        let mut file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        file.vips[0].slow_start = Some(std::time::Duration::from_secs(10));
+        let mut shared = shared(file);
+        assert_eq!(member_weights(&shared), [100, 100], "no ramp at start");
+        let returning: IpAddr = "10.0.0.11".parse().unwrap();
+        shared
+            .set_admin_state(&web(), returning, AdminState::Maint)
+            .unwrap();
+        assert_eq!(member_weights(&shared), [100]);
+        shared
+            .set_admin_state(&web(), returning, AdminState::Ready)
+            .unwrap();
+        assert_eq!(member_weights(&shared), [10, 100], "a tenth at first");
+        let started = shared.model.vips[0].backends[0]
+            .load
+            .ramp_started
+            .expect("ramping");
+        let status = shared.status().unwrap();
+        let b = &status.vips[0].backends[0];
+        assert_eq!(
+            (b.effective_weight, b.weight_reason.as_str()),
+            (0.1, "slow start 10%")
+        );
+        let ticket = shared.tables.requested();
+        shared.refresh_load(started + std::time::Duration::from_millis(500));
+        assert_eq!(member_weights(&shared), [10, 100], "within the step");
+        shared.refresh_load(started + std::time::Duration::from_millis(5500));
+        assert_eq!(member_weights(&shared), [60, 100]);
+        shared.refresh_load(started + std::time::Duration::from_secs(10));
+        assert_eq!(member_weights(&shared), [100, 100], "the full weight");
+        assert!(shared.model.vips[0].backends[0].load.ramp_started.is_none());
+        drop(ticket);
+    }
+
+    #[test]
+    fn least_flows_gives_the_busy_backend_less_and_the_idle_one_more() {
+        let mut file = config("eth0", &["10.0.0.11", "10.0.0.12", "10.0.0.13"]);
+        file.vips[0].balance = crate::config::Balance::LeastFlows;
+        let mut shared = shared(file);
+        assert_eq!(member_weights(&shared), [100, 100, 100]);
+        let ids: Vec<u32> = shared.model.vips[0].backends.iter().map(|b| b.id).collect();
+        shared.telemetry.active_flows = [(ids[0], 40), (ids[1], 2), (ids[2], 3)].into();
+        shared.reweigh();
+        let weights = member_weights(&shared);
+        assert!(
+            weights[0] < 100 && weights[1] > 100 && weights[2] > 100,
+            "{weights:?}"
+        );
+        // Bounded, one step per re-weighting.
+        for _ in 0..20 {
+            shared.reweigh();
+        }
+        let weights = member_weights(&shared);
+        assert!(
+            weights.iter().all(|w| (25..=400).contains(w)),
+            "{weights:?}"
+        );
+        // Even flows: the levels hold (hysteresis), whatever they reached.
+        shared.telemetry.active_flows = [(ids[0], 10), (ids[1], 10), (ids[2], 10)].into();
+        let before = member_weights(&shared);
+        shared.reweigh();
+        let after = member_weights(&shared);
+        assert!(
+            after.iter().zip(&before).all(|(a, b)| a >= b || *b > 100),
+            "{before:?} -> {after:?}"
+        );
+    }
+
+    #[test]
+    fn an_agent_drains_and_reweighs_its_backend_and_a_bad_answer_changes_nothing() {
+        use crate::weights::parse_agent_reply;
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let id = shared.model.vips[0].backends[0].id;
+        shared.record_agent(id, parse_agent_reply("50%"));
+        assert_eq!(member_weights(&shared), [50, 100]);
+        shared.record_agent(id, parse_agent_reply("sideways"));
+        assert_eq!(
+            member_weights(&shared),
+            [50, 100],
+            "the last good answer stays"
+        );
+        let status = shared.status().unwrap();
+        let b = &status.vips[0].backends[0];
+        assert_eq!(b.weight_reason, "agent 50%");
+        assert!(
+            b.agent_error
+                .as_deref()
+                .is_some_and(|e| e.contains("sideways"))
+        );
+        shared.record_agent(id, parse_agent_reply("drain"));
+        let b = &shared.model.vips[0].backends[0];
+        assert_eq!(b.admin_word(), "draining");
+        assert!(b.serves_flows() && !b.in_table(), "drained like `lb drain`");
+        assert_eq!(member_weights(&shared), [100]);
+        // The file's maint wins over the agent's ready.
+        shared
+            .set_admin_state(&web(), "10.0.0.11".parse().unwrap(), AdminState::Maint)
+            .unwrap();
+        shared.record_agent(id, parse_agent_reply("ready 100%"));
+        assert_eq!(shared.model.vips[0].backends[0].admin_word(), "maint");
+        shared
+            .set_admin_state(&web(), "10.0.0.11".parse().unwrap(), AdminState::Ready)
+            .unwrap();
+        assert_eq!(member_weights(&shared), [100, 100]);
+        shared.record_agent(id, parse_agent_reply("down"));
+        assert_eq!(member_weights(&shared), [100], "down: out of the table");
+    }
+
     #[test]
     fn a_health_change_rebuilds_only_its_vips_table() {
         let mut builder = crate::tables::TableBuilder::default();
@@ -954,6 +1154,7 @@ mod tests {
             "lb_backend_up",
             "lb_backend_admin_state",
             "lb_backend_active_flows",
+            "lb_backend_effective_weight",
             "lb_xdp_actions_total",
             "lb_drops_total",
             "lb_passes_total",

@@ -167,6 +167,16 @@ pub struct BackendStatus {
     pub last_check: Option<CheckRecord>,
     /// New flows per second over the last sample interval.
     pub new_flows_per_second: f64,
+    /// The weight new flows are shared by now, in units of the configured weight.
+    #[serde(default)]
+    pub effective_weight: f64,
+    /// Why it differs from the configured weight: "configured", "slow start 40%",
+    /// "agent 75%", "least-flows 1.41x".
+    #[serde(default)]
+    pub weight_reason: String,
+    /// Why the backend's last agent answer was not used (`[vip.agent]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_error: Option<String>,
 }
 
 /// The status as a table for people.
@@ -306,6 +316,16 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
             b.new_flows,
             check
         );
+        if b.weight_reason != "configured" && !b.weight_reason.is_empty() {
+            let _ = writeln!(
+                out,
+                "    effective weight {:.2}: {}",
+                b.effective_weight, b.weight_reason
+            );
+        }
+        if let Some(error) = &b.agent_error {
+            let _ = writeln!(out, "    agent check: {error}");
+        }
     }
 }
 
@@ -330,6 +350,9 @@ pub mod tests {
             consecutive: 2,
             last_check: None,
             new_flows_per_second: 0.0,
+            effective_weight: 1.0,
+            weight_reason: "configured".into(),
+            agent_error: None,
         };
         Status {
             dataplane: DataplaneStatus {
@@ -398,6 +421,24 @@ pub mod tests {
         ] {
             assert!(text.contains(line), "no {line:?} in:\n{text}");
         }
+    }
+
+    #[test]
+    fn a_load_rule_shows_its_effective_weight() {
+        let mut status = sample();
+        status.vips[0].backends[0].effective_weight = 0.4;
+        status.vips[0].backends[0].weight_reason = "slow start 40%".into();
+        status.vips[0].backends[1].agent_error = Some("agent 10.0.0.12:4500: refused".into());
+        let text = render(&status);
+        assert!(
+            text.contains("effective weight 0.40: slow start 40%"),
+            "{text}"
+        );
+        assert!(
+            text.contains("agent check: agent 10.0.0.12:4500: refused"),
+            "{text}"
+        );
+        assert_eq!(text.matches("effective weight").count(), 1, "{text}");
     }
 
     #[test]

@@ -144,6 +144,13 @@ pub fn render(status: &Status, rates: Option<(f64, &Previous)>, hot: f64, color:
                 share * 100.0,
                 width = BAR_WIDTH
             );
+            if b.weight_reason != "configured" && !b.weight_reason.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "    weight {:.2} of {}: {}",
+                    b.effective_weight, b.weight, b.weight_reason
+                );
+            }
         }
     }
     out

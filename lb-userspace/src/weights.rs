@@ -15,6 +15,8 @@
 
 use std::time::Duration;
 
+use crate::config::AdminState;
+
 /// Effective weights are the configured weight times this, times the rules' factors.
 pub const SCALE: u32 = 100;
 
@@ -79,16 +81,9 @@ pub struct AgentReport {
     /// `NN%`: the share of the configured weight to use.
     pub weight_percent: Option<u32>,
     /// `ready`, `drain`, `maint`.
-    pub admin: Option<AgentAdmin>,
+    pub admin: Option<AdminState>,
     /// `up`; `down`, `fail`, `stopped`.
     pub health: Option<AgentHealth>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AgentAdmin {
-    Ready,
-    Drain,
-    Maint,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,9 +121,9 @@ pub fn parse_agent_reply(line: &str) -> Result<AgentReport, String> {
             continue;
         }
         match lower.as_str() {
-            "ready" => report.admin = Some(AgentAdmin::Ready),
-            "drain" => report.admin = Some(AgentAdmin::Drain),
-            "maint" => report.admin = Some(AgentAdmin::Maint),
+            "ready" => report.admin = Some(AdminState::Ready),
+            "drain" => report.admin = Some(AdminState::Drain),
+            "maint" => report.admin = Some(AdminState::Maint),
             "up" => report.health = Some(AgentHealth::Up),
             "down" | "fail" | "failed" | "stopped" => report.health = Some(AgentHealth::Down),
             _ => return Err(format!("unknown word {word:?}")),
@@ -281,12 +276,12 @@ mod tests {
             parse("75% drain"),
             AgentReport {
                 weight_percent: Some(75),
-                admin: Some(AgentAdmin::Drain),
+                admin: Some(AdminState::Drain),
                 health: None,
             }
         );
-        assert_eq!(parse("DRAIN,maint").admin, Some(AgentAdmin::Maint));
-        assert_eq!(parse("ready up").admin, Some(AgentAdmin::Ready));
+        assert_eq!(parse("DRAIN,maint").admin, Some(AdminState::Maint));
+        assert_eq!(parse("ready up").admin, Some(AdminState::Ready));
         assert_eq!(parse("up\t100%").health, Some(AgentHealth::Up));
         assert_eq!(parse("stopped # deploying").health, Some(AgentHealth::Down));
         for bad in [
