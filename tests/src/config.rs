@@ -195,6 +195,9 @@ pub struct VipConfig {
     pub drain_timeout: Option<Duration>,
     pub health: Health,
     pub backends: Vec<BackendConfig>,
+    /// More `key = value` lines of the `[[vip]]` table, as written (`slow_start = "4s"`,
+    /// `agent = { port = 4500 }`).
+    pub extra: Vec<String>,
 }
 
 /// The whole file.
@@ -248,6 +251,9 @@ impl AgentConfig {
             }
             if let Some(d) = vip.drain_timeout {
                 let _ = writeln!(t, "drain_timeout = {}", q(&dur(d)));
+            }
+            for line in &vip.extra {
+                let _ = writeln!(t, "{line}");
             }
             let _ = writeln!(t, "\n[vip.health]");
             match &vip.health {
@@ -327,6 +333,7 @@ mod tests {
                 drain_timeout: Some(Duration::from_secs(2)),
                 health: Health::fast_tcp(),
                 backends: vec![BackendConfig::new("10.99.0.11".parse().unwrap())],
+                extra: Vec::new(),
             }],
         };
         let text = cfg.to_toml();

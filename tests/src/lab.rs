@@ -345,6 +345,7 @@ impl Lab {
             backends: (0..self.backends.len())
                 .map(|i| BackendConfig::new(self.backend_addr(i, v6)))
                 .collect(),
+            extra: Vec::new(),
         }
     }
 

@@ -37,6 +37,7 @@ fn every_option() -> AgentConfig {
                 drain_timeout: Some(Duration::from_secs(2)),
                 health: Health::fast_tcp(),
                 backends: drained,
+                extra: Vec::new(),
             },
             VipConfig {
                 name: "web6".into(),
@@ -55,6 +56,7 @@ fn every_option() -> AgentConfig {
                     expect_status: 200,
                 },
                 backends: backends("fd00:99::"),
+                extra: Vec::new(),
             },
             VipConfig {
                 name: "dns".into(),
@@ -65,6 +67,7 @@ fn every_option() -> AgentConfig {
                 drain_timeout: None,
                 health: Health::None,
                 backends: backends("10.99.0."),
+                extra: Vec::new(),
             },
         ],
     }

@@ -482,6 +482,7 @@ pub fn memory(lab: &mut Lab, lb_bin: &Path) -> Result<(Table, Value)> {
                     ..BackendConfig::new(backend_v4(i))
                 })
                 .collect(),
+            extra: Vec::new(),
         };
         let config = lab.agent_config(XdpMode::Native, vec![vip]);
         let agent = lab.start_agent(lb_bin, &config)?;

@@ -1,0 +1,235 @@
+//! End to end: balancing that follows load (slow start, least-flows, agent checks), with
+//! real TCP from a client namespace through the real `lb` agent and XDP program to
+//! three backends. What a rule does shows in where new connections go, and what it
+//! must not do (break open connections) in long-lived ones that keep echoing.
+//!
+//! Needs root, bpffs, the eBPF object and a built `lb`; otherwise each test prints
+//! `SKIPPED` (or fails under `LB_REQUIRE_ALL_TESTS=1`).
+//! `cargo test -p lb-tests --test load`.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use lb_tests::{Conn, Health, Lab, LabOptions, Protocol, TcpServer, XdpMode, require_e2e, spread};
+use serde_json::Value;
+
+const VIP: &str = "web";
+const PORT: u16 = 80;
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A lab of three backends serving TCP on [`PORT`], and the agent serving VIP `web`
+/// (no health checks) with `extra` lines in its `[[vip]]` table.
+fn start(bin: &Path, extra: &[&str]) -> Lab {
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(PORT, false)
+        .expect("start the backends' tcp servers");
+    let mut vip = lab.vip(VIP, false, PORT, Protocol::Tcp, Health::None);
+    vip.extra = extra.iter().map(|line| line.to_string()).collect();
+    let config = lab.agent_config(XdpMode::Native, vec![vip]);
+    lab.start_agent(bin, &config).expect("start the agent");
+    lab
+}
+
+fn target(lab: &Lab) -> String {
+    format!("{}:{PORT}/tcp", lab.vip4())
+}
+
+fn ctl(lab: &Lab, args: &[&str]) {
+    let agent = lab.agent().expect("agent");
+    let out = agent.cli(args).expect("run lb");
+    assert!(
+        out.success(),
+        "`lb {}` failed: {out}\nagent log:\n{}",
+        args.join(" "),
+        lab.agent_log()
+    );
+}
+
+fn status(lab: &Lab) -> Value {
+    lab.agent()
+        .expect("agent")
+        .status_json()
+        .unwrap_or_else(|e| panic!("lb status --json: {e:#}\nagent log:\n{}", lab.agent_log()))
+}
+
+fn backend(status: &Value, address: IpAddr) -> Value {
+    status["vips"][0]["backends"]
+        .as_array()
+        .and_then(|bs| {
+            bs.iter()
+                .find(|b| b["address"].as_str() == Some(&address.to_string()))
+        })
+        .cloned()
+        .unwrap_or_else(|| panic!("no backend {address} in:\n{status:#}"))
+}
+
+/// Polls the status until `until` holds, at most `timeout`.
+fn wait_status(lab: &Lab, timeout: Duration, what: &str, until: impl Fn(&Value) -> bool) -> Value {
+    let start = Instant::now();
+    loop {
+        let s = status(lab);
+        if until(&s) {
+            return s;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "not within {timeout:?}: {what}\nlast status:\n{s:#}\nagent log:\n{}",
+            lab.agent_log()
+        );
+        sleep(Duration::from_millis(100));
+    }
+}
+
+/// The share of `n` new connections that `name` answered (all must be answered).
+fn share_of(lab: &Lab, n: usize, name: &str, when: &str) -> f64 {
+    let s = spread(lab.client(), SocketAddr::new(lab.vip4(), PORT), n).expect("spread");
+    assert_eq!(s.failures, 0, "{when}: {:?}\n{}", s.errors, s.table());
+    eprintln!("{when}:\n{}", s.table());
+    s.share(name)
+}
+
+#[test]
+fn slow_start_ramps_a_returning_backends_share() {
+    let Some(bin) = require_e2e("slow_start_ramps_a_returning_backends_share") else {
+        return;
+    };
+    let lab = start(&bin, &["slow_start = \"6s\""]);
+    let (t, returning) = (target(&lab), lab.backend_addr(0, false));
+    let name = lab.backend_name(0);
+    ctl(&lab, &["maint", &t, &returning.to_string()]);
+    assert_eq!(share_of(&lab, 30, &name, "in maintenance"), 0.0);
+    ctl(&lab, &["ready", &t, &returning.to_string()]);
+    let back = Instant::now();
+    let b = backend(&status(&lab), returning);
+    assert!(
+        b["effective_weight"].as_f64().is_some_and(|w| w <= 0.2),
+        "just back, it starts with a small share of its weight: {b:#}"
+    );
+    assert!(
+        b["weight_reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("slow start")),
+        "{b:#}"
+    );
+    let early = share_of(&lab, 60, &name, "first second of the ramp");
+    let early_took = back.elapsed();
+    sleep(Duration::from_secs(6).saturating_sub(back.elapsed()) + Duration::from_millis(500));
+    let b = backend(&status(&lab), returning);
+    assert_eq!(b["effective_weight"], 1.0, "ramped to its weight: {b:#}");
+    assert_eq!(b["weight_reason"], "configured", "{b:#}");
+    let late = share_of(&lab, 60, &name, "after the ramp");
+    eprintln!(
+        "slow start: {:.0}% of new flows in the first {early_took:?}, {:.0}% after the ramp \
+         (an equal share is 33%)",
+        early * 100.0,
+        late * 100.0
+    );
+    assert!(
+        early < 0.2,
+        "early share {early:.2}: the ramp did not hold it back"
+    );
+    assert!(
+        late > early && late > 0.15,
+        "late share {late:.2} after {early:.2}"
+    );
+}
+
+#[test]
+fn least_flows_sends_new_flows_away_from_held_connections() {
+    let Some(bin) = require_e2e("least_flows_sends_new_flows_away_from_held_connections") else {
+        return;
+    };
+    let lab = start(&bin, &["balance = \"least-flows\""]);
+    let t = target(&lab);
+    let busy_name = lab.backend_name(0);
+    let others = [lab.backend_addr(1, false), lab.backend_addr(2, false)];
+    // 40 long-lived connections, all to backend-1: the others are in maintenance.
+    for other in others {
+        ctl(&lab, &["maint", &t, &other.to_string()]);
+    }
+    let vip = SocketAddr::new(lab.vip4(), PORT);
+    let mut held: Vec<Conn> = (0..40)
+        .map(|i| {
+            Conn::open(lab.client(), vip, TIMEOUT)
+                .unwrap_or_else(|e| panic!("held connection {i}: {e}"))
+        })
+        .collect();
+    assert!(held.iter().all(|c| c.backend() == busy_name));
+    for other in others {
+        ctl(&lab, &["ready", &t, &other.to_string()]);
+    }
+    // The agent counts flows every 2 s and moves a weight one step per count.
+    let busy = lab.backend_addr(0, false);
+    let st = wait_status(
+        &lab,
+        Duration::from_secs(15),
+        "backend-1's weight lowered for its 40 flows",
+        |s| backend(s, busy)["effective_weight"].as_f64() <= Some(0.5),
+    );
+    eprintln!(
+        "least-flows weights: {}",
+        st["vips"][0]["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| format!(
+                "{} {} ({})",
+                b["address"], b["effective_weight"], b["weight_reason"]
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let share = share_of(&lab, 90, &busy_name, "new flows with 40 held on backend-1");
+    assert!(
+        share < 0.25,
+        "backend-1 holds 40 flows, yet took {:.0}% of new ones (an equal share is 33%)",
+        share * 100.0
+    );
+    for (i, conn) in held.iter_mut().enumerate() {
+        conn.echo(b"still here\n")
+            .unwrap_or_else(|e| panic!("held connection {i} broke: {e}"));
+    }
+}
+
+#[test]
+fn an_agent_answering_drain_drains_its_backend() {
+    let Some(bin) = require_e2e("an_agent_answering_drain_drains_its_backend") else {
+        return;
+    };
+    let lab = start(
+        &bin,
+        &["agent = { port = 4500, interval = \"300ms\", timeout = \"200ms\" }"],
+    );
+    let draining = lab.backend_addr(0, false);
+    // The greeting of a test server is its name: this one answers "drain".
+    let _agent = TcpServer::start(lab.backend(0), SocketAddr::new(draining, 4500), "drain")
+        .expect("agent server");
+    let st = wait_status(&lab, Duration::from_secs(10), "backend-1 draining", |s| {
+        backend(s, draining)["state"] == "draining" || backend(s, draining)["state"] == "drained"
+    });
+    assert_eq!(backend(&st, draining)["in_table"], false, "{st:#}");
+    // The others have no agent: that changes nothing, and says why.
+    let other = backend(&st, lab.backend_addr(1, false));
+    assert_eq!(other["state"], "ready", "{other:#}");
+    let st = wait_status(
+        &lab,
+        Duration::from_secs(5),
+        "the missing agent shown",
+        |s| backend(s, lab.backend_addr(1, false))["agent_error"].is_string(),
+    );
+    eprintln!(
+        "agent error shown: {}",
+        backend(&st, lab.backend_addr(1, false))["agent_error"]
+    );
+    assert_eq!(
+        share_of(
+            &lab,
+            30,
+            &lab.backend_name(0),
+            "with backend-1's agent saying drain"
+        ),
+        0.0
+    );
+}
