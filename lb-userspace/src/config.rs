@@ -396,6 +396,18 @@ pub struct HealthConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
     pub expect_status: u16,
+    /// `udp`: the datagram sent (text; default empty).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub send: Option<String>,
+    /// `udp`: text the reply must contain (default: any reply passes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expect: Option<String>,
+    /// `dns`: the name asked (default ".").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query: Option<String>,
+    /// `dns`: the record type asked (default "NS").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query_type: Option<String>,
 }
 
 impl Default for HealthConfig {
@@ -411,6 +423,10 @@ impl Default for HealthConfig {
             port: None,
             path: None,
             expect_status: 200,
+            send: None,
+            expect: None,
+            query: None,
+            query_type: None,
         }
     }
 }
@@ -438,6 +454,11 @@ pub enum HealthKind {
     #[default]
     Tcp,
     Http,
+    /// A datagram (`send`); a reply (containing `expect`) passes, ICMP port unreachable
+    /// fails at once.
+    Udp,
+    /// A DNS query (`query`, `query_type`) over UDP; a well-formed NOERROR answer passes.
+    Dns,
     /// No checks: backends count as up unless their admin state says otherwise.
     None,
 }
@@ -489,7 +510,7 @@ macro_rules! display_as {
 display_as!(XdpModeSetting { Native => "native", Generic => "generic", Auto => "auto" });
 display_as!(Protocol { Tcp => "tcp", Udp => "udp" });
 display_as!(HashMode { FiveTuple => "5-tuple", SrcIp => "src-ip" });
-display_as!(HealthKind { Tcp => "tcp", Http => "http", None => "none" });
+display_as!(HealthKind { Tcp => "tcp", Http => "http", Udp => "udp", Dns => "dns", None => "none" });
 display_as!(AdminState { Ready => "ready", Drain => "drain", Maint => "maint" });
 display_as!(Balance { Maglev => "maglev", LeastFlows => "least-flows" });
 
@@ -1053,6 +1074,54 @@ impl VipConfig {
 }
 
 impl HealthConfig {
+    /// `send`/`expect` belong to udp checks, `query`/`query_type` to dns checks.
+    fn validate_datagram_checks(&self, at: &str) -> Result<(), ConfigError> {
+        let only = |field: &str, kind: HealthKind| {
+            invalid(
+                format!("{at}.{field}"),
+                format!(
+                    "only used when kind = \"{kind}\" (kind is \"{}\")",
+                    self.kind
+                ),
+            )
+        };
+        if self.kind != HealthKind::Udp {
+            if self.send.is_some() {
+                return Err(only("send", HealthKind::Udp));
+            }
+            if self.expect.is_some() {
+                return Err(only("expect", HealthKind::Udp));
+            }
+        }
+        if self.kind != HealthKind::Dns {
+            if self.query.is_some() {
+                return Err(only("query", HealthKind::Dns));
+            }
+            if self.query_type.is_some() {
+                return Err(only("query_type", HealthKind::Dns));
+            }
+        }
+        if let Some(send) = &self.send
+            && send.len() > 1200
+        {
+            return Err(invalid(
+                format!("{at}.send"),
+                "at most 1200 bytes: a check datagram must not need fragments",
+            ));
+        }
+        if let Some(query) = &self.query
+            && let Err(why) = crate::probe::parse_name(query)
+        {
+            return Err(invalid(format!("{at}.query"), why));
+        }
+        if let Some(kind) = &self.query_type
+            && let Err(why) = crate::probe::parse_record_type(kind)
+        {
+            return Err(invalid(format!("{at}.query_type"), why));
+        }
+        Ok(())
+    }
+
     fn validate(&self, at: &str) -> Result<(), ConfigError> {
         let show = |d: Duration| humantime::format_duration(d).to_string();
         if self.interval.is_zero() {
@@ -1110,6 +1179,7 @@ impl HealthConfig {
                 ));
             }
         }
+        self.validate_datagram_checks(at)?;
         if !(100..=599).contains(&self.expect_status) {
             return Err(invalid(
                 format!("{at}.expect_status"),
@@ -1328,6 +1398,10 @@ address = "10.0.0.11"
                     port: None,
                     path: None,
                     expect_status: 200,
+                    send: None,
+                    expect: None,
+                    query: None,
+                    query_type: None,
                 },
                 min_healthy: 1,
                 slow_start: None,
@@ -1655,7 +1729,13 @@ weight = 3
         for v in [HashMode::FiveTuple, HashMode::SrcIp] {
             assert_eq!(v.to_string(), serde_name(v));
         }
-        for v in [HealthKind::Tcp, HealthKind::Http, HealthKind::None] {
+        for v in [
+            HealthKind::Tcp,
+            HealthKind::Http,
+            HealthKind::Udp,
+            HealthKind::Dns,
+            HealthKind::None,
+        ] {
             assert_eq!(v.to_string(), serde_name(v));
         }
         for v in [AdminState::Ready, AdminState::Drain, AdminState::Maint] {

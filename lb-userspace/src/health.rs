@@ -76,6 +76,22 @@ impl CheckState {
     }
 }
 
+/// What a backend's checks test, for status: "tcp port 80", "http port 8080 /healthz",
+/// "udp port 53", "dns port 53 (NS .)"; `None` when it is not checked.
+pub fn describe_check(config: &HealthConfig, port: u16) -> Option<String> {
+    let what = match config.kind {
+        HealthKind::None => return None,
+        HealthKind::Tcp | HealthKind::Udp => format!("{} port {port}", config.kind),
+        HealthKind::Http => format!("http port {port} {}", config.http_path()),
+        HealthKind::Dns => format!(
+            "dns port {port} ({} {})",
+            config.query_type.as_deref().unwrap_or("NS"),
+            config.query.as_deref().unwrap_or(".")
+        ),
+    };
+    Some(what)
+}
+
 /// `base` scaled by a factor in [0.9, 1.1].
 pub fn jittered(base: Duration) -> Duration {
     base.mul_f64(0.9 + fastrand::f64() * 0.2)
@@ -91,6 +107,8 @@ pub async fn check(config: &HealthConfig, target: SocketAddr) -> CheckRecord {
                 .map(drop)
                 .map_err(describe_io),
             HealthKind::Http => http_check(config, target).await,
+            HealthKind::Udp => crate::probe::udp_check(config, target).await,
+            HealthKind::Dns => crate::probe::dns_check(config, target).await,
             HealthKind::None => Ok(()),
         }
     })

@@ -19,6 +19,7 @@ pub mod health;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;
+pub mod probe;
 pub mod state;
 pub mod status;
 pub mod tables;

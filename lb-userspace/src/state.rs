@@ -418,6 +418,10 @@ impl State {
                             packets: traffic.packets,
                             bytes: traffic.bytes,
                             new_flows: traffic.new_flows,
+                            check: health::describe_check(
+                                vip.config.health_of(&b.config),
+                                vip.config.health_port_of(&b.config),
+                            ),
                             consecutive: b.streak,
                             last_check: b.last_check.clone(),
                             new_flows_per_second: self

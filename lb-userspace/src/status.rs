@@ -162,6 +162,9 @@ pub struct BackendStatus {
     pub packets: u64,
     pub bytes: u64,
     pub new_flows: u64,
+    /// What its checks test ("tcp port 80", "dns port 53 (NS .)"); none when unchecked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<String>,
     /// Consecutive check results agreeing with the last one.
     pub consecutive: u32,
     pub last_check: Option<CheckRecord>,
@@ -347,6 +350,7 @@ pub mod tests {
             packets: 0,
             bytes: 0,
             new_flows: 0,
+            check: Some("tcp port 80".into()),
             consecutive: 2,
             last_check: None,
             new_flows_per_second: 0.0,

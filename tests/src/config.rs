@@ -70,6 +70,8 @@ pub enum Health {
         path: String,
         expect_status: u16,
     },
+    /// The `[vip.health]` table's lines as written (`kind = "dns"`, ...).
+    Lines(Vec<String>),
 }
 
 /// The timing of a check: `interval`, `timeout`, `rise`, `fall`.
@@ -134,10 +136,10 @@ impl Health {
         }
     }
 
-    /// The timing of a check (`None` for kind none).
+    /// The timing of a check (`None` for kind none, and for lines as written).
     pub fn timing(&self) -> Option<CheckTiming> {
         match *self {
-            Health::None => None,
+            Health::None | Health::Lines(_) => None,
             Health::Tcp {
                 interval,
                 timeout,
@@ -259,6 +261,11 @@ impl AgentConfig {
             match &vip.health {
                 Health::None => {
                     let _ = writeln!(t, "kind = \"none\"");
+                }
+                Health::Lines(lines) => {
+                    for line in lines {
+                        let _ = writeln!(t, "{line}");
+                    }
                 }
                 Health::Tcp {
                     interval,

@@ -1,0 +1,246 @@
+//! Datagram health checks: `kind = "udp"` (a datagram, a reply) and `kind = "dns"` (a
+//! query, a well-formed NOERROR answer), for services that have no TCP port to check.
+//! The DNS message is built and parsed with hickory-proto.
+//!
+//! Both use a connected UDP socket: the kernel then delivers only the backend's replies,
+//! and an ICMP port unreachable comes back as ECONNREFUSED on the next receive, so a
+//! stopped service fails at once instead of at the timeout.
+
+use std::net::SocketAddr;
+
+use hickory_proto::{
+    op::{Message, MessageType, OpCode, Query, ResponseCode},
+    rr::{Name, RecordType},
+};
+use tokio::net::UdpSocket;
+
+use crate::config::HealthConfig;
+
+/// The largest reply read (a DNS answer over UDP without EDNS is at most 512 bytes; a
+/// udp check's reply is text to look into).
+const REPLY_CAP: usize = 4096;
+
+/// A name as `query` is written: absolute or relative, "." for the root.
+pub fn parse_name(text: &str) -> Result<Name, String> {
+    Name::from_ascii(text).map_err(|e| format!("{text:?} is not a DNS name: {e}"))
+}
+
+/// A record type as `query_type` is written ("A", "AAAA", "NS", "SOA" ...).
+pub fn parse_record_type(text: &str) -> Result<RecordType, String> {
+    text.to_ascii_uppercase()
+        .parse::<RecordType>()
+        .map_err(|_| format!("{text:?} is not a DNS record type (A, AAAA, NS, SOA, TXT ...)"))
+}
+
+/// A UDP socket of `target`'s family, connected to it.
+async fn connected(target: SocketAddr) -> Result<UdpSocket, String> {
+    let local: SocketAddr = if target.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = UdpSocket::bind(local).await.map_err(describe)?;
+    socket.connect(target).await.map_err(describe)?;
+    Ok(socket)
+}
+
+fn describe(error: std::io::Error) -> String {
+    match error.kind() {
+        std::io::ErrorKind::ConnectionRefused => "port unreachable".into(),
+        _ => error.to_string(),
+    }
+}
+
+/// `kind = "udp"`: sends `send`, passes on a reply that contains `expect` (any reply when
+/// unset). The caller bounds it with the timeout.
+pub async fn udp_check(config: &HealthConfig, target: SocketAddr) -> Result<(), String> {
+    let socket = connected(target).await?;
+    let payload = config.send.as_deref().unwrap_or("");
+    socket.send(payload.as_bytes()).await.map_err(describe)?;
+    let mut reply = vec![0u8; REPLY_CAP];
+    let n = socket.recv(&mut reply).await.map_err(describe)?;
+    match &config.expect {
+        Some(expect) if !contains(&reply[..n], expect.as_bytes()) => Err(format!(
+            "reply {:?} does not contain {expect:?}",
+            String::from_utf8_lossy(&reply[..n.min(64)])
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    needle.is_empty() || haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The query a dns check sends: `query` (default ".") of `query_type` (default NS), with
+/// recursion not desired (the backend answers from what it serves).
+pub fn dns_query(config: &HealthConfig, id: u16) -> Result<Message, String> {
+    let name = parse_name(config.query.as_deref().unwrap_or("."))?;
+    let kind = parse_record_type(config.query_type.as_deref().unwrap_or("NS"))?;
+    let mut message = Message::new(id, MessageType::Query, OpCode::Query);
+    message.add_query(Query::query(name, kind));
+    Ok(message)
+}
+
+/// Whether `reply` answers `query`: a response with its id, and NOERROR.
+pub fn check_dns_reply(query: &Message, reply: &[u8]) -> Result<(), String> {
+    let reply = Message::from_vec(reply).map_err(|e| format!("DNS: a malformed answer ({e})"))?;
+    if reply.metadata.message_type != MessageType::Response {
+        return Err("DNS: the answer is not a response".into());
+    }
+    if reply.metadata.id != query.metadata.id {
+        return Err(format!(
+            "DNS: the answer's id {} is not the query's {}",
+            reply.metadata.id, query.metadata.id
+        ));
+    }
+    match reply.metadata.response_code {
+        ResponseCode::NoError => Ok(()),
+        // The RFC mnemonics: SERVFAIL, NXDOMAIN, REFUSED ...
+        code => Err(format!("DNS {}", format!("{code:?}").to_ascii_uppercase())),
+    }
+}
+
+/// `kind = "dns"`: one query over UDP; a well-formed answer with the query's id and
+/// RCODE NOERROR passes. The caller bounds it with the timeout.
+pub async fn dns_check(config: &HealthConfig, target: SocketAddr) -> Result<(), String> {
+    let query = dns_query(config, fastrand::u16(..))?;
+    let bytes = query.to_vec().map_err(|e| format!("DNS query: {e}"))?;
+    let socket = connected(target).await?;
+    socket.send(&bytes).await.map_err(describe)?;
+    let mut reply = vec![0u8; REPLY_CAP];
+    loop {
+        let n = socket.recv(&mut reply).await.map_err(describe)?;
+        match check_dns_reply(&query, &reply[..n]) {
+            // Another query's late answer on a reused port: keep waiting for ours.
+            Err(why) if why.contains("is not the query's") => continue,
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HealthKind;
+    use std::time::Duration;
+
+    fn dns_config(query: Option<&str>, kind: Option<&str>) -> HealthConfig {
+        HealthConfig {
+            kind: HealthKind::Dns,
+            query: query.map(String::from),
+            query_type: kind.map(String::from),
+            ..HealthConfig::default()
+        }
+    }
+
+    #[test]
+    fn the_dns_query_asks_what_the_config_names() {
+        let query = dns_query(&dns_config(None, None), 7).unwrap();
+        let bytes = query.to_vec().unwrap();
+        let parsed = Message::from_vec(&bytes).unwrap();
+        assert_eq!(parsed.metadata.id, 7);
+        assert_eq!(parsed.metadata.message_type, MessageType::Query);
+        assert_eq!(parsed.queries.len(), 1);
+        assert_eq!(parsed.queries[0].name().to_string(), ".");
+        assert_eq!(parsed.queries[0].query_type(), RecordType::NS);
+        let query = dns_query(&dns_config(Some("example.com"), Some("aaaa")), 9).unwrap();
+        assert_eq!(query.queries[0].query_type(), RecordType::AAAA);
+        assert!(parse_record_type("BOGUS").is_err());
+        assert!(parse_name("exa mple..com").is_err());
+    }
+
+    /// An answer to `query` with `code`, as a server would send it.
+    fn answer(query: &Message, id: u16, code: ResponseCode) -> Vec<u8> {
+        let mut reply = Message::new(id, MessageType::Response, OpCode::Query);
+        reply.metadata.response_code = code;
+        for q in &query.queries {
+            reply.add_query(q.clone());
+        }
+        reply.to_vec().unwrap()
+    }
+
+    #[test]
+    fn a_dns_answer_must_be_ours_and_noerror() {
+        let query = dns_query(&dns_config(None, None), 42).unwrap();
+        assert_eq!(
+            check_dns_reply(&query, &answer(&query, 42, ResponseCode::NoError)),
+            Ok(())
+        );
+        assert_eq!(
+            check_dns_reply(&query, &answer(&query, 42, ResponseCode::ServFail)),
+            Err("DNS SERVFAIL".into())
+        );
+        let other = check_dns_reply(&query, &answer(&query, 41, ResponseCode::NoError));
+        assert!(other.unwrap_err().contains("id 41"));
+        let garbage = check_dns_reply(&query, b"\x00\x2a\x81");
+        assert!(garbage.unwrap_err().contains("malformed"));
+        let echoed = check_dns_reply(&query, &query.to_vec().unwrap());
+        assert!(echoed.unwrap_err().contains("not a response"));
+    }
+
+    /// A UDP server on loopback that answers every datagram with `answer(datagram)`.
+    async fn udp_server(answer: fn(&[u8]) -> Vec<u8>) -> SocketAddr {
+        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let address = socket.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                let _ = socket.send_to(&answer(&buf[..n]), from).await;
+            }
+        });
+        address
+    }
+
+    #[tokio::test]
+    async fn udp_checks_against_real_sockets() {
+        let config = HealthConfig {
+            kind: HealthKind::Udp,
+            send: Some("ping".into()),
+            expect: Some("pong".into()),
+            ..HealthConfig::default()
+        };
+        let pong = udp_server(|d| {
+            if d == b"ping" {
+                b"pong!".to_vec()
+            } else {
+                Vec::new()
+            }
+        })
+        .await;
+        assert_eq!(udp_check(&config, pong).await, Ok(()));
+        let wrong = udp_server(|_| b"nope".to_vec()).await;
+        let error = udp_check(&config, wrong).await.unwrap_err();
+        assert!(error.contains("does not contain \"pong\""), "{error}");
+        // Nobody listens: the ICMP port unreachable fails it at once.
+        let closed = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let gone = closed.local_addr().unwrap();
+        drop(closed);
+        let started = std::time::Instant::now();
+        let error = tokio::time::timeout(Duration::from_secs(2), udp_check(&config, gone))
+            .await
+            .expect("answered before the timeout");
+        assert_eq!(error, Err("port unreachable".into()));
+        assert!(started.elapsed() < Duration::from_secs(1));
+    }
+
+    #[tokio::test]
+    async fn dns_checks_against_a_real_socket() {
+        let noerror = udp_server(|d| {
+            let query = Message::from_vec(d).unwrap();
+            answer(&query, query.metadata.id, ResponseCode::NoError)
+        })
+        .await;
+        let servfail = udp_server(|d| {
+            let query = Message::from_vec(d).unwrap();
+            answer(&query, query.metadata.id, ResponseCode::ServFail)
+        })
+        .await;
+        let config = dns_config(Some("example.com"), Some("A"));
+        assert_eq!(dns_check(&config, noerror).await, Ok(()));
+        assert_eq!(
+            dns_check(&config, servfail).await,
+            Err("DNS SERVFAIL".into())
+        );
+    }
+}
