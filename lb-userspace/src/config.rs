@@ -371,6 +371,18 @@ pub enum HashMode {
     SrcIp,
 }
 
+/// `[vip.health] target`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HealthTarget {
+    /// The backend's own address (`port`, default the VIP's port).
+    #[default]
+    Backend,
+    /// The VIP's address and port, delivered to the backend as its traffic is: a pass
+    /// proves the backend holds the VIP and answers on the direct-return path.
+    Vip,
+}
+
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
@@ -396,6 +408,10 @@ pub struct HealthConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
     pub expect_status: u16,
+    /// Where checks go: the backend's own address, or the VIP (through this backend, the
+    /// way its traffic goes).
+    #[serde(default)]
+    pub target: HealthTarget,
     /// `udp`: the datagram sent (text; default empty).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub send: Option<String>,
@@ -423,6 +439,7 @@ impl Default for HealthConfig {
             port: None,
             path: None,
             expect_status: 200,
+            target: HealthTarget::Backend,
             send: None,
             expect: None,
             query: None,
@@ -513,6 +530,7 @@ display_as!(HashMode { FiveTuple => "5-tuple", SrcIp => "src-ip" });
 display_as!(HealthKind { Tcp => "tcp", Http => "http", Udp => "udp", Dns => "dns", None => "none" });
 display_as!(AdminState { Ready => "ready", Drain => "drain", Maint => "maint" });
 display_as!(Balance { Maglev => "maglev", LeastFlows => "least-flows" });
+display_as!(HealthTarget { Backend => "backend", Vip => "vip" });
 
 /// An Ethernet address, written `02:00:00:00:00:0b`.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -1180,6 +1198,22 @@ impl HealthConfig {
             }
         }
         self.validate_datagram_checks(at)?;
+        if self.target == HealthTarget::Vip {
+            if self.kind == HealthKind::Http {
+                return Err(invalid(
+                    format!("{at}.target"),
+                    "\"vip\" is not supported for http checks (a handshake through the VIP \
+                     needs a TCP stack of its own); use kind = \"tcp\" with target = \"vip\", \
+                     or http with target = \"backend\"",
+                ));
+            }
+            if self.port.is_some() {
+                return Err(invalid(
+                    format!("{at}.port"),
+                    "target = \"vip\" checks the VIP's own port; leave port out",
+                ));
+            }
+        }
         if !(100..=599).contains(&self.expect_status) {
             return Err(invalid(
                 format!("{at}.expect_status"),
@@ -1398,6 +1432,7 @@ address = "10.0.0.11"
                     port: None,
                     path: None,
                     expect_status: 200,
+                    target: HealthTarget::Backend,
                     send: None,
                     expect: None,
                     query: None,

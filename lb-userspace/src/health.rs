@@ -21,9 +21,10 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    config::{AdminState, HealthConfig, HealthKind},
+    config::{AdminState, HealthConfig, HealthKind, HealthTarget},
     metrics::Observed,
     model::{BackendState, CheckRecord, Health, Model, VipState},
+    vipprobe::VipPath,
 };
 
 /// Most of an HTTP check's body that is read (and then discarded).
@@ -79,7 +80,7 @@ impl CheckState {
 /// What a backend's checks test, for status: "tcp port 80", "http port 8080 /healthz",
 /// "udp port 53", "dns port 53 (NS .)"; `None` when it is not checked.
 pub fn describe_check(config: &HealthConfig, port: u16) -> Option<String> {
-    let what = match config.kind {
+    let mut what = match config.kind {
         HealthKind::None => return None,
         HealthKind::Tcp | HealthKind::Udp => format!("{} port {port}", config.kind),
         HealthKind::Http => format!("http port {port} {}", config.http_path()),
@@ -89,6 +90,9 @@ pub fn describe_check(config: &HealthConfig, port: u16) -> Option<String> {
             config.query.as_deref().unwrap_or(".")
         ),
     };
+    if config.target == HealthTarget::Vip {
+        what += " through the VIP";
+    }
     Some(what)
 }
 
@@ -97,10 +101,18 @@ pub fn jittered(base: Duration) -> Duration {
     base.mul_f64(0.9 + fastrand::f64() * 0.2)
 }
 
-/// Runs one check of `kind` against `target`.
-pub async fn check(config: &HealthConfig, target: SocketAddr) -> CheckRecord {
+/// Runs one check of `kind` against `target`, or through the VIP along `via` (`target =
+/// "vip"`; an error: why there is no path, which fails the check).
+pub async fn check(
+    config: &HealthConfig,
+    target: SocketAddr,
+    via: Option<Result<VipPath, String>>,
+) -> CheckRecord {
     let started = Instant::now();
     let outcome = tokio::time::timeout(config.timeout, async {
+        if let Some(path) = via {
+            return crate::vipprobe::check_via_vip(config, path?).await;
+        }
         match config.kind {
             HealthKind::Tcp => TcpStream::connect(target)
                 .await
@@ -170,6 +182,8 @@ fn describe_io(error: std::io::Error) -> String {
 pub trait CheckHost: Send + 'static {
     /// The VIPs and backends to check.
     fn model(&self) -> &Model;
+    /// How a check through the VIP reaches backend `id`, or why it cannot.
+    fn vip_path(&self, id: u32) -> Result<VipPath, String>;
     /// Records a check result of backend `id` (see [`record`]) and, when it changed
     /// the backend's health, rewrites the tables.
     fn record_check(&mut self, id: u32, record: CheckRecord, rise: u32, fall: u32);
@@ -252,7 +266,9 @@ async fn check_loop<H: CheckHost>(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
-        let record = check(&config, target).await;
+        let via = (config.target == HealthTarget::Vip)
+            .then(|| host.lock().expect("agent state poisoned").vip_path(id));
+        let record = check(&config, target, via).await;
         host.lock().expect("agent state poisoned").record_check(
             id,
             record,
@@ -453,10 +469,10 @@ mod tests {
             kind: HealthKind::Tcp,
             ..HealthConfig::default()
         };
-        let record = check(&config, open).await;
+        let record = check(&config, open, None).await;
         assert!(record.ok, "{record:?}");
         drop(listener);
-        let record = check(&config, open).await;
+        let record = check(&config, open, None).await;
         assert_eq!(record.error.as_deref(), Some("connection refused"));
     }
 
@@ -485,14 +501,14 @@ mod tests {
             ..HealthConfig::default()
         };
         let ok = http_server("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
-        assert!(check(&config, ok).await.ok);
+        assert!(check(&config, ok, None).await.ok);
         let unavailable =
             http_server("HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
-        let record = check(&config, unavailable).await;
+        let record = check(&config, unavailable, None).await;
         assert_eq!(record.error.as_deref(), Some("status 503 (expected 200)"));
         // Headers, then a body that never comes.
         let hang = http_server("HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial").await;
-        let record = check(&config, hang).await;
+        let record = check(&config, hang, None).await;
         assert_eq!(record.error.as_deref(), Some("timeout after 500ms"));
     }
 }

@@ -25,6 +25,7 @@ pub mod status;
 pub mod tables;
 pub mod telemetry;
 pub mod top;
+pub mod vipprobe;
 pub mod weights;
 pub mod writer;
 

@@ -530,6 +530,30 @@ impl CheckHost for State {
         &self.model
     }
 
+    fn vip_path(&self, id: u32) -> Result<crate::vipprobe::VipPath, String> {
+        let (vip, b) = self
+            .model
+            .vips
+            .iter()
+            .find_map(|v| v.backends.iter().find(|b| b.id == id).map(|b| (v, b)))
+            .ok_or("the backend is gone")?;
+        let mac = b.mac.ok_or("the backend's MAC is not known yet")?;
+        let address = vip.config.address;
+        let source = crate::vipprobe::interface_address(&self.interface.name, address.is_ipv4())
+            .ok_or_else(|| {
+                format!(
+                    "{} has no address of the VIP's family to send checks from",
+                    self.interface.name
+                )
+            })?;
+        Ok(crate::vipprobe::VipPath {
+            vip: std::net::SocketAddr::new(address, vip.config.port),
+            mac: mac.0,
+            ifindex: self.interface.index,
+            source,
+        })
+    }
+
     fn record_check(&mut self, id: u32, record: CheckRecord, rise: u32, fall: u32) {
         if health::record(&mut self.model, &self.observed, id, record, rise, fall).is_some() {
             self.sync();

@@ -224,3 +224,81 @@ fn udp_and_dns_checks_follow_the_datagram_service() {
     drop(dns);
     drop(udp);
 }
+
+/// A backend that lost the VIP from its loopback drops all VIP traffic while its own
+/// address still answers: checks through the VIP see it, checks of the backend do not.
+#[test]
+fn a_backend_without_the_vip_fails_checks_through_the_vip_only() {
+    let Some(bin) = require_e2e("a_backend_without_the_vip_fails_checks_through_the_vip_only")
+    else {
+        return;
+    };
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(80, false).expect("tcp servers on 80");
+    lab.serve_tcp(81, false).expect("tcp servers on 81");
+    // Bound to the VIP: they answer only what reaches the VIP.
+    let udp: Vec<UdpServer> = (0..3)
+        .map(|i| {
+            let addr = SocketAddr::new(lab.vip4(), UDP_PORT);
+            UdpServer::start(lab.backend(i), addr, &lab.backend_name(i)).expect("udp server")
+        })
+        .collect();
+    let through_vip = |kind: &str| {
+        [
+            vec![format!("kind = \"{kind}\""), "target = \"vip\"".into()],
+            timing(),
+        ]
+        .concat()
+    };
+    let mut tcp_vip = lab.vip("tcpvip", false, 80, Protocol::Tcp, Health::None);
+    tcp_vip.health = Health::Lines(through_vip("tcp"));
+    let mut udp_vip = lab.vip("udpvip", false, UDP_PORT, Protocol::Udp, Health::None);
+    udp_vip.health = Health::Lines(through_vip("udp"));
+    let mut own = lab.vip("own", false, 81, Protocol::Tcp, Health::None);
+    own.health = Health::Lines([vec!["kind = \"tcp\"".to_string()], timing()].concat());
+    let config = lab.agent_config(XdpMode::Native, vec![tcp_vip, udp_vip, own]);
+    lab.start_agent(&bin, &config).expect("start the agent");
+    let addr = |i: usize| lab.backend_addr(i, false);
+    let s = wait(
+        &lab,
+        "every backend up, through the VIP and at its own address",
+        |s| {
+            (0..3).all(|i| {
+                ["tcpvip", "udpvip", "own"]
+                    .iter()
+                    .all(|vip| backend(s, vip, addr(i))["health"] == "up")
+            })
+        },
+    );
+    assert_eq!(
+        backend(&s, "tcpvip", addr(0))["check"],
+        "tcp port 80 through the VIP"
+    );
+
+    // backend-1 loses the VIP.
+    lb_tests::netns::ip(&[
+        "-n",
+        lab.backend(0).name(),
+        "addr",
+        "del",
+        &format!("{}/32", lab.vip4()),
+        "dev",
+        "lo",
+    ])
+    .expect("remove the VIP from backend-1's lo");
+    let s = wait(&lab, "backend-1 down through the VIP (tcp and udp)", |s| {
+        backend(s, "tcpvip", addr(0))["health"] == "down"
+            && backend(s, "udpvip", addr(0))["health"] == "down"
+    });
+    let tcp_error = error_of(&backend(&s, "tcpvip", addr(0)));
+    assert!(tcp_error.contains("no SYN-ACK from the VIP"), "{tcp_error}");
+    let udp_error = error_of(&backend(&s, "udpvip", addr(0)));
+    assert!(udp_error.contains("no reply from the VIP"), "{udp_error}");
+    // Its own address still answers: a check of the backend keeps it up.
+    sleep(Duration::from_secs(1));
+    let s = lab.agent().expect("agent").status_json().expect("status");
+    assert_eq!(backend(&s, "own", addr(0))["health"], "up", "{s:#}");
+    assert_eq!(backend(&s, "tcpvip", addr(1))["health"], "up", "{s:#}");
+    assert_eq!(backend(&s, "tcpvip", addr(0))["in_table"], false, "{s:#}");
+    drop(udp);
+}
