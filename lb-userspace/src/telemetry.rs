@@ -286,15 +286,17 @@ mod tests {
 
     #[test]
     fn a_source_over_the_hot_share_is_hot_while_it_stays_over() {
-        let config = crate::config::Config::from_toml(
+        let mut config = crate::config::Config::from_toml(
             "[dataplane]\ninterface = \"eth0\"\nmaglev_table_size = 7\n\
              [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\n\
-             protocol = \"tcp\"\nhash = \"src-ip\"\nhot_source_share = 0.3\n\
+             protocol = \"tcp\"\nhash = \"src-ip\"\n\
              [vip.health]\nkind = \"none\"\n\
              [[vip.backend]]\naddress = \"10.0.0.11\"\nmac = \"02:00:00:00:00:01\"\n\
              [[vip.backend]]\naddress = \"10.0.0.12\"\nmac = \"02:00:00:00:00:02\"\n",
         )
         .unwrap();
+        // Set past validation, which refuses it until the data path can spill.
+        config.vips[0].hot_source_share = Some(0.3);
         let mut model = Model::new(7, 16, Duration::ZERO);
         model.update(&config).unwrap();
         let (vip, ids) = (
