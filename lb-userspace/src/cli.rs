@@ -307,7 +307,7 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
 async fn detach(config: &Path) -> anyhow::Result<ExitCode> {
     let config = Config::load(config)?;
     let dir = config.dataplane.pin_dir();
-    if client::agent_answers(&config.control.socket).await {
+    if client::agent_listens(&config.control.socket).await {
         anyhow::bail!(
             "an agent is running on {}: stop it first (or run it with --detach-on-exit)",
             config.control.socket.display()

@@ -122,9 +122,10 @@ pub async fn status(socket: &Path) -> anyhow::Result<Status> {
     json(socket, Method::GET, "/status", None).await
 }
 
-/// Whether an agent answers on `socket`.
-pub async fn agent_answers(socket: &Path) -> bool {
-    request(socket, Method::GET, "/status", None).await.is_ok()
+/// Whether an agent listens on `socket`: it accepts a connection (one too busy or stuck
+/// to answer counts too).
+pub async fn agent_listens(socket: &Path) -> bool {
+    UnixStream::connect(socket).await.is_ok()
 }
 
 /// `POST /reload`: the changes the agent applied.
