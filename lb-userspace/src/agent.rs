@@ -116,6 +116,7 @@ struct Started {
 /// attaches: the program never runs on empty maps. Anything refused before the pins are
 /// touched leaves the host as it was.
 async fn start(config: &Config) -> anyhow::Result<Started> {
+    require_privileges()?;
     let neighbors = Neighbors::open(&config.dataplane.interface)
         .await
         .context("reading the data-path interface")?;
@@ -202,6 +203,46 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         flow_reader,
         capture,
         announcer,
+    })
+}
+
+/// Capability numbers (linux/capability.h).
+const CAP_NET_ADMIN: u32 = 12;
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_BPF: u32 = 39;
+
+/// Refuses, saying what is needed, unless this process may load and attach XDP programs:
+/// checked first, so that a user without privileges hears that rather than whichever
+/// step (netlink, bpffs, the pins) fails first.
+fn require_privileges() -> anyhow::Result<()> {
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let effective = status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok());
+    match effective.and_then(missing_privileges) {
+        Some(why) => anyhow::bail!("{why}"),
+        None => Ok(()),
+    }
+}
+
+/// What `effective` (a capability set) lacks for `lb run`, if anything.
+fn missing_privileges(effective: u64) -> Option<String> {
+    let has = |cap: u32| effective & (1u64 << cap) != 0;
+    let mut missing = Vec::new();
+    if !has(CAP_BPF) && !has(CAP_SYS_ADMIN) {
+        missing.push("CAP_BPF");
+    }
+    if !has(CAP_NET_ADMIN) {
+        missing.push("CAP_NET_ADMIN");
+    }
+    (!missing.is_empty()).then(|| {
+        format!(
+            "lb run needs root, or CAP_BPF and CAP_NET_ADMIN (with write access to the pin \
+             directory, and CAP_SYS_ADMIN if no bpffs is mounted): this process lacks {}",
+            missing.join(" and ")
+        )
     })
 }
 
@@ -448,4 +489,25 @@ async fn follow_neighbors(neighbors: &Neighbors, state: &Arc<Mutex<State>>) -> a
         state.sync();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_says_which_privileges_it_lacks() {
+        let all = u64::MAX >> 23;
+        assert_eq!(missing_privileges(all), None, "root");
+        let bpf_and_net = (1 << CAP_BPF) | (1 << CAP_NET_ADMIN);
+        assert_eq!(missing_privileges(bpf_and_net), None);
+        let nobody = missing_privileges(0).expect("refused");
+        assert!(
+            nobody.contains("needs root, or CAP_BPF and CAP_NET_ADMIN")
+                && nobody.contains("lacks CAP_BPF and CAP_NET_ADMIN"),
+            "{nobody}"
+        );
+        let no_net = missing_privileges(1 << CAP_BPF).expect("refused");
+        assert!(no_net.ends_with("lacks CAP_NET_ADMIN"), "{no_net}");
+    }
 }

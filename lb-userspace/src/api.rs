@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::{config::AdminState, explain::VipTarget};
 
 /// The answer to `POST /reload`: the changes applied. A refused reload answers 422 with
-/// the reason, and nothing changed.
+/// the reason (an [`ErrorAnswer`]), and nothing changed.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ReloadAnswer {
     pub changes: Vec<String>,
@@ -31,4 +31,10 @@ pub struct BackendRequest {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ChangeAnswer {
     pub change: String,
+}
+
+/// The body of every refused request (4xx, 5xx): why, in one line.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ErrorAnswer {
+    pub error: String,
 }

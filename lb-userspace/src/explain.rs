@@ -18,8 +18,10 @@ use crate::{
     tables::Desired,
 };
 
-/// `VIP:PORT/PROTO`, as `lb explain` and `lb drain` take it.
+/// `VIP:PORT/PROTO`, as `lb explain` and `lb drain` take it. In the control API's JSON
+/// `{"address", "port", "protocol"}`; the string form is accepted too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "VipTargetWire")]
 pub struct VipTarget {
     pub address: IpAddr,
     pub port: u16,
@@ -34,6 +36,58 @@ impl VipTarget {
             port: vip.port,
             protocol: vip.protocol,
         }
+    }
+}
+
+/// The object form of a VIP in JSON.
+#[derive(Deserialize)]
+struct VipTargetObject {
+    address: IpAddr,
+    port: u16,
+    protocol: Protocol,
+}
+
+/// A VIP in a request: the object, or `"10.0.0.100:80/tcp"`; each with the error of its
+/// own form (an untagged enum would say only that neither matched).
+struct VipTargetWire(VipTarget);
+
+impl<'de> Deserialize<'de> for VipTargetWire {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = VipTargetWire;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(
+                    "a VIP: {\"address\", \"port\", \"protocol\"} or \"ADDRESS:PORT/PROTO\"",
+                )
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<VipTargetWire, E> {
+                text.parse().map(VipTargetWire).map_err(E::custom)
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<VipTargetWire, A::Error> {
+                let o = VipTargetObject::deserialize(
+                    serde::de::value::MapAccessDeserializer::new(map),
+                )?;
+                Ok(VipTargetWire(VipTarget {
+                    address: o.address,
+                    port: o.port,
+                    protocol: o.protocol,
+                }))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+impl From<VipTargetWire> for VipTarget {
+    fn from(wire: VipTargetWire) -> Self {
+        wire.0
     }
 }
 
@@ -261,6 +315,23 @@ mod tests {
         ] {
             assert!(bad.parse::<VipTarget>().is_err(), "{bad}");
         }
+        // JSON: the object (as sent), or the string form.
+        let object = serde_json::to_value(v6).unwrap();
+        assert_eq!(
+            object,
+            serde_json::json!({"address": "fd00::100", "port": 53, "protocol": "udp"})
+        );
+        assert_eq!(serde_json::from_value::<VipTarget>(object).unwrap(), v6);
+        let text = serde_json::json!("[fd00::100]:53/udp");
+        assert_eq!(serde_json::from_value::<VipTarget>(text).unwrap(), v6);
+        let error = serde_json::from_str::<VipTarget>(r#""fd00::100:53/udp""#).unwrap_err();
+        assert!(error.to_string().contains("[ADDRESS]:PORT"), "{error}");
+        let error = serde_json::from_str::<VipTarget>(r#"{"address": "10.0.0.1", "port": 80}"#)
+            .unwrap_err();
+        assert!(
+            error.to_string().contains("missing field `protocol`"),
+            "{error}"
+        );
     }
 
     /// A model of `text`'s VIPs (table size 7) and the tables it gives.

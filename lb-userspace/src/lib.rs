@@ -3,13 +3,14 @@
 //! Modules, each of which uses only those listed before it (no import cycles):
 //! `config`; `dataplane`; `model`, `tables`; `writer`; `neighbor`, `capture`; `status`,
 //! `api`, `explain`, `telemetry`, `metrics`, `health`, `announce`; `state`; `control`,
-//! `client`, `top`; `agent`. The README's Layout section says what each is for.
+//! `client`, `top`; `agent`; `cli`. The README's Layout section says what each is for.
 
 pub mod agent;
 pub mod agentcheck;
 pub mod announce;
 pub mod api;
 pub mod capture;
+pub mod cli;
 pub mod client;
 pub mod config;
 pub mod control;

@@ -85,6 +85,25 @@ impl Default for Observed {
     }
 }
 
+impl Observed {
+    /// Drops the series of VIPs (by name) and backends (VIP name, address) that are
+    /// gone, so that their series leave the exposition with them.
+    pub fn forget(&self, vips: &[String], backends: &[(String, String)]) {
+        for vip in vips {
+            self.check_duration.remove(&VipLabels { vip: vip.clone() });
+        }
+        for (vip, backend) in backends {
+            for to in ["up", "down"] {
+                self.transitions.remove(&TransitionLabels {
+                    vip: vip.clone(),
+                    backend: backend.clone(),
+                    to: to.into(),
+                });
+            }
+        }
+    }
+}
+
 /// A labelled metric family, registered under `name`.
 fn family<L, M>(registry: &mut Registry, name: &str, help: &str) -> Family<L, M>
 where
@@ -116,13 +135,23 @@ pub fn render(scrape: &Scrape) -> anyhow::Result<String> {
     register_vips(&mut registry, &scrape.status);
     register_backends(&mut registry, &scrape.status);
     register_outcomes(&mut registry, &scrape.outcomes);
-    let entries = Gauge::<i64>::default();
-    entries.set(scrape.status.dataplane.conntrack_entries as i64);
-    registry.register(
-        "conntrack_entries",
-        "Connection-table entries at the last scan",
-        entries,
-    );
+    let dataplane = &scrape.status.dataplane;
+    for (name, help, value) in [
+        (
+            "conntrack_entries",
+            "Connection-table entries in use at the last scan",
+            dataplane.conntrack_entries_in_use,
+        ),
+        (
+            "conntrack_capacity",
+            "Connection-table size (dataplane.conntrack_entries)",
+            dataplane.conntrack_capacity,
+        ),
+    ] {
+        let gauge = Gauge::<i64>::default();
+        gauge.set(value as i64);
+        registry.register(name, help, gauge);
+    }
     registry.register(
         "health_check_duration_seconds",
         "Duration of health checks",
@@ -151,12 +180,12 @@ fn register_vips(registry: &mut Registry, status: &Status) {
     let healthy = family::<VipLabels, Gauge>(
         registry,
         "vip_healthy_backends",
-        "Backends not failed by checks",
+        "Backends not failed by checks and reachable (maintenance excluded)",
     );
     let unhealthy = family::<VipLabels, Gauge>(
         registry,
         "vip_unhealthy_backends",
-        "Backends failed by checks or unreachable",
+        "Backends failed by checks or unreachable (maintenance excluded)",
     );
     let hotspot = family::<VipLabels, Gauge<f64, std::sync::atomic::AtomicU64>>(
         registry,
@@ -193,8 +222,11 @@ fn register_backends(registry: &mut Registry, status: &Status) {
         "backend_new_flows",
         "New flows forwarded to a backend (TCP SYNs and new UDP flows)",
     );
-    let up =
-        family::<BackendLabels, Gauge>(registry, "backend_up", "1 when health is up or unchecked");
+    let up = family::<BackendLabels, Gauge>(
+        registry,
+        "backend_up",
+        "1 when health is up or unchecked (kind none, maintenance)",
+    );
     let flows = family::<BackendLabels, Gauge>(
         registry,
         "backend_active_flows",

@@ -181,6 +181,11 @@ impl BackendState {
         self.admin_status().word()
     }
 
+    /// In maintenance: no traffic, and not checked (its health is not known).
+    pub fn is_maint(&self) -> bool {
+        self.config.state == AdminState::Maint
+    }
+
     /// May new flows go to this backend?
     pub fn in_table(&self) -> bool {
         self.admin_state() == AdminState::Ready && self.mac.is_some() && self.alive()

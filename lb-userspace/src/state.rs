@@ -21,7 +21,7 @@ use lb_common::stat;
 use crate::{
     agentcheck::{self, AgentHost},
     announce,
-    config::{AdminState, BackendConfig, Config, ConfigError, MacAddr, VipConfig},
+    config::{AdminState, BackendConfig, Config, ConfigError, MAX_WEIGHT, MacAddr, VipConfig},
     dataplane::AttachedMode,
     explain::{self, ExplainError, ExplainRequest, Explanation, VipTarget},
     health::{self, CheckHost, HealthTasks},
@@ -39,7 +39,12 @@ use crate::{
 pub struct State {
     /// The file `reload` re-reads.
     pub config_path: PathBuf,
+    /// The running configuration: the file's, with the runtime changes made since.
     pub config: Config,
+    /// The configuration as last read from the file. What `config` differs in are the
+    /// runtime changes (`lb drain`, `lb backend add` ...), which a reload of the file
+    /// undoes: the file is the source of truth.
+    pub file: Config,
     pub model: Model,
     /// The table writer, and through it the data path.
     pub tables: Writer,
@@ -48,9 +53,6 @@ pub struct State {
     /// How this agent found the data path.
     pub start: Start,
     pub telemetry: Telemetry,
-    /// Changes made at runtime (`lb drain`, `lb backend add` ...), which a reload of the
-    /// file undoes: the file is the source of truth.
-    pub runtime_changes: Vec<String>,
     /// Backends `lb backend remove` drains, to delete once drained: (VIP name, address).
     pub remove_when_drained: HashSet<(String, IpAddr)>,
     /// Health-check durations and transitions, for metrics.
@@ -81,7 +83,14 @@ pub enum ControlError {
     UnknownBackend(VipTarget, IpAddr),
     #[error("VIP {0} already has backend {1}")]
     BackendExists(VipTarget, IpAddr),
-    #[error(transparent)]
+    #[error(
+        "weight {0} is not allowed: weights are 1..={MAX_WEIGHT} (to take a backend out of \
+         service: lb drain or lb maint)"
+    )]
+    BadWeight(u32),
+    /// The change makes the running configuration invalid; said without the file's field
+    /// path, which names no line of any file here.
+    #[error("{}", runtime_reason(.0))]
     Invalid(#[from] ConfigError),
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -101,6 +110,7 @@ impl State {
         model.settle_usable();
         Self {
             config_path,
+            file: config.clone(),
             config,
             model,
             tables,
@@ -108,7 +118,6 @@ impl State {
             mode,
             start: Start::Fresh,
             telemetry: Telemetry::default(),
-            runtime_changes: Vec::new(),
             remove_when_drained: HashSet::new(),
             observed: Observed::default(),
             announce: Default::default(),
@@ -174,16 +183,105 @@ impl State {
         }
         let mut model = self.model.clone();
         model.update(&new).map_err(ReloadError::Model)?;
-        let mut changes: Vec<String> = std::mem::take(&mut self.runtime_changes)
+        let mut changes: Vec<String> = self
+            .runtime_differences()
             .into_iter()
-            .map(|change| format!("undoes runtime change: {change}"))
+            .filter(|difference| difference.undone_by(&new))
+            .map(|difference| format!("undoes runtime change: {}", difference.what))
             .collect();
         changes.extend(describe_changes(&self.model, &model));
         self.remove_when_drained.clear();
-        self.model = model;
+        self.replace_model(model);
+        self.file = new.clone();
         self.config = new;
         self.sync();
         Ok(changes)
+    }
+
+    /// Where the running configuration differs from the file: the net effect of the
+    /// runtime changes made since the file was read (a drain then a ready is none; a
+    /// backend added, then removed, is none).
+    pub fn runtime_differences(&self) -> Vec<RuntimeDifference> {
+        let mut differences = Vec::new();
+        for vip in &self.config.vips {
+            let target = VipTarget::of(vip);
+            let in_file = self.file.vips.iter().find(|v| v.name == vip.name);
+            let file_backends = in_file.map(|v| v.backends.as_slice()).unwrap_or_default();
+            for b in &vip.backends {
+                let difference = |what: String, kind| RuntimeDifference {
+                    vip: vip.name.clone(),
+                    backend: b.clone(),
+                    kind,
+                    what,
+                };
+                let Some(old) = file_backends.iter().find(|o| o.address == b.address) else {
+                    differences.push(difference(
+                        format!("{target} backend {} added (weight {})", b.address, b.weight),
+                        DifferenceKind::Added,
+                    ));
+                    continue;
+                };
+                if old.state != b.state {
+                    let removal = if self
+                        .remove_when_drained
+                        .contains(&(vip.name.clone(), b.address))
+                    {
+                        "; removed once drained"
+                    } else {
+                        ""
+                    };
+                    differences.push(difference(
+                        format!("{target} backend {} -> {}{removal}", b.address, b.state),
+                        DifferenceKind::State,
+                    ));
+                }
+                let (mut a, mut c) = (old.clone(), b.clone());
+                (a.state, c.state) = (AdminState::Ready, AdminState::Ready);
+                let fields = field_changes(&a, &c);
+                if !fields.is_empty() {
+                    differences.push(difference(
+                        format!("{target} backend {}: {fields}", b.address),
+                        DifferenceKind::Settings,
+                    ));
+                }
+            }
+            for old in file_backends {
+                if !vip.backends.iter().any(|b| b.address == old.address) {
+                    differences.push(RuntimeDifference {
+                        vip: vip.name.clone(),
+                        backend: old.clone(),
+                        kind: DifferenceKind::Removed,
+                        what: format!("{target} backend {} removed", old.address),
+                    });
+                }
+            }
+        }
+        differences
+    }
+
+    /// Makes `model` the running one, and drops the metric series of the VIPs and
+    /// backends it no longer has.
+    fn replace_model(&mut self, model: Model) {
+        let mut gone_vips = Vec::new();
+        let mut gone_backends = Vec::new();
+        for old in &self.model.vips {
+            let kept = model.vips.iter().find(|v| v.config.name == old.config.name);
+            if kept.is_none() {
+                gone_vips.push(old.config.name.clone());
+            }
+            for b in &old.backends {
+                let stays = kept.is_some_and(|v| {
+                    v.backends
+                        .iter()
+                        .any(|n| n.config.address == b.config.address)
+                });
+                if !stays {
+                    gone_backends.push((old.config.name.clone(), b.config.address.to_string()));
+                }
+            }
+        }
+        self.observed.forget(&gone_vips, &gone_backends);
+        self.model = model;
     }
 
     /// Applies a runtime change to the running configuration: validated like a file,
@@ -198,11 +296,10 @@ impl State {
         config.validate()?;
         let mut model = self.model.clone();
         model.update(&config)?;
-        self.model = model;
+        self.replace_model(model);
         self.config = config;
         self.sync();
         tracing::info!("runtime change: {what}");
-        self.runtime_changes.push(what.clone());
         Ok(what)
     }
 
@@ -229,6 +326,9 @@ impl State {
         backend: IpAddr,
         weight: u32,
     ) -> Result<String, ControlError> {
+        if weight == 0 || weight > MAX_WEIGHT {
+            return Err(ControlError::BadWeight(weight));
+        }
         let what = format!("{vip} backend {backend} added (weight {weight})");
         let target = *vip;
         self.change(what, |config| {
@@ -295,7 +395,7 @@ impl State {
             // On a copy: a failed update must leave the running model whole.
             let mut model = self.model.clone();
             model.update(&config)?;
-            self.model = model;
+            self.replace_model(model);
             for (vip, address) in &removable {
                 self.remove_when_drained.remove(&(vip.clone(), *address));
                 tracing::info!("backend {address} of vip {vip} removed");
@@ -410,7 +510,12 @@ impl State {
                             address: b.config.address.to_string(),
                             weight: b.config.weight,
                             state: b.admin_status(),
-                            health: b.health,
+                            // Not checked in maintenance: what it was is no news.
+                            health: if b.is_maint() {
+                                Health::Unknown
+                            } else {
+                                b.health
+                            },
                             mac: b.mac.map(|m| m.to_string()),
                             in_table: b.in_table(),
                             slots: slots.get(&b.id).copied().unwrap_or(0),
@@ -447,6 +552,8 @@ impl State {
                 xdp_mode: self.mode,
                 maglev_table_size: self.model.table_size,
                 conntrack_entries: self.telemetry.conntrack_size,
+                conntrack_entries_in_use: self.telemetry.conntrack_size,
+                conntrack_capacity: u64::from(self.config.dataplane.conntrack_entries),
                 conntrack_scan_age_seconds: self
                     .telemetry
                     .last_scan
@@ -471,12 +578,14 @@ impl State {
         backends: Vec<BackendStatus>,
         now: Instant,
     ) -> VipStatus {
-        // Healthy: not failed by its checks, and reachable (its MAC is known).
+        // Healthy: not failed by its checks, and reachable (its MAC is known); unhealthy:
+        // failed or unreachable. A backend in maintenance is neither: it is not checked.
         let healthy = vip
             .backends
             .iter()
-            .filter(|b| b.health != Health::Down && b.mac.is_some())
+            .filter(|b| !b.is_maint() && b.health != Health::Down && b.mac.is_some())
             .count();
+        let unchecked = vip.backends.iter().filter(|b| b.is_maint()).count();
         let (announced, announcement) = announce::describe_vip(&self.announce_view(), vip, now);
         VipStatus {
             name: vip.config.name.clone(),
@@ -490,7 +599,7 @@ impl State {
             bytes: traffic.bytes,
             new_flows: traffic.new_flows,
             healthy_backends: healthy,
-            unhealthy_backends: vip.backends.len() - healthy,
+            unhealthy_backends: vip.backends.len() - healthy - unchecked,
             top_sources: self
                 .telemetry
                 .top_sources
@@ -669,7 +778,8 @@ fn with_sources(error: &dyn std::error::Error) -> String {
     line
 }
 
-/// One line per VIP or backend added, removed or changed between two models.
+/// One line per VIP or backend added, removed or changed between two models, saying
+/// what changed, old -> new.
 fn describe_changes(before: &Model, after: &Model) -> Vec<String> {
     let mut lines = Vec::new();
     for vip in &after.vips {
@@ -678,9 +788,21 @@ fn describe_changes(before: &Model, after: &Model) -> Vec<String> {
             .iter()
             .find(|v| v.config.name == vip.config.name)
         else {
-            lines.push(format!("vip {}: added", vip.config.name));
+            lines.push(format!(
+                "vip {}: added ({}, {} backend(s))",
+                vip.config.name,
+                VipTarget::of(&vip.config),
+                vip.backends.len()
+            ));
             continue;
         };
+        let (mut a, mut b) = (old.config.clone(), vip.config.clone());
+        a.backends.clear();
+        b.backends.clear();
+        let settings = field_changes(&a, &b);
+        if !settings.is_empty() {
+            lines.push(format!("vip {}: {settings}", vip.config.name));
+        }
         for b in &vip.backends {
             match old
                 .backends
@@ -688,12 +810,14 @@ fn describe_changes(before: &Model, after: &Model) -> Vec<String> {
                 .find(|o| o.config.address == b.config.address)
             {
                 None => lines.push(format!(
-                    "vip {}: backend {} added",
-                    vip.config.name, b.config.address
+                    "vip {}: backend {} added (weight {})",
+                    vip.config.name, b.config.address, b.config.weight
                 )),
                 Some(o) if o.config != b.config => lines.push(format!(
-                    "vip {}: backend {} changed",
-                    vip.config.name, b.config.address
+                    "vip {}: backend {}: {}",
+                    vip.config.name,
+                    b.config.address,
+                    field_changes(&o.config, &b.config)
                 )),
                 Some(_) => {}
             }
@@ -710,19 +834,121 @@ fn describe_changes(before: &Model, after: &Model) -> Vec<String> {
                 ));
             }
         }
-        let (mut a, mut b) = (old.config.clone(), vip.config.clone());
-        a.backends.clear();
-        b.backends.clear();
-        if a != b {
-            lines.push(format!("vip {}: settings changed", vip.config.name));
-        }
     }
     for old in &before.vips {
         if !after.vips.iter().any(|v| v.config.name == old.config.name) {
-            lines.push(format!("vip {}: removed", old.config.name));
+            lines.push(format!(
+                "vip {}: removed ({})",
+                old.config.name,
+                VipTarget::of(&old.config)
+            ));
         }
     }
     lines
+}
+
+/// `field old -> new, ...` for every setting that differs between two values of one
+/// configuration type, fields named as in the file (`health.interval 2s -> 5s`).
+fn field_changes<T: serde::Serialize>(old: &T, new: &T) -> String {
+    let (Ok(old), Ok(new)) = (serde_json::to_value(old), serde_json::to_value(new)) else {
+        return "changed".to_string();
+    };
+    let mut changes = Vec::new();
+    value_changes("", &old, &new, &mut changes);
+    changes.join(", ")
+}
+
+fn value_changes(
+    field: &str,
+    old: &serde_json::Value,
+    new: &serde_json::Value,
+    out: &mut Vec<String>,
+) {
+    use serde_json::Value;
+    match (old, new) {
+        (Value::Object(a), Value::Object(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for key in keys {
+                let inner = if field.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{field}.{key}")
+                };
+                let unset = Value::Null;
+                let (a, b) = (a.get(key), b.get(key));
+                value_changes(&inner, a.unwrap_or(&unset), b.unwrap_or(&unset), out);
+            }
+        }
+        _ if old == new => {}
+        _ => {
+            let show = |v: &Value| match v {
+                Value::Null => "(unset)".to_string(),
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            out.push(format!("{field} {} -> {}", show(old), show(new)));
+        }
+    }
+}
+
+/// A configuration error of a runtime change, without the field's path in a file.
+fn runtime_reason(error: &ConfigError) -> String {
+    match error {
+        ConfigError::Invalid { field, reason } => {
+            let name = field.rsplit('.').next().unwrap_or(field);
+            let name = name.split('[').next().unwrap_or(name);
+            format!("{name}: {reason}")
+        }
+        other => other.to_string(),
+    }
+}
+
+/// One way the running configuration differs from the file (see
+/// `State::runtime_differences`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RuntimeDifference {
+    /// The VIP's name.
+    pub vip: String,
+    /// The backend as it runs (as it was in the file, for one removed at runtime).
+    pub backend: BackendConfig,
+    pub kind: DifferenceKind,
+    /// As the runtime command said it: `10.0.0.100:80/tcp backend 10.0.0.11 -> drain`.
+    pub what: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DifferenceKind {
+    /// Added at runtime; not in the file.
+    Added,
+    /// In the file; removed at runtime.
+    Removed,
+    /// Its admin state was changed at runtime.
+    State,
+    /// Another of its settings differs.
+    Settings,
+}
+
+impl RuntimeDifference {
+    /// Whether applying `file` undoes it (a file that now says the same keeps it).
+    fn undone_by(&self, file: &Config) -> bool {
+        let backend = file.vips.iter().find(|v| v.name == self.vip).and_then(|v| {
+            v.backends
+                .iter()
+                .find(|b| b.address == self.backend.address)
+        });
+        match (self.kind, backend) {
+            (DifferenceKind::Added, found) => found.is_none(),
+            (DifferenceKind::Removed, found) => found.is_some(),
+            // A backend the file no longer has is removed, not returned to its old state.
+            (_, None) => false,
+            (DifferenceKind::State, Some(b)) => b.state != self.backend.state,
+            (DifferenceKind::Settings, Some(b)) => {
+                let (mut a, mut c) = (b.clone(), self.backend.clone());
+                (a.state, c.state) = (AdminState::Ready, AdminState::Ready);
+                a != c
+            }
+        }
+    }
 }
 
 fn find_vip<'a>(
@@ -768,7 +994,7 @@ mod tests {
         assert_eq!(
             changes,
             [
-                "vip web: backend 10.0.0.13 added",
+                "vip web: backend 10.0.0.13 added (weight 1)",
                 "vip web: backend 10.0.0.12 removed"
             ]
         );
@@ -824,12 +1050,26 @@ mod tests {
             shared.add_backend(&web(), address, 1),
             Err(ControlError::BackendExists(..))
         ));
-        assert!(matches!(
-            shared.add_backend(&web(), "10.0.0.12".parse().unwrap(), 0),
-            Err(ControlError::Invalid(_))
-        ));
+        let zero = shared
+            .add_backend(&web(), "10.0.0.12".parse().unwrap(), 0)
+            .unwrap_err();
+        assert!(matches!(zero, ControlError::BadWeight(0)));
+        // A runtime change names no field path of a file.
+        let zero = zero.to_string();
         assert!(
-            shared.runtime_changes.is_empty(),
+            zero.contains("weight 0 is not allowed") && !zero.contains("vip["),
+            "{zero}"
+        );
+        let family = shared
+            .add_backend(&web(), "fd00::12".parse().unwrap(), 1)
+            .unwrap_err();
+        assert!(matches!(family, ControlError::Invalid(_)));
+        assert_eq!(
+            family.to_string(),
+            "address: fd00::12 is not of the same address family as the VIP 10.0.0.100"
+        );
+        assert!(
+            shared.runtime_differences().is_empty(),
             "refused changes leave no trace"
         );
     }
@@ -895,10 +1135,173 @@ mod tests {
             changes,
             [
                 "undoes runtime change: 10.0.0.100:80/tcp backend 10.0.0.11 -> maint",
-                "vip web: backend 10.0.0.11 changed"
+                "vip web: backend 10.0.0.11: state maint -> ready"
             ]
         );
         assert_eq!(shared.model.vips[0].backends[0].admin_word(), "ready");
+    }
+
+    #[test]
+    fn reload_lists_only_the_net_runtime_differences_from_the_file() {
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12", "10.0.0.13"]));
+        let (b11, b12, b13) = (
+            "10.0.0.11".parse().unwrap(),
+            "10.0.0.12".parse().unwrap(),
+            "10.0.0.13".parse().unwrap(),
+        );
+        // Cancelled: drain, then ready again.
+        shared
+            .set_admin_state(&web(), b11, AdminState::Drain)
+            .unwrap();
+        shared
+            .set_admin_state(&web(), b11, AdminState::Ready)
+            .unwrap();
+        // Twice the same.
+        shared
+            .set_admin_state(&web(), b12, AdminState::Maint)
+            .unwrap();
+        shared
+            .set_admin_state(&web(), b12, AdminState::Maint)
+            .unwrap();
+        // Added, then removed (drained and deleted).
+        let added = "10.0.0.14".parse().unwrap();
+        shared.add_backend(&web(), added, 2).unwrap();
+        shared.remove_backend(&web(), added).unwrap();
+        shared.telemetry.last_scan = Some(Instant::now() + std::time::Duration::from_secs(1));
+        shared
+            .advance_drains(Instant::now() + std::time::Duration::from_secs(1))
+            .unwrap();
+        assert_eq!(shared.model.vips[0].backends.len(), 3, "10.0.0.14 deleted");
+        // Added and kept.
+        shared
+            .add_backend(&web(), "10.0.0.15".parse().unwrap(), 3)
+            .unwrap();
+        // Being removed.
+        shared.remove_backend(&web(), b13).unwrap();
+        let what: Vec<String> = shared
+            .runtime_differences()
+            .into_iter()
+            .map(|d| d.what)
+            .collect();
+        assert_eq!(
+            what,
+            [
+                "10.0.0.100:80/tcp backend 10.0.0.12 -> maint",
+                "10.0.0.100:80/tcp backend 10.0.0.13 -> drain; removed once drained",
+                "10.0.0.100:80/tcp backend 10.0.0.15 added (weight 3)",
+            ]
+        );
+
+        // A file that now says maint for 10.0.0.12 keeps that change: it is not undone.
+        let mut file = config("eth0", &["10.0.0.11", "10.0.0.12", "10.0.0.13"]);
+        file.vips[0].backends[1].state = AdminState::Maint;
+        let changes = shared.reload(file).unwrap();
+        assert_eq!(
+            changes,
+            [
+                "undoes runtime change: 10.0.0.100:80/tcp backend 10.0.0.13 -> drain; removed \
+                 once drained",
+                "undoes runtime change: 10.0.0.100:80/tcp backend 10.0.0.15 added (weight 3)",
+                "vip web: backend 10.0.0.13: state drain -> ready",
+                "vip web: backend 10.0.0.15 removed",
+            ]
+        );
+        assert!(shared.runtime_differences().is_empty());
+        // And a removal at runtime is a difference too (the file has the backend).
+        assert_eq!(
+            shared.reload(config("eth0", &["10.0.0.11"])).unwrap(),
+            [
+                "vip web: backend 10.0.0.12 removed",
+                "vip web: backend 10.0.0.13 removed"
+            ]
+        );
+    }
+
+    #[test]
+    fn reload_says_what_changed_old_to_new() {
+        let mut shared = shared(config("eth0", &["10.0.0.11"]));
+        let mut new = config("eth0", &["10.0.0.11"]);
+        new.vips[0].backends[0].weight = 3;
+        new.vips[0].health.interval = std::time::Duration::from_secs(5);
+        new.vips[0].address = "10.0.0.101".parse().unwrap();
+        let mut other = new.vips[0].clone();
+        other.name = "web6".into();
+        other.address = "fd00::100".parse().unwrap();
+        other.backends.clear();
+        new.vips.push(other);
+        assert_eq!(
+            shared.reload(new).unwrap(),
+            [
+                "vip web: address 10.0.0.100 -> 10.0.0.101, health.interval 2s -> 5s",
+                "vip web: backend 10.0.0.11: weight 1 -> 3",
+                "vip web6: added ([fd00::100]:80/tcp, 0 backend(s))",
+            ]
+        );
+        assert_eq!(
+            shared.reload(config("eth0", &["10.0.0.11"])).unwrap()[2],
+            "vip web6: removed ([fd00::100]:80/tcp)"
+        );
+    }
+
+    #[test]
+    fn a_removed_backends_metric_series_go_with_it() {
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        for backend in ["10.0.0.11", "10.0.0.12"] {
+            observe_check(&shared.observed, "web", backend, 0.001, Some(Health::Up));
+        }
+        let text = render(&shared.scrape().unwrap()).unwrap();
+        assert!(text.contains("backend=\"10.0.0.12\""), "{text}");
+        shared.reload(config("eth0", &["10.0.0.11"])).unwrap();
+        let text = render(&shared.scrape().unwrap()).unwrap();
+        assert!(!text.contains("10.0.0.12"), "{text}");
+        assert!(
+            text.contains(
+                "lb_health_transitions_total{vip=\"web\",backend=\"10.0.0.11\",to=\"up\"}"
+            ),
+            "{text}"
+        );
+        // A VIP renamed: the old name's series go.
+        let mut renamed = config("eth0", &["10.0.0.11"]);
+        renamed.vips[0].name = "www".into();
+        shared.reload(renamed).unwrap();
+        let text = render(&shared.scrape().unwrap()).unwrap();
+        assert!(!text.contains("vip=\"web\""), "{text}");
+    }
+
+    #[test]
+    fn a_backend_in_maintenance_is_unchecked_and_not_counted_healthy() {
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12", "10.0.0.13"]));
+        shared
+            .set_admin_state(&web(), "10.0.0.12".parse().unwrap(), AdminState::Maint)
+            .unwrap();
+        // As a checked backend that was up when it went into maintenance.
+        for b in shared.model.backends_mut() {
+            b.health = Health::Up;
+            b.last_check = Some(CheckRecord {
+                ok: true,
+                latency_ms: 1.3,
+                error: None,
+            });
+        }
+        shared.model.vips[0].backends[2].health = Health::Down;
+        let status = shared.status().unwrap();
+        let vip = &status.vips[0];
+        assert_eq!(
+            (vip.healthy_backends, vip.unhealthy_backends),
+            (1, 1),
+            "maint counts in neither"
+        );
+        assert_eq!(vip.backends[1].health, Health::Unknown);
+        let text = crate::status::render(&status);
+        let line = text.lines().find(|l| l.contains("10.0.0.12")).unwrap();
+        assert!(
+            line.contains("unknown") && line.ends_with("unchecked (maint)"),
+            "{line}"
+        );
+        assert!(
+            !line.contains(" up ") && !line.contains("ok 1.3ms"),
+            "{line}"
+        );
     }
 
     fn with_announce(mut config: Config) -> Config {
@@ -1188,6 +1591,7 @@ mod tests {
             "lb_passes_total",
             "lb_conntrack_misses_total",
             "lb_conntrack_entries",
+            "lb_conntrack_capacity",
             "lb_icmp_too_big_total",
             "lb_health_check_duration_seconds_count",
             "lb_health_transitions_total",
@@ -1200,8 +1604,9 @@ mod tests {
             .find(|s| s.metric == "lb_vip_healthy_backends")
             .unwrap();
         assert_eq!(healthy.labels.get("vip"), Some("web"));
-        // 10.0.0.11 failed its checks; maintenance is an admin state, not health.
-        assert!(matches!(healthy.value, prometheus_parse::Value::Gauge(v) if v == 1.0));
+        // 10.0.0.11 failed its checks; 10.0.0.12 is in maintenance: not checked, so
+        // neither healthy nor unhealthy.
+        assert!(matches!(healthy.value, prometheus_parse::Value::Gauge(v) if v == 0.0));
         let kinds = |metric: &str| -> std::collections::BTreeSet<String> {
             scrape
                 .samples

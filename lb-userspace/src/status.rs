@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     config::{HashMode, Protocol},
     dataplane::AttachedMode,
+    explain::VipTarget,
     model::{AdminStatus, CheckRecord, Health},
 };
 
@@ -54,8 +55,16 @@ pub struct DataplaneStatus {
     /// The XDP mode actually attached.
     pub xdp_mode: AttachedMode,
     pub maglev_table_size: u32,
-    /// Connection-table entries at the agent's last scan.
+    /// Connection-table entries in use at the agent's last scan: the same number as
+    /// `conntrack_entries_in_use`, under its first name (kept for scripts; the config key
+    /// of that name is the capacity).
     pub conntrack_entries: u64,
+    /// Connection-table entries in use at the agent's last scan.
+    #[serde(default)]
+    pub conntrack_entries_in_use: u64,
+    /// The connection table's size: the config's `dataplane.conntrack_entries`.
+    #[serde(default)]
+    pub conntrack_capacity: u64,
     /// How long ago that scan was (the agent scans every 2 s); None before the first.
     #[serde(default)]
     pub conntrack_scan_age_seconds: Option<f64>,
@@ -128,7 +137,10 @@ pub struct VipStatus {
     pub packets: u64,
     pub bytes: u64,
     pub new_flows: u64,
+    /// Backends not failed by their checks and reachable (MAC known); backends in
+    /// maintenance are not checked and count in neither of these.
     pub healthy_backends: usize,
+    /// Backends failed by their checks or unreachable.
     pub unhealthy_backends: usize,
     /// New flows of the busiest in-table backend over the average, over the last sample
     /// interval (2 s); 0 when there were none. 1.0 is perfectly even.
@@ -137,6 +149,21 @@ pub struct VipStatus {
     /// (heavy hitters), busiest first, at most `TOP_SOURCES`.
     pub top_sources: Vec<SourceRate>,
     pub backends: Vec<BackendStatus>,
+}
+
+impl VipStatus {
+    /// `VIP:PORT/PROTO` as the CLI takes it (`[fd00::100]:80/tcp` for IPv6).
+    pub fn target(&self) -> String {
+        match self.address.parse() {
+            Ok(address) => VipTarget {
+                address,
+                port: self.port,
+                protocol: self.protocol,
+            }
+            .to_string(),
+            Err(_) => format!("{}:{}/{}", self.address, self.port, self.protocol),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -150,7 +177,7 @@ pub struct BackendStatus {
     pub address: String,
     pub weight: u32,
     pub state: AdminStatus,
-    /// "up", "down" or "unknown" (not checked).
+    /// "up", "down" or "unknown" (not checked: `kind = "none"`, or in maintenance).
     pub health: Health,
     pub mac: Option<String>,
     /// Takes new flows now.
@@ -211,8 +238,8 @@ fn render_dataplane(out: &mut String, status: &Status) {
     let d = &status.dataplane;
     let scanned = match d.conntrack_scan_age_seconds {
         Some(age) => format!(
-            "{} connection-table entries {age:.1}s ago",
-            d.conntrack_entries
+            "{} of {} connection-table entries in use {age:.1}s ago",
+            d.conntrack_entries_in_use, d.conntrack_capacity
         ),
         None => "connection table not scanned yet".to_string(),
     };
@@ -251,11 +278,9 @@ fn render_dataplane(out: &mut String, status: &Status) {
 fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
     let _ = writeln!(
         out,
-        "\nvip {} {}:{}/{} hash {}: {} healthy, {} unhealthy, {} packets, {} new flows",
+        "\nvip {} {} hash {}: {} healthy, {} unhealthy, {} packets, {} new flows",
         vip.name,
-        vip.address,
-        vip.port,
-        vip.protocol,
+        vip.target(),
         vip.hash,
         vip.healthy_backends,
         vip.unhealthy_backends,
@@ -300,6 +325,7 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
     );
     for b in &vip.backends {
         let check = match &b.last_check {
+            _ if b.state == AdminStatus::Maint => "unchecked (maint)".to_string(),
             None => "-".to_string(),
             Some(c) if c.ok => format!("ok {:.1}ms", c.latency_ms),
             Some(c) => format!("failed: {}", c.error.as_deref().unwrap_or("?")),
@@ -365,6 +391,8 @@ pub mod tests {
                 xdp_mode: AttachedMode::Generic,
                 maglev_table_size: 7,
                 conntrack_entries: 0,
+                conntrack_entries_in_use: 0,
+                conntrack_capacity: 4096,
                 conntrack_scan_age_seconds: None,
                 start: Start::Fresh,
             },
@@ -405,10 +433,11 @@ pub mod tests {
         );
         status.dataplane.conntrack_scan_age_seconds = Some(0.5);
         status.dataplane.conntrack_entries = 7;
+        status.dataplane.conntrack_entries_in_use = 7;
         status.vips[0].busiest_over_average = 0.0;
         let quiet = render(&status);
         assert!(
-            quiet.contains("7 connection-table entries 0.5s ago"),
+            quiet.contains("7 of 4096 connection-table entries in use 0.5s ago"),
             "{quiet}"
         );
         assert!(
@@ -443,6 +472,16 @@ pub mod tests {
             "{text}"
         );
         assert_eq!(text.matches("effective weight").count(), 1, "{text}");
+    }
+
+    #[test]
+    fn an_ipv6_vip_is_printed_as_the_cli_takes_it() {
+        let mut status = sample();
+        status.vips[0].address = "fd00::100".into();
+        let text = render(&status);
+        assert!(text.contains("vip web [fd00::100]:80/tcp hash"), "{text}");
+        let target: VipTarget = status.vips[0].target().parse().unwrap();
+        assert_eq!(target.address.to_string(), "fd00::100");
     }
 
     #[test]

@@ -70,10 +70,11 @@ pub fn render(status: &Status, rates: Option<(f64, &Previous)>, hot: f64, color:
     let d = &status.dataplane;
     let _ = writeln!(
         out,
-        "lb top: {} ({} mode), {} connection-table entries; drops {}",
+        "lb top: {} ({} mode), {} of {} connection-table entries in use; drops {}",
         d.interface,
         d.xdp_mode,
-        d.conntrack_entries,
+        d.conntrack_entries_in_use,
+        d.conntrack_capacity,
         status
             .counters
             .iter()
@@ -111,8 +112,12 @@ pub fn render(status: &Status, rates: Option<(f64, &Previous)>, hot: f64, color:
         };
         let _ = writeln!(
             out,
-            "\n{} {}:{}/{}  {:.0} pkt/s  {:.1} new flows/s  {}",
-            vip.name, vip.address, vip.port, vip.protocol, vip_pps, vip_nfs, ratio
+            "\n{} {}  {:.0} pkt/s  {:.1} new flows/s  {}",
+            vip.name,
+            vip.target(),
+            vip_pps,
+            vip_nfs,
+            ratio
         );
         if !vip.top_sources.is_empty() {
             let top: Vec<String> = vip
@@ -184,5 +189,8 @@ mod tests {
             screen.contains("top sources by new flows: 10.0.0.1 9.5/s"),
             "{screen}"
         );
+        status.vips[0].address = "fd00::100".into();
+        let screen = render(&status, None, 1.3, false);
+        assert!(screen.contains("\nweb [fd00::100]:80/tcp  "), "{screen}");
     }
 }

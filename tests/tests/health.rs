@@ -689,6 +689,28 @@ fn backend_leaving_maintenance_waits_for_its_checks() {
     };
 
     lb(&bed, &["maint", &target, &b1]);
+    // Not checked in maintenance: not shown up (its last check is stale), and counted
+    // neither healthy nor unhealthy.
+    let view = bed.view();
+    let b = bed.backend(&view, 0);
+    assert_eq!(
+        (b.state.as_str(), b.health.as_str()),
+        ("maint", "unknown"),
+        "{}",
+        view.summary()
+    );
+    assert_eq!(
+        (view.healthy_backends, view.unhealthy_backends),
+        (2, 0),
+        "{}",
+        view.summary()
+    );
+    let text = bed.lab.agent().expect("agent").status().expect("lb status");
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!(" {b1} ")))
+        .unwrap();
+    assert!(line.ends_with("unchecked (maint)"), "{text}");
     bed.lab.stop_servers_of(0).expect("stop backend-1's server");
     lb(&bed, &["ready", &target, &b1]);
     let ready = Instant::now();

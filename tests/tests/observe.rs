@@ -178,15 +178,19 @@ fn status_json_has_every_documented_field() {
     let Some(bin) = require_e2e("status_json_has_every_documented_field") else {
         return;
     };
-    let lab = lab_with(&bin, |lab| {
-        vec![lab.vip(
-            "web",
-            false,
-            80,
-            Protocol::Tcp,
-            lb_tests::Health::fast_tcp(),
-        )]
-    });
+    let vips = |lab: &Lab| {
+        vec![
+            lab.vip(
+                "web",
+                false,
+                80,
+                Protocol::Tcp,
+                lb_tests::Health::fast_tcp(),
+            ),
+            lab.vip("web6", true, 80, Protocol::Tcp, lb_tests::Health::None),
+        ]
+    };
+    let mut lab = lab_with(&bin, vips);
     lb_tests::wait_backends_up(
         lab.agent().unwrap(),
         "web",
@@ -200,6 +204,15 @@ fn status_json_has_every_documented_field() {
     assert_eq!(dataplane["xdp_mode"], "native");
     assert!(
         dataplane["conntrack_entries"].is_u64() && dataplane["start"].is_string(),
+        "{dataplane}"
+    );
+    // The clear names: entries in use (as `conntrack_entries`), and the capacity.
+    assert_eq!(
+        dataplane["conntrack_entries_in_use"], dataplane["conntrack_entries"],
+        "{dataplane}"
+    );
+    assert!(
+        dataplane["conntrack_capacity"].as_u64() > Some(0),
         "{dataplane}"
     );
     let vip = &status["vips"][0];
@@ -244,6 +257,93 @@ fn status_json_has_every_documented_field() {
         assert_eq!(backend["state"], "ready");
     }
     assert!(status["counters"]["xdp_tx"].is_u64());
+
+    // An IPv6 VIP is printed as the CLI takes it.
+    let text = lab.agent().unwrap().status().expect("lb status");
+    let web6 = format!("vip web6 [{}]:80/tcp", lab.vip6());
+    assert!(text.contains(&web6), "no {web6:?} in:\n{text}");
+
+    // Every metric the Grafana dashboard queries is in a real exposition (health checks
+    // ran, so the histogram and the transitions have series).
+    let (_, body) = fetch(&lab, None);
+    let exposed = series_names(&body);
+    let dashboard: serde_json::Value =
+        serde_json::from_str(include_str!("../../scripts/grafana-dashboard.json"))
+            .expect("the dashboard is JSON");
+    let queried = dashboard_metrics(&dashboard);
+    assert!(queried.len() >= 15, "{queried:?}");
+    for metric in &queried {
+        assert!(
+            exposed.contains(metric.as_str()),
+            "the dashboard queries {metric}, which /metrics does not have:\n{body}"
+        );
+    }
+
+    // A backend removed from the file (`lb reload`): its series leave /metrics.
+    let gone = lab.backend_addr(2, false).to_string();
+    assert!(body.contains(&format!("backend=\"{gone}\"")), "{body}");
+    assert!(
+        body.contains("lb_health_transitions_total{") && body.contains(&gone),
+        "{body}"
+    );
+    let mut config = lab.agent_config(XdpMode::Native, vips(&lab));
+    config.metrics = METRICS.into();
+    config.vips[0].backends.truncate(2);
+    let agent = lab.agent_mut().unwrap();
+    std::fs::write(agent.config_path(), config.to_toml()).expect("rewrite the config");
+    let out = agent.ctl(&["reload"]).expect("lb reload");
+    assert!(
+        out.contains(&format!("vip web: backend {gone} removed")),
+        "{out}"
+    );
+    let (_, body) = fetch(&lab, None);
+    let web_lines: Vec<&str> = body.lines().filter(|l| l.contains("vip=\"web\"")).collect();
+    assert!(
+        !web_lines.iter().any(|l| l.contains(&gone)),
+        "/metrics still names the removed backend {gone}:\n{}",
+        web_lines.join("\n")
+    );
+}
+
+/// The names of the series in an exposition (`lb_x_bucket`, `lb_x_count` ...).
+fn series_names(exposition: &str) -> std::collections::BTreeSet<&str> {
+    exposition
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect()
+}
+
+/// Every `lb_...` name in the dashboard's queries (panel targets and variables).
+fn dashboard_metrics(dashboard: &serde_json::Value) -> std::collections::BTreeSet<String> {
+    fn walk(value: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
+        match value {
+            serde_json::Value::Object(map) => {
+                for (key, v) in map {
+                    if let (true, Some(text)) = (
+                        ["expr", "definition", "query"].contains(&key.as_str()),
+                        v.as_str(),
+                    ) {
+                        let mut rest = text;
+                        while let Some(at) = rest.find("lb_") {
+                            let name: String = rest[at..]
+                                .chars()
+                                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                                .collect();
+                            rest = &rest[at + name.len()..];
+                            out.insert(name);
+                        }
+                    }
+                    walk(v, out);
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let mut out = std::collections::BTreeSet::new();
+    walk(dashboard, &mut out);
+    out
 }
 
 #[test]

@@ -20,6 +20,9 @@ use clap::{Args, Parser, Subcommand};
 /// The only bpf-linker that works here: 0.11+ wants a system LLVM 22 (`-lLLVM`), while
 /// 0.10.x loads rustc's own LLVM through rustup (see environment notes in the README).
 const BPF_LINKER_VERSION: &str = "0.10.4";
+/// cargo-deb, which `cargo xtask dist` builds the Debian package with: the newest release,
+/// whose rust-version (1.85) the installed stable toolchain meets.
+const CARGO_DEB_VERSION: &str = "3.8.0";
 /// Debian packages the tests and the lab call: ip, ethtool, tcpdump, bpftool, and bird (the
 /// routing daemon of the ECMP/BGP test).
 const APT_PACKAGES: &[&str] = &["iproute2", "ethtool", "tcpdump", "bpftool", "bird2"];
@@ -30,6 +33,8 @@ const BPF_FS: &str = "/sys/fs/bpf";
 /// Read by lb-tests: which `lb` binary to drive, and whether a skip is a failure.
 const LB_BIN_ENV: &str = "LB_BIN";
 const REQUIRE_ALL_ENV: &str = "LB_REQUIRE_ALL_TESTS";
+/// Read by lb-tests: the Debian package to install in a scratch root.
+const LB_DEB_ENV: &str = "LB_DEB";
 
 #[derive(Parser)]
 #[command(
@@ -45,7 +50,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install what is missing (rust-src for nightly, bpf-linker, apt packages, bpffs).
+    /// Install what is missing (rust-src for nightly, bpf-linker, cargo-deb, apt packages,
+    /// bpffs).
     Bootstrap,
     /// Bootstrap, then build the workspace (the eBPF object included).
     Build {
@@ -64,6 +70,14 @@ enum Task {
     Run(RunArgs),
     /// Clippy with -D warnings: the workspace, then the eBPF crate on its own target.
     Clippy,
+    /// Bootstrap, build in release, then the Debian package (cargo-deb): the `lb` binary
+    /// with its eBPF object, the systemd unit, an example /etc/lb/lb.toml, man pages and
+    /// shell completions. Written to target/release/dist/.
+    Dist {
+        /// Package the debug build instead (what the tests install; not for production).
+        #[arg(long)]
+        debug: bool,
+    },
     /// Bootstrap, install wrk, haproxy and nginx if missing, build in release, then run
     /// every benchmark (root; a few minutes). Prints a table and writes JSON (default
     /// target/bench/results.json). Arguments after `--` go to the bench binary, e.g.
@@ -105,6 +119,15 @@ fn main() -> ExitCode {
         Task::Test { test_args } => test(&ctx, &test_args),
         Task::Run(args) => run(&ctx, args),
         Task::Clippy => clippy(&ctx),
+        Task::Dist { debug } => {
+            bootstrap(&ctx, Scope::Toolchain)?;
+            cargo_deb(&ctx)?;
+            build(&ctx, !debug, false)?;
+            let deb = dist(&ctx, !debug)?;
+            println!("xtask: package {}", deb.display());
+            println!("xtask: install it with: apt-get install {}", deb.display());
+            Ok(())
+        }
         Task::Bench { bench_args } => bench(&ctx, &bench_args),
     });
     match result {
@@ -216,6 +239,7 @@ fn bootstrap(ctx: &Ctx, scope: Scope) -> Result<()> {
     rust_src(ctx)?;
     bpf_linker(ctx)?;
     if scope == Scope::All {
+        cargo_deb(ctx)?;
         apt_packages(ctx)?;
         bpffs(ctx)?;
     }
@@ -288,44 +312,116 @@ fn rust_src(ctx: &Ctx) -> Result<()> {
 }
 
 fn bpf_linker(ctx: &Ctx) -> Result<()> {
-    let what = format!("bpf-linker {BPF_LINKER_VERSION}");
-    let found = || -> Option<String> {
+    cargo_tool(
+        ctx,
+        "bpf-linker",
+        BPF_LINKER_VERSION,
+        ctx.command("bpf-linker").arg("--version"),
+        "(0.11+ cannot find libLLVM here), installing (about a minute)",
+    )
+}
+
+fn cargo_deb(ctx: &Ctx) -> Result<()> {
+    cargo_tool(
+        ctx,
+        "cargo-deb",
+        CARGO_DEB_VERSION,
+        ctx.cargo().args(["deb", "--version"]),
+        "installing (a few minutes)",
+    )
+}
+
+/// Installs `name@version` with `cargo install --locked` unless `version_cmd` (which
+/// prints the version) already says `version`. `other`: what to say when another
+/// version is found.
+fn cargo_tool(
+    ctx: &Ctx,
+    name: &str,
+    version: &str,
+    version_cmd: &mut Command,
+    other: &str,
+) -> Result<()> {
+    let what = format!("{name} {version}");
+    let mut found = || -> Option<String> {
         // Not startable means not installed.
-        probe(ctx.command("bpf-linker").arg("--version"))
+        probe(version_cmd)
             .ok()
             .flatten()
             .map(|v| v.trim().to_string())
     };
-    let wanted = |v: &str| v.split_whitespace().any(|w| w == BPF_LINKER_VERSION);
-    let current = found();
-    match &current {
-        Some(v) if wanted(v) => {
+    let wanted = |v: &str| v.split_whitespace().any(|w| w == version);
+    match found() {
+        Some(v) if wanted(&v) => {
             step(&what, "already installed");
             return Ok(());
         }
-        Some(v) => step(
-            &what,
-            format_args!(
-                "found `{v}` (0.11+ cannot find libLLVM here), installing (about a minute)"
-            ),
-        ),
-        None => step(&what, "not found, installing (about a minute)"),
+        Some(v) => step(&what, format_args!("found `{v}` {other}")),
+        None => step(&what, "not found, installing"),
     }
-    run_cmd(ctx.cargo().args([
-        "install",
-        &format!("bpf-linker@{BPF_LINKER_VERSION}"),
-        "--locked",
-    ]))?;
+    run_cmd(
+        ctx.cargo()
+            .args(["install", &format!("{name}@{version}"), "--locked"]),
+    )?;
     match found() {
         Some(v) if wanted(&v) => {
             step(&what, "installed");
             Ok(())
         }
-        other => bail!(
-            "after `cargo install bpf-linker@{BPF_LINKER_VERSION}`, the bpf-linker on PATH reports {other:?}: \
-             another bpf-linker comes first on PATH ({})",
+        reported => bail!(
+            "after `cargo install {name}@{version}`, {name} reports {reported:?}: another \
+             {name} comes first on PATH ({})",
             ctx.path.to_string_lossy()
         ),
+    }
+}
+
+/// The Debian package of the build in the release (or debug) profile, which must be
+/// built: man pages and completions from `lb-gen-docs`, then cargo-deb. Returns the
+/// package's path.
+fn dist(ctx: &Ctx, release: bool) -> Result<PathBuf> {
+    let profile = ctx.profile_dir(release);
+    let out = profile.join("dist");
+    if out.exists() {
+        fs::remove_dir_all(&out).with_context(|| format!("clearing {}", out.display()))?;
+    }
+    run_cmd(Command::new(profile.join("lb-gen-docs")).arg(&out))?;
+    // Compressed, as Debian wants man pages (cargo-deb compresses only those outside
+    // the target directory).
+    let pages: Vec<PathBuf> = fs::read_dir(out.join("man"))
+        .context("reading the generated man pages")?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    run_cmd(Command::new("gzip").args(["-9", "-n", "-f"]).args(&pages))?;
+    let mut deb = ctx.cargo();
+    deb.args([
+        "deb",
+        "-p",
+        "lb-userspace",
+        "--no-build",
+        "--strip",
+        "--no-dbgsym",
+    ])
+    .arg("--output")
+    .arg(&out);
+    if !release {
+        // Cargo-deb's `target/release/` then means target/debug/; a fast compression,
+        // as this package is only installed by the tests. (cargo-deb warns that it may
+        // refuse the dev profile some day: the pinned version takes it, and a profile
+        // of its own would cost the tests a second full build.)
+        deb.args(["--profile", "dev", "--fast"]);
+    }
+    run_cmd(&mut deb)?;
+    let mut debs: Vec<PathBuf> = fs::read_dir(&out)
+        .with_context(|| format!("reading {}", out.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "deb"))
+        .collect();
+    match (debs.pop(), debs.is_empty()) {
+        (Some(deb), true) => Ok(deb),
+        (None, _) => bail!("cargo deb wrote no .deb into {}", out.display()),
+        (Some(_), false) => bail!("more than one .deb in {}", out.display()),
     }
 }
 
@@ -467,10 +563,13 @@ fn test(ctx: &Ctx, test_args: &[OsString]) -> Result<()> {
         ]);
     }
 
+    // The package of this build, for the test that installs it in a scratch root.
+    let deb = dist(ctx, false)?;
     let mut cmd = ctx.cargo();
     // --no-fail-fast: one failing unit test must not hide what the root tiers found.
     cmd.args(["test", "--workspace", "--no-fail-fast"])
-        .env(LB_BIN_ENV, ctx.profile_dir(false).join("lb"));
+        .env(LB_BIN_ENV, ctx.profile_dir(false).join("lb"))
+        .env(LB_DEB_ENV, &deb);
     if ci {
         cmd.env(REQUIRE_ALL_ENV, "1");
     }

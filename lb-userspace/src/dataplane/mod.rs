@@ -34,7 +34,7 @@ pub use batch::FlowReader;
 pub use kernel::AyaDataplane;
 #[cfg(test)]
 pub use memory::{MemoryDataplane, Write};
-pub use pins::remove_pins;
+pub use pins::{RemovedPins, remove_pins};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {

@@ -186,8 +186,9 @@ pub(super) fn pin_link(link: XdpLink, path: &Path) -> Result<(), DataplaneError>
     Ok(())
 }
 
-/// Removes the pinned maps but not the link (the program stays attached).
-pub(super) fn remove_map_pins(dir: &Path) -> Result<(), DataplaneError> {
+/// Removes the pinned maps but not the link (the program stays attached). Returns how
+/// many there were.
+pub(super) fn remove_map_pins(dir: &Path) -> Result<usize, DataplaneError> {
     // Every map lb pins is named LB_*: maps of other layouts (names since gone) too.
     let names = match std::fs::read_dir(dir) {
         Ok(entries) => entries
@@ -203,17 +204,18 @@ pub(super) fn remove_map_pins(dir: &Path) -> Result<(), DataplaneError> {
             });
         }
     };
+    let mut removed = 0;
     for name in names {
-        remove_pin(&dir.join(name))?;
+        removed += usize::from(remove_pin(&dir.join(name))?);
     }
-    Ok(())
+    Ok(removed)
 }
 
-/// Removes one pinned file; one already gone is no error.
-fn remove_pin(path: &Path) -> Result<(), DataplaneError> {
+/// Removes one pinned file; one already gone is no error. Returns whether it was there.
+fn remove_pin(path: &Path) -> Result<bool, DataplaneError> {
     match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Ok(()) => Ok(true),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(source) => Err(DataplaneError::Pin {
             path: path.to_path_buf(),
             source,
@@ -221,10 +223,19 @@ fn remove_pin(path: &Path) -> Result<(), DataplaneError> {
     }
 }
 
+/// What `remove_pins` found and removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemovedPins {
+    /// The pinned link was there: a program was attached, and is no longer.
+    pub link: bool,
+    /// Map pins removed.
+    pub maps: usize,
+}
+
 /// Removes everything lb pinned in `dir` (the link first: that detaches the program).
-pub fn remove_pins(dir: &Path) -> Result<(), DataplaneError> {
-    remove_pin(&dir.join(LINK_PIN))?;
-    remove_map_pins(dir)?;
+pub fn remove_pins(dir: &Path) -> Result<RemovedPins, DataplaneError> {
+    let link = remove_pin(&dir.join(LINK_PIN))?;
+    let maps = remove_map_pins(dir)?;
     let _ = std::fs::remove_dir(dir);
-    Ok(())
+    Ok(RemovedPins { link, maps })
 }
