@@ -19,7 +19,8 @@ use crate::{
     config::Config,
     control,
     dataplane::{
-        AyaDataplane, Dataplane, FlowReader, Found, LoadOptions, remove_pins, vip_capacity,
+        AttachHints, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions, remove_pins,
+        vip_capacity,
     },
     explain::monotonic_ns,
     health::{self, HealthTasks},
@@ -64,6 +65,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         started.mode,
     );
     state.start = started.start;
+    state.native_refused = started.native_refused;
     let state = Arc::new(Mutex::new(state));
     let services = Services::start(&config, &state, started.capture, started.announcer).await?;
     println!(
@@ -104,6 +106,8 @@ struct Started {
     model: Model,
     tables: Writer,
     mode: crate::dataplane::AttachedMode,
+    /// `xdp_mode = "auto"` attached generic: why native was refused.
+    native_refused: Option<String>,
     start: Start,
     flow_reader: Arc<FlowReader>,
     capture: Option<(aya::maps::RingBuf<aya::maps::MapData>, PathBuf)>,
@@ -114,10 +118,6 @@ struct Started {
 /// attaches: the program never runs on empty maps. Anything refused before the pins are
 /// touched leaves the host as it was.
 async fn start(config: &Config) -> anyhow::Result<Started> {
-    let neighbors = Neighbors::open(&config.dataplane.interface)
-        .await
-        .context("reading the data-path interface")?;
-    let interface = neighbors.interface().clone();
     let new_model = |vip_capacity: u32| {
         Model::new(
             config.dataplane.maglev_table_size,
@@ -127,6 +127,11 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     };
     // A configuration the model refuses stops the start before any pin is touched.
     new_model(vip_capacity(config.vips.len())).update(config)?;
+    let hints = AttachHints::default();
+    let neighbors = Neighbors::open(&config.dataplane.interface)
+        .await
+        .context("reading the data-path interface")?;
+    let interface = neighbors.interface().clone();
     // Before attaching: a device that cannot be made stops the start with nothing changed.
     let announcer = match &config.announce {
         Some(announce) => Some(
@@ -188,14 +193,18 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         report.tables_switched,
         report.backends_written
     );
-    let mode = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode)?;
+    let attached = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode, &hints)?;
+    if let Some(why) = &attached.native_refused {
+        tracing::warn!("xdp_mode = \"auto\": attached in generic mode; native refused: {why}");
+    }
     let tables =
         Writer::spawn(Box::new(dataplane), writer, desired).context("starting the table writer")?;
     Ok(Started {
         neighbors,
         model,
         tables,
-        mode,
+        mode: attached.mode,
+        native_refused: attached.native_refused,
         start,
         flow_reader,
         capture,

@@ -42,6 +42,8 @@ pub struct State {
     pub tables: Writer,
     pub interface: Interface,
     pub mode: AttachedMode,
+    /// `xdp_mode = "auto"` attached generic: why native was refused.
+    pub native_refused: Option<String>,
     /// How this agent found the data path.
     pub start: Start,
     pub telemetry: Telemetry,
@@ -99,6 +101,7 @@ impl State {
             tables,
             interface,
             mode,
+            native_refused: None,
             start: Start::Fresh,
             telemetry: Telemetry::default(),
             runtime_changes: Vec::new(),
@@ -405,6 +408,7 @@ impl State {
                 interface: self.interface.name.clone(),
                 interface_mac: self.interface.mac.to_string(),
                 xdp_mode: self.mode,
+                native_refused: self.native_refused.clone(),
                 maglev_table_size: self.model.table_size,
                 conntrack_entries: self.telemetry.conntrack_size,
                 conntrack_scan_age_seconds: self
