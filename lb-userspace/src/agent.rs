@@ -22,6 +22,7 @@ use crate::{
         AttachHints, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions, remove_pins,
         vip_capacity,
     },
+    doctor::{self, Level},
     explain::monotonic_ns,
     health::{self, HealthTasks},
     metrics,
@@ -127,7 +128,13 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     };
     // A configuration the model refuses stops the start before any pin is touched.
     new_model(vip_capacity(config.vips.len())).update(config)?;
-    let hints = AttachHints::default();
+    // Then the host (`lb doctor`'s checks): a failing one refuses the start with its fix.
+    let report = doctor::Report::run(config).await;
+    for warning in report.at(Level::Warn) {
+        tracing::warn!("doctor: {warning}");
+    }
+    anyhow::ensure!(!report.failed(), "{}", report.refusal());
+    let hints = attach_hints(&report);
     let neighbors = Neighbors::open(&config.dataplane.interface)
         .await
         .context("reading the data-path interface")?;
@@ -210,6 +217,22 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         capture,
         announcer,
     })
+}
+
+/// What the doctor found that gives an attach error its meaning here.
+fn attach_hints(report: &doctor::Report) -> AttachHints {
+    let link = report.facts.link.as_ref();
+    AttachHints {
+        driver: link.and_then(|l| l.driver.as_ref()).map(|d| d.name.clone()),
+        mtu: link.map(|l| l.mtu),
+        veth_peer: link
+            .and_then(|l| l.peer.as_ref())
+            .and_then(|p| p.name.clone()),
+        attached: link
+            .and_then(|l| l.attached.iter().find(|p| Some(p.id) != l.pinned_program))
+            .map(|p| p.to_string()),
+        native_refused: report.native_refusal(),
+    }
 }
 
 /// The tasks that serve beside the main loop.
