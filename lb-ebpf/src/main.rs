@@ -10,7 +10,10 @@ mod parse;
 #[cfg(target_arch = "bpf")]
 mod program {
     use aya_ebpf::{
-        bindings::xdp_action, helpers::bpf_xdp_load_bytes, macros::xdp, maps::PerCpuArray,
+        bindings::xdp_action,
+        helpers::{bpf_xdp_get_buff_len, bpf_xdp_load_bytes},
+        macros::xdp,
+        maps::PerCpuArray,
         programs::XdpContext,
     };
     use lb_common::{
@@ -54,7 +57,9 @@ mod program {
     #[unsafe(no_mangle)]
     static CAPTURE_RATE: u64 = 0;
 
-    #[xdp]
+    // Multi-buffer aware (section `xdp.frags`): the program reads only headers, which are
+    // in the first buffer, so it may attach above a page-sized MTU (9000) natively.
+    #[xdp(frags)]
     pub fn lb_xdp(ctx: XdpContext) -> u32 {
         let stats = Stats::get();
         let verdict = balance(&ctx, &stats).unwrap_or_else(|verdict| verdict);
@@ -331,7 +336,7 @@ mod program {
             (*eth).dst_addr = backend.mac;
             (*eth).src_addr = core::ptr::read_volatile(&IFACE_MAC);
         }
-        let bytes = (ctx.data_end() - ctx.data()) as u64;
+        let bytes = frame_len(ctx);
         count_traffic(&LB_VIP_STATS, vip_id, bytes, new_flow);
         count_traffic(&LB_BACKEND_STATS, backend_id, bytes, new_flow);
         if packet.vlan {
@@ -356,7 +361,7 @@ mod program {
         }
         // Constant copy lengths only: the verifier cannot follow a variable one through
         // the helper call. Frames shorter than CAPTURE_BYTES keep their headers.
-        let len = (ctx.data_end() - ctx.data()) as u32;
+        let len = frame_len(ctx) as u32;
         let caplen = if len as usize >= CAPTURE_BYTES {
             CAPTURE_BYTES as u32
         } else if len >= CAPTURE_HEADERS {
@@ -413,6 +418,13 @@ mod program {
         false
     }
 
+    /// The whole frame's length: with multi-buffer frames `data_end` ends the first
+    /// buffer only.
+    #[inline(always)]
+    fn frame_len(ctx: &XdpContext) -> u64 {
+        unsafe { bpf_xdp_get_buff_len(ctx.ctx) }
+    }
+
     /// Reads a load-time global. Volatile, so the compiler does not fold the default in
     /// place of what the loader wrote.
     #[inline(always)]
@@ -421,7 +433,8 @@ mod program {
     }
 
     /// Returns XDP_PASS. Native XDP_TX on a veth needs a program on the peer; this is it.
-    #[xdp]
+    /// Multi-buffer aware, so the peer may have an MTU of 9000.
+    #[xdp(frags)]
     pub fn xdp_pass(_ctx: XdpContext) -> u32 {
         xdp_action::XDP_PASS
     }

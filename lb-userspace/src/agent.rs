@@ -19,8 +19,10 @@ use crate::{
     config::Config,
     control,
     dataplane::{
-        AyaDataplane, Dataplane, FlowReader, Found, LoadOptions, remove_pins, vip_capacity,
+        AttachHints, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions, remove_pins,
+        vip_capacity,
     },
+    doctor::{self, Level},
     explain::monotonic_ns,
     health::HealthTasks,
     metrics,
@@ -66,6 +68,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         started.mode,
     );
     state.start = started.start;
+    state.native_refused = started.native_refused;
     let state = Arc::new(Mutex::new(state));
     let services = Services::start(&config, &state, started.capture, started.announcer).await?;
     println!(
@@ -106,6 +109,8 @@ struct Started {
     model: Model,
     tables: Writer,
     mode: crate::dataplane::AttachedMode,
+    /// `xdp_mode = "auto"` attached generic: why native was refused.
+    native_refused: Option<String>,
     start: Start,
     flow_reader: Arc<FlowReader>,
     capture: Option<(aya::maps::RingBuf<aya::maps::MapData>, PathBuf)>,
@@ -117,10 +122,6 @@ struct Started {
 /// touched leaves the host as it was.
 async fn start(config: &Config) -> anyhow::Result<Started> {
     require_privileges()?;
-    let neighbors = Neighbors::open(&config.dataplane.interface)
-        .await
-        .context("reading the data-path interface")?;
-    let interface = neighbors.interface().clone();
     let new_model = |vip_capacity: u32| {
         Model::new(
             config.dataplane.maglev_table_size,
@@ -130,6 +131,17 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     };
     // A configuration the model refuses stops the start before any pin is touched.
     new_model(vip_capacity(config.vips.len())).update(config)?;
+    // Then the host (`lb doctor`'s checks): a failing one refuses the start with its fix.
+    let report = doctor::Report::run(config).await;
+    for warning in report.at(Level::Warn) {
+        tracing::warn!("doctor: {warning}");
+    }
+    anyhow::ensure!(!report.failed(), "{}", report.refusal());
+    let hints = attach_hints(&report);
+    let neighbors = Neighbors::open(&config.dataplane.interface)
+        .await
+        .context("reading the data-path interface")?;
+    let interface = neighbors.interface().clone();
     // Before attaching: a device that cannot be made stops the start with nothing changed.
     let announcer = match &config.announce {
         Some(announce) => Some(
@@ -191,14 +203,18 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         report.tables_switched,
         report.backends_written
     );
-    let mode = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode)?;
+    let attached = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode, &hints)?;
+    if let Some(why) = &attached.native_refused {
+        tracing::warn!("xdp_mode = \"auto\": attached in generic mode; native refused: {why}");
+    }
     let tables =
         Writer::spawn(Box::new(dataplane), writer, desired).context("starting the table writer")?;
     Ok(Started {
         neighbors,
         model,
         tables,
-        mode,
+        mode: attached.mode,
+        native_refused: attached.native_refused,
         start,
         flow_reader,
         capture,
@@ -244,6 +260,22 @@ fn missing_privileges(effective: u64) -> Option<String> {
             missing.join(" and ")
         )
     })
+}
+
+/// What the doctor found that gives an attach error its meaning here.
+fn attach_hints(report: &doctor::Report) -> AttachHints {
+    let link = report.facts.link.as_ref();
+    AttachHints {
+        driver: link.and_then(|l| l.driver.as_ref()).map(|d| d.name.clone()),
+        mtu: link.map(|l| l.mtu),
+        veth_peer: link
+            .and_then(|l| l.peer.as_ref())
+            .and_then(|p| p.name.clone()),
+        attached: link
+            .and_then(|l| l.attached.iter().find(|p| Some(p.id) != l.pinned_program))
+            .map(|p| p.to_string()),
+        native_refused: report.native_refusal(),
+    }
 }
 
 /// The tasks that serve beside the main loop.

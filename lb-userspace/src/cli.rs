@@ -62,6 +62,19 @@ pub enum Command {
         #[arg(long, value_name = "FILE")]
         config: PathBuf,
     },
+    /// Check the host for the configured interface: one line per check, `ok|warn|fail
+    /// NAME: detail`; exit 0 when nothing fails, else 1.
+    Doctor {
+        /// The configuration whose `[dataplane]` is checked.
+        #[arg(long, value_name = "FILE", default_value = "/etc/lb/lb.toml")]
+        config: PathBuf,
+        /// Print the checks as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Apply the safe fixes (offloads off, through ethtool netlink), then check again.
+        #[arg(long)]
+        fix: bool,
+    },
     /// Validate a configuration file: exit 0, or exit 2 naming the field and why.
     Check {
         /// The configuration file (TOML).
@@ -212,6 +225,7 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             agent::run(config, on_exit).await?
         }
         Command::Detach { config } => return detach(&config).await,
+        Command::Doctor { config, json, fix } => return doctor(&config, json, fix).await,
         Command::Check { config } => {
             let parsed = Config::load(&config)?;
             let backends: usize = parsed.vips.iter().map(|v| v.backends.len()).sum();
@@ -300,6 +314,25 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `lb doctor`: exit 0 when no check fails, else 1.
+async fn doctor(config: &Path, json: bool, fix: bool) -> anyhow::Result<ExitCode> {
+    let config = Config::load(config)?;
+    let mut report = crate::doctor::Report::run(&config).await;
+    if fix {
+        report = crate::doctor::fix(&config, report).await?;
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render());
+    }
+    Ok(if report.failed() {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// `lb detach`: removes the pins a stopped agent left, which detaches its program. Exit

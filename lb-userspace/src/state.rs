@@ -50,6 +50,8 @@ pub struct State {
     pub tables: Writer,
     pub interface: Interface,
     pub mode: AttachedMode,
+    /// `xdp_mode = "auto"` attached generic: why native was refused.
+    pub native_refused: Option<String>,
     /// How this agent found the data path.
     pub start: Start,
     pub telemetry: Telemetry,
@@ -116,6 +118,7 @@ impl State {
             tables,
             interface,
             mode,
+            native_refused: None,
             start: Start::Fresh,
             telemetry: Telemetry::default(),
             remove_when_drained: HashSet::new(),
@@ -550,6 +553,7 @@ impl State {
                 interface: self.interface.name.clone(),
                 interface_mac: self.interface.mac.to_string(),
                 xdp_mode: self.mode,
+                native_refused: self.native_refused.clone(),
                 maglev_table_size: self.model.table_size,
                 conntrack_entries: self.telemetry.conntrack_size,
                 conntrack_entries_in_use: self.telemetry.conntrack_size,

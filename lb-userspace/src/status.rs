@@ -54,6 +54,9 @@ pub struct DataplaneStatus {
     pub interface_mac: String,
     /// The XDP mode actually attached.
     pub xdp_mode: AttachedMode,
+    /// `xdp_mode = "auto"` attached in generic mode: why native was refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub native_refused: Option<String>,
     pub maglev_table_size: u32,
     /// Connection-table entries in use at the agent's last scan: the same number as
     /// `conntrack_entries_in_use`, under its first name (kept for scripts; the config key
@@ -249,6 +252,9 @@ fn render_dataplane(out: &mut String, status: &Status) {
         d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size
     );
     let _ = writeln!(out, "start: {}", d.start);
+    if let Some(why) = &d.native_refused {
+        let _ = writeln!(out, "native xdp refused: {why}");
+    }
     let node = &status.node;
     if node.announcing {
         let _ = writeln!(
@@ -389,6 +395,7 @@ pub mod tests {
                 interface: "eth0".into(),
                 interface_mac: "02:00:00:00:00:01".into(),
                 xdp_mode: AttachedMode::Generic,
+                native_refused: None,
                 maglev_table_size: 7,
                 conntrack_entries: 0,
                 conntrack_entries_in_use: 0,
@@ -507,5 +514,27 @@ pub mod tests {
         let back: Status = serde_json::from_value(json).unwrap();
         assert_eq!(back.dataplane.start, status.dataplane.start);
         assert_eq!(back.vips[0].backends[1].state, AdminStatus::Draining);
+    }
+
+    #[test]
+    fn auto_mode_says_why_native_was_refused() {
+        let mut status = sample();
+        assert!(!render(&status).contains("refused"));
+        let json = serde_json::to_value(&status).unwrap();
+        assert!(json["dataplane"].get("native_refused").is_none(), "{json}");
+        // An older agent's answer (no field) still reads.
+        let back: Status = serde_json::from_value(json).unwrap();
+        assert_eq!(back.dataplane.native_refused, None);
+        status.dataplane.native_refused = Some("the veth peer p-lb has no XDP program".into());
+        let text = render(&status);
+        assert!(
+            text.contains("native xdp refused: the veth peer p-lb has no XDP program"),
+            "{text}"
+        );
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(
+            json["dataplane"]["native_refused"],
+            "the veth peer p-lb has no XDP program"
+        );
     }
 }

@@ -66,6 +66,8 @@ pub struct LabOptions {
     /// `ethtool -K eth0 tx off` on the client: native XDP_TX on veth loses
     /// CHECKSUM_PARTIAL, so the client must put full checksums in its frames.
     pub client_tx_csum_off: bool,
+    /// The MTU of every link (both ends of each veth, and the bridge); `None`: 1500.
+    pub mtu: Option<u32>,
 }
 
 impl Default for LabOptions {
@@ -74,6 +76,7 @@ impl Default for LabOptions {
             backends: 3,
             xdp_pass_on_peer: true,
             client_tx_csum_off: true,
+            mtu: None,
         }
     }
 }
@@ -163,6 +166,13 @@ impl Lab {
         ])?;
         if opts.client_tx_csum_off {
             client.exec("ethtool", &["-K", IFACE, "tx", "off"])?;
+        }
+        if let Some(mtu) = opts.mtu {
+            let hosts = [&client, &lb].into_iter().chain(&backends);
+            let ports = [CLIENT_PORT.to_string(), LB_PORT.to_string()]
+                .into_iter()
+                .chain((1..=backends.len()).map(|i| format!("p-b{i}")));
+            set_mtu(&switch, hosts, ports, mtu)?;
         }
 
         let xdp_pass = if opts.xdp_pass_on_peer {
@@ -446,6 +456,24 @@ pub(crate) fn fabric_port(switch: &Netns, ns: &Netns, port: &str, dev: &str) -> 
         ns.name(),
     ])?;
     ip(&["-n", sw, "link", "set", port, "master", BRIDGE, "up"])?;
+    Ok(())
+}
+
+/// Sets `mtu` on every host's `eth0`, on the bridge ports and on the bridge: a veth
+/// drops a frame longer than its receiving end's MTU, so both ends agree.
+fn set_mtu<'a>(
+    switch: &Netns,
+    hosts: impl IntoIterator<Item = &'a Netns>,
+    ports: impl IntoIterator<Item = String>,
+    mtu: u32,
+) -> Result<()> {
+    let mtu = mtu.to_string();
+    for port in ports.into_iter().chain([BRIDGE.to_string()]) {
+        ip(&["-n", switch.name(), "link", "set", &port, "mtu", &mtu])?;
+    }
+    for host in hosts {
+        ip(&["-n", host.name(), "link", "set", IFACE, "mtu", &mtu])?;
+    }
     Ok(())
 }
 

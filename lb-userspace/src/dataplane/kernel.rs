@@ -20,7 +20,8 @@ use lb_common::{
 };
 
 use super::{
-    Adopted, AttachedMode, Counters, Dataplane, DataplaneError, FlowReader, Found, LoadOptions,
+    Adopted, AttachHints, AttachedMode, Attachment, Counters, Dataplane, DataplaneError,
+    FlowReader, Found, LoadOptions, attach,
     batch::update_batch,
     in_map,
     pins::{self, LINK_PIN, PINNED_MAPS},
@@ -213,12 +214,13 @@ impl AyaDataplane {
     /// Attaches to `interface` and pins the link next to the maps, so the program stays
     /// attached after this process exits. When `found` is a compatible pinned state, the
     /// new program replaces the old one on its link in one step: no packet sees no
-    /// program.
+    /// program. An error says what the kernel's refusal means here (`hints`).
     pub fn attach_pinned(
         &mut self,
         interface: &str,
         mode: XdpModeSetting,
-    ) -> Result<AttachedMode, DataplaneError> {
+        hints: &AttachHints,
+    ) -> Result<Attachment, DataplaneError> {
         let dir = self
             .pin_dir
             .clone()
@@ -241,7 +243,10 @@ impl AyaDataplane {
             let link = program.take_link(id).map_err(lb_xdp_error)?;
             std::mem::forget(link);
             pins::write_meta(&mut self.meta, &self.options, Some(mode))?;
-            return Ok(mode);
+            return Ok(Attachment {
+                mode,
+                native_refused: None,
+            });
         }
         if link_path.exists() {
             std::fs::remove_file(&link_path).map_err(|source| DataplaneError::Pin {
@@ -249,21 +254,24 @@ impl AyaDataplane {
                 source,
             })?;
         }
-        let (attached, id) = self.attach_link(interface, mode)?;
+        let (attachment, id) = self.attach_link(interface, mode, hints)?;
         let link = program(&mut self.ebpf)?
             .take_link(id)
             .map_err(lb_xdp_error)?;
         pins::pin_link(link, &link_path)?;
-        pins::write_meta(&mut self.meta, &self.options, Some(attached))?;
-        Ok(attached)
+        pins::write_meta(&mut self.meta, &self.options, Some(attachment.mode))?;
+        Ok(attachment)
     }
 
-    /// Attaches to `interface`. `Auto` tries native (driver) mode, then generic.
+    /// Attaches to `interface`. `Auto` tries native (driver) mode, then generic, and
+    /// keeps why native was refused; it goes to generic at once when `hints` know native
+    /// cannot serve.
     fn attach_link(
         &mut self,
         interface: &str,
         mode: XdpModeSetting,
-    ) -> Result<(AttachedMode, XdpLinkId), DataplaneError> {
+        hints: &AttachHints,
+    ) -> Result<(Attachment, XdpLinkId), DataplaneError> {
         let program = program(&mut self.ebpf)?;
         let mut try_attach = |attached: AttachedMode| {
             let (xdp_mode, name) = match attached {
@@ -276,16 +284,44 @@ impl AyaDataplane {
                 .map_err(|source| DataplaneError::Attach {
                     interface: interface.to_string(),
                     mode: name,
-                    source,
+                    meaning: attach::meaning(attach::errno(&source), name, interface, hints),
+                    source: Box::new(source),
                 })
         };
-        match mode {
-            XdpModeSetting::Native => try_attach(AttachedMode::Native),
-            XdpModeSetting::Generic => try_attach(AttachedMode::Generic),
-            XdpModeSetting::Auto => {
-                try_attach(AttachedMode::Native).or_else(|_| try_attach(AttachedMode::Generic))
+        let (mode, native_refused, id) = match mode {
+            XdpModeSetting::Native => {
+                let (mode, id) = try_attach(AttachedMode::Native)?;
+                (mode, None, id)
             }
-        }
+            XdpModeSetting::Generic => {
+                let (mode, id) = try_attach(AttachedMode::Generic)?;
+                (mode, None, id)
+            }
+            XdpModeSetting::Auto => match &hints.native_refused {
+                Some(why) => {
+                    let (mode, id) = try_attach(AttachedMode::Generic)?;
+                    (mode, Some(why.clone()), id)
+                }
+                None => match try_attach(AttachedMode::Native) {
+                    Ok((mode, id)) => (mode, None, id),
+                    Err(native) => {
+                        let why = match &native {
+                            DataplaneError::Attach { meaning, .. } => meaning.clone(),
+                            other => other.to_string(),
+                        };
+                        let (mode, id) = try_attach(AttachedMode::Generic)?;
+                        (mode, Some(why), id)
+                    }
+                },
+            },
+        };
+        Ok((
+            Attachment {
+                mode,
+                native_refused,
+            },
+            id,
+        ))
     }
 
     /// The loaded program, for BPF_PROG_TEST_RUN in tests and benchmarks.

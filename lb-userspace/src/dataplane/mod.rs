@@ -12,8 +12,10 @@
 //!   packet reads a half-changed slot;
 //! - `batch.rs`: the bpf(2) batch commands (by hand: aya 0.14 has none) and
 //!   `FlowReader`, the connection-table scan built on them;
+//! - `attach.rs`: what an attach error from the kernel means for the interface;
 //! - `memory.rs`: `MemoryDataplane`, compiled for unit tests only.
 
+mod attach;
 mod batch;
 mod kernel;
 #[cfg(test)]
@@ -30,6 +32,7 @@ use lb_common::{
 
 use crate::config::Config;
 
+pub use attach::{AttachHints, SINGLE_BUFFER_MTU};
 pub use batch::FlowReader;
 pub use kernel::AyaDataplane;
 #[cfg(test)]
@@ -52,11 +55,13 @@ pub enum DataplaneError {
         program: &'static str,
         source: aya::programs::ProgramError,
     },
-    #[error("attaching to {interface} in {mode} mode")]
+    /// `meaning` says what the kernel's error means for this interface.
+    #[error("attaching to {interface} in {mode} mode: {meaning}")]
     Attach {
         interface: String,
         mode: &'static str,
-        source: aya::programs::ProgramError,
+        meaning: String,
+        source: Box<aya::programs::ProgramError>,
     },
     #[error("counting the possible CPUs")]
     Cpus(#[source] std::io::Error),
@@ -131,6 +136,14 @@ impl std::fmt::Display for AttachedMode {
             AttachedMode::Generic => "generic",
         })
     }
+}
+
+/// How the program was attached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attachment {
+    pub mode: AttachedMode,
+    /// `xdp_mode = "auto"` in generic mode: why native was refused.
+    pub native_refused: Option<String>,
 }
 
 /// Load-time parameters of the program.

@@ -1,0 +1,120 @@
+//! `lb doctor`: is this host ready for the data path on the configured interface? One
+//! line per check, `ok|warn|fail NAME: detail`, the fix in words where there is one.
+//! `lb run` runs the same checks before it touches any pin: a failing one refuses the
+//! start, warnings are logged once.
+//!
+//! - `facts.rs`: what the host is, as plain data;
+//! - `checks.rs`: the checks, pure functions of the facts (unit-tested against recorded
+//!   `ethtool` answers in `fixtures/`);
+//! - `gather.rs`: reads the host into facts;
+//! - `netlink.rs`: ethtool's and the netdev family's netlink messages (`--fix` too).
+
+mod checks;
+mod facts;
+#[cfg(test)]
+mod fixtures;
+mod gather;
+mod netlink;
+
+use serde::Serialize;
+
+pub use checks::{
+    Finding, Level, MIN_KERNEL, SINGLE_BUFFER_MTU, check, driver_note, native_refusal,
+};
+pub use facts::Facts;
+pub use gather::gather;
+pub use netlink::EthtoolError;
+
+use crate::config::Config;
+
+/// The checks' outcome for one host and configuration.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub interface: String,
+    pub checks: Vec<Finding>,
+    /// What `--fix` changed, one line each.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub fixed: Vec<String>,
+    pub facts: Facts,
+}
+
+impl Report {
+    pub fn of(facts: Facts) -> Report {
+        Report {
+            interface: facts.interface.clone(),
+            checks: check(&facts),
+            fixed: Vec::new(),
+            facts,
+        }
+    }
+
+    /// Gathers and checks `config`'s host.
+    pub async fn run(config: &Config) -> Report {
+        Report::of(gather(config).await)
+    }
+
+    pub fn failed(&self) -> bool {
+        self.checks.iter().any(|c| c.level == Level::Fail)
+    }
+
+    pub fn at(&self, level: Level) -> impl Iterator<Item = &Finding> {
+        self.checks.iter().filter(move |c| c.level == level)
+    }
+
+    /// One line per check (and per fix applied), as `lb doctor` prints them.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for line in &self.fixed {
+            out += &format!("fixed {line}\n");
+        }
+        for finding in &self.checks {
+            out += &format!("{finding}\n");
+        }
+        out
+    }
+
+    /// Why native mode cannot serve, when the facts make that certain.
+    pub fn native_refusal(&self) -> Option<String> {
+        native_refusal(&self.facts)
+    }
+
+    /// The message `lb run` refuses to start with: every failing check, with its fix.
+    pub fn refusal(&self) -> String {
+        let lines: Vec<String> = self.at(Level::Fail).map(|f| f.to_string()).collect();
+        format!(
+            "refusing to attach to {}:\n  {}\n(`lb doctor --config FILE` runs every check)",
+            self.interface,
+            lines.join("\n  ")
+        )
+    }
+}
+
+/// `lb doctor --fix`: turns off the offloads the checks name (the only fixes applied
+/// without asking: nothing else on the host depends on them being on), then checks
+/// again. Returns the new report, with what was changed in `fixed`.
+pub async fn fix(config: &Config, report: Report) -> Result<Report, EthtoolError> {
+    let wanted: Vec<String> = report
+        .checks
+        .iter()
+        .flat_map(|c| c.fix.iter().cloned())
+        .collect();
+    if wanted.is_empty() {
+        return Ok(report);
+    }
+    let ethtool = netlink::Ethtool::connect()?;
+    ethtool.turn_off(&report.interface, &wanted).await?;
+    let mut after = Report::run(config).await;
+    let features = after.facts.link.as_ref().and_then(|l| l.features.as_ref());
+    for name in &wanted {
+        let now_off = features.and_then(|f| f.get(name)).is_some_and(|f| !f.on);
+        after.fixed.push(if now_off {
+            format!("{}: {name} off", report.interface)
+        } else {
+            format!(
+                "{}: {name} is still on (the driver refused)",
+                report.interface
+            )
+        });
+    }
+    Ok(after)
+}
