@@ -388,6 +388,8 @@ impl State {
                             new_flows: traffic.new_flows,
                             consecutive: b.streak,
                             last_check: b.last_check.clone(),
+                            local_check_errors: b.local_check_errors,
+                            last_local_error: b.last_local_error.clone(),
                             new_flows_per_second: self
                                 .telemetry
                                 .new_flow_rates

@@ -165,6 +165,13 @@ pub struct BackendStatus {
     /// Consecutive check results agreeing with the last one.
     pub consecutive: u32,
     pub last_check: Option<CheckRecord>,
+    /// Checks that failed for a reason of this host (file descriptors, buffers, source
+    /// addresses, routes): not counted toward rise/fall. Since the agent started.
+    #[serde(default)]
+    pub local_check_errors: u64,
+    /// The last of them.
+    #[serde(default)]
+    pub last_local_error: Option<CheckRecord>,
     /// New flows per second over the last sample interval.
     pub new_flows_per_second: f64,
 }
@@ -286,11 +293,18 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
         "new_flows"
     );
     for b in &vip.backends {
-        let check = match &b.last_check {
+        let mut check = match &b.last_check {
             None => "-".to_string(),
             Some(c) if c.ok => format!("ok {:.1}ms", c.latency_ms),
             Some(c) => format!("failed: {}", c.error.as_deref().unwrap_or("?")),
         };
+        if let Some(local) = &b.last_local_error {
+            check += &format!(
+                "; {} local check error(s), last: {}",
+                b.local_check_errors,
+                local.error.as_deref().unwrap_or("?")
+            );
+        }
         let _ = writeln!(
             out,
             "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  {}",
@@ -329,6 +343,8 @@ pub mod tests {
             new_flows: 0,
             consecutive: 2,
             last_check: None,
+            local_check_errors: 0,
+            last_local_error: None,
             new_flows_per_second: 0.0,
         };
         Status {
