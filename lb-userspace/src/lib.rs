@@ -1,7 +1,7 @@
 //! The `lb` agent: configuration, the data-plane loader, health checks and control.
 //!
 //! Modules, each of which uses only those listed before it (no import cycles):
-//! `config`; `dataplane`; `model`, `tables`; `writer`; `neighbor`, `capture`; `status`,
+//! `config`, `listen`; `dataplane`; `model`, `tables`; `writer`; `neighbor`, `capture`; `status`,
 //! `api`, `explain`, `telemetry`, `metrics`, `health`, `announce`; `state`; `control`,
 //! `client`, `top`; `agent`. The README's Layout section says what each is for.
 
@@ -15,6 +15,7 @@ pub mod control;
 pub mod dataplane;
 pub mod explain;
 pub mod health;
+pub mod listen;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;
