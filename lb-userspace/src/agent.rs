@@ -23,7 +23,7 @@ use crate::{
     },
     explain::monotonic_ns,
     health::{self, HealthTasks},
-    metrics,
+    lock, metrics,
     model::Model,
     neighbor::Neighbors,
     state::{self, State},
@@ -52,8 +52,13 @@ pub enum OnExit {
 /// Runs the agent until SIGINT or SIGTERM.
 pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     let config = Config::load(&config_path)?;
-    let started = start(&config).await?;
+    raise_open_file_limit();
+    // Held until the agent exits: before anything touches the pins or the interface.
+    let mut lock = lock::acquire(&config, &config_path)?;
     let pin_dir = config.dataplane.pin_dir();
+    ensure_bpffs(&pin_dir)?;
+    lock.lock_pins(&pin_dir)?;
+    let started = start(&config).await?;
     let interface = started.neighbors.interface().clone();
     let mut state = State::new(
         config_path,
@@ -304,6 +309,32 @@ async fn serve(
                     tracing::warn!("neighbour refresh: {error:#}");
                 }
             }
+        }
+    }
+}
+
+/// Raises this process's soft limit on open files to the hard limit: a busy agent holds
+/// a descriptor per health check in flight, per listener connection, per map.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write `limit`.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 || limit.rlim_cur >= limit.rlim_max
+        {
+            return;
+        }
+        let before = limit.rlim_cur;
+        limit.rlim_cur = limit.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+            tracing::info!("open-file limit raised from {before} to {}", limit.rlim_max);
+        } else {
+            tracing::warn!(
+                "cannot raise the open-file limit from {before}: {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
 }

@@ -1,9 +1,10 @@
 //! The `lb` agent: configuration, the data-plane loader, health checks and control.
 //!
 //! Modules, each of which uses only those listed before it (no import cycles):
-//! `config`, `listen`; `dataplane`; `model`, `tables`; `writer`; `neighbor`, `capture`; `status`,
-//! `api`, `explain`, `telemetry`, `metrics`, `health`, `announce`; `state`; `control`,
-//! `client`, `top`; `agent`. The README's Layout section says what each is for.
+//! `config`, `listen`, `lock`; `dataplane`; `model`, `tables`; `writer`; `neighbor`,
+//! `capture`; `status`, `api`, `explain`, `telemetry`, `metrics`, `health`, `announce`;
+//! `state`; `control`, `client`, `top`; `agent`. The README's Layout section says what
+//! each is for.
 
 pub mod agent;
 pub mod announce;
@@ -16,6 +17,7 @@ pub mod dataplane;
 pub mod explain;
 pub mod health;
 pub mod listen;
+pub mod lock;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;
