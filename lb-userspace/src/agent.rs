@@ -10,6 +10,7 @@ use std::{
 };
 
 use anyhow::Context;
+use futures::StreamExt;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -19,14 +20,15 @@ use crate::{
     config::Config,
     control,
     dataplane::{
-        AyaDataplane, Dataplane, FlowReader, Found, LoadOptions, remove_pins, vip_capacity,
+        Attachment, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions, remove_pins,
+        vip_capacity,
     },
     explain::monotonic_ns,
     health::{self, HealthTasks},
     lock, metrics,
     model::Model,
     neighbor::Neighbors,
-    state::{self, State},
+    state::{self, InterfaceChange, State},
     status::Start,
     tables::TableWriter,
     writer::Writer,
@@ -78,10 +80,11 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         started.mode,
         config.control.socket.display()
     );
+    let mut neighbors = started.neighbors;
     serve(
         &state,
         &services.health_tasks,
-        &started.neighbors,
+        &mut neighbors,
         &started.flow_reader,
     )
     .await?;
@@ -123,6 +126,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         .await
         .context("reading the data-path interface")?;
     let interface = neighbors.interface().clone();
+    config.validate_host(&interface.addresses)?;
     let new_model = |vip_capacity: u32| {
         Model::new(
             config.dataplane.maglev_table_size,
@@ -283,9 +287,10 @@ impl Services {
 async fn serve(
     state: &Arc<Mutex<State>>,
     health_tasks: &HealthTasks,
-    neighbors: &Neighbors,
+    neighbors: &mut Neighbors,
     flow_reader: &Arc<FlowReader>,
 ) -> anyhow::Result<()> {
+    let mut link_events = Neighbors::link_events().context("following the interface")?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sighup = signal(SignalKind::hangup())?;
@@ -304,12 +309,83 @@ async fn serve(
                 let _ = state::reload(state, health_tasks);
             }
             _ = flow_scan.tick() => scan_and_sample(state, flow_reader, &mut scans).await,
+            // A link changed somewhere: look at ours (the refresh does too, in case a
+            // notification was lost).
+            Some(_) = link_events.next() => follow_interface(state, neighbors).await,
             _ = refresh.tick() => {
-                if let Err(error) = follow_neighbors(neighbors, state).await {
+                follow_interface(state, neighbors).await;
+                let attached = state.lock().expect("agent state poisoned").mode.is_some();
+                if attached && let Err(error) = follow_neighbors(neighbors, state).await {
                     tracing::warn!("neighbour refresh: {error:#}");
                 }
             }
         }
+    }
+}
+
+/// Follows the interface: when it goes, the data path is detached (the kernel took the
+/// program off with it); when an interface of that name is there again, or its MAC
+/// changed, the program (built for the MAC) is attached by the mode rules of the start
+/// and the tables are written. A failed attach is tried again at the next refresh.
+async fn follow_interface(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) {
+    let name = neighbors.interface().name.clone();
+    let found = match neighbors.lookup(&name).await {
+        Ok(found) => found,
+        Err(error) => {
+            tracing::warn!("looking up interface {name}: {error:#}");
+            return;
+        }
+    };
+    let (change, dataplane, mode, attached) = {
+        let mut state = state.lock().expect("agent state poisoned");
+        let change = state.interface_change(found);
+        (
+            change,
+            state.tables.shared_dataplane(),
+            state.config.dataplane.xdp_mode,
+            state.mode,
+        )
+    };
+    let interface = match change {
+        InterfaceChange::None => return,
+        InterfaceChange::Gone => {
+            state.lock().expect("agent state poisoned").interface_lost();
+            return;
+        }
+        InterfaceChange::Attach(interface) => interface,
+    };
+    let target = Attachment {
+        object: EBPF_OBJECT,
+        interface: interface.name.clone(),
+        ifindex: interface.index,
+        mac: interface.mac.0,
+        mode,
+        // In place only on the interface the running program is attached to.
+        attached: attached.filter(|_| interface.index == neighbors.interface().index),
+    };
+    // Loading a program takes a while (the verifier): not on the async workers, and not
+    // under the agent's lock. Table writes wait for the data path meanwhile.
+    let attach = tokio::task::spawn_blocking(move || {
+        dataplane
+            .lock()
+            .expect("data path poisoned")
+            .follow_interface(&target)
+    })
+    .await;
+    match attach {
+        Ok(Ok(mode)) => {
+            neighbors.set_interface(interface.clone());
+            state
+                .lock()
+                .expect("agent state poisoned")
+                .interface_attached(interface, mode);
+        }
+        Ok(Err(error)) => tracing::error!(
+            "attaching to interface {name} (index {}): {:#}; trying again",
+            interface.index,
+            anyhow::Error::from(error)
+        ),
+        Err(error) => tracing::error!("attaching to interface {name}: {error}"),
     }
 }
 

@@ -50,9 +50,14 @@ pub struct NodeStatus {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DataplaneStatus {
     pub interface: String,
-    pub interface_mac: String,
-    /// The XDP mode actually attached.
-    pub xdp_mode: AttachedMode,
+    /// The interface's MAC; None while it is gone.
+    pub interface_mac: Option<String>,
+    /// The XDP mode actually attached; None while detached (the interface is gone).
+    pub xdp_mode: Option<AttachedMode>,
+    /// Why the data path is not attached, while it is not: the interface went away.
+    /// The agent attaches again when an interface of that name returns.
+    #[serde(default)]
+    pub detached: Option<String>,
     pub maglev_table_size: u32,
     /// Connection-table entries at the agent's last scan.
     pub conntrack_entries: u64,
@@ -210,10 +215,15 @@ fn render_dataplane(out: &mut String, status: &Status) {
         ),
         None => "connection table not scanned yet".to_string(),
     };
+    let attached = match (&d.detached, &d.interface_mac, d.xdp_mode) {
+        (Some(why), ..) => format!("DETACHED: {why}"),
+        (None, Some(mac), Some(mode)) => format!("({mac}) xdp mode {mode}"),
+        (None, ..) => "(?)".to_string(),
+    };
     let _ = writeln!(
         out,
-        "data path: {} ({}) xdp mode {}, maglev table {} slots, {scanned}",
-        d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size
+        "data path: {} {attached}, maglev table {} slots, {scanned}",
+        d.interface, d.maglev_table_size
     );
     let _ = writeln!(out, "start: {}", d.start);
     let node = &status.node;
@@ -350,8 +360,9 @@ pub mod tests {
         Status {
             dataplane: DataplaneStatus {
                 interface: "eth0".into(),
-                interface_mac: "02:00:00:00:00:01".into(),
-                xdp_mode: AttachedMode::Generic,
+                interface_mac: Some("02:00:00:00:00:01".into()),
+                xdp_mode: Some(AttachedMode::Generic),
+                detached: None,
                 maglev_table_size: 7,
                 conntrack_entries: 0,
                 conntrack_scan_age_seconds: None,
@@ -404,6 +415,10 @@ pub mod tests {
             quiet.contains("new flows: - (no new flows in the last sample)"),
             "{quiet}"
         );
+        assert!(
+            text.contains("data path: eth0 (02:00:00:00:00:01) xdp mode generic"),
+            "{text}"
+        );
         for line in [
             "start: fresh",
             "vip web 10.0.0.100:80/tcp hash 5-tuple",
@@ -414,6 +429,45 @@ pub mod tests {
         ] {
             assert!(text.contains(line), "no {line:?} in:\n{text}");
         }
+    }
+
+    #[test]
+    fn a_detached_data_path_says_so_and_shows_no_stale_mac() {
+        let mut status = sample();
+        status.dataplane.detached = Some("interface eth0 is gone".into());
+        status.dataplane.interface_mac = None;
+        status.dataplane.xdp_mode = None;
+        let text = render(&status);
+        assert!(
+            text.contains("data path: eth0 DETACHED: interface eth0 is gone, maglev"),
+            "{text}"
+        );
+        assert!(!text.contains("02:00:00:00:00:01"), "{text}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["dataplane"]["xdp_mode"], serde_json::Value::Null);
+        assert_eq!(json["dataplane"]["detached"], "interface eth0 is gone");
+    }
+
+    #[test]
+    fn status_of_an_older_agent_still_parses() {
+        // Before `detached`, `local_check_errors` and `last_local_error` existed.
+        let mut json = serde_json::to_value(sample()).unwrap();
+        json["dataplane"]
+            .as_object_mut()
+            .unwrap()
+            .remove("detached");
+        let backend = json["vips"][0]["backends"][0].as_object_mut().unwrap();
+        backend.remove("local_check_errors");
+        backend.remove("last_local_error");
+        backend.insert(
+            "last_check".into(),
+            serde_json::json!({"ok": false, "latency_ms": 1.0, "error": "refused"}),
+        );
+        let status: Status = serde_json::from_value(json).unwrap();
+        assert_eq!(status.dataplane.detached, None);
+        let backend = &status.vips[0].backends[0];
+        assert_eq!(backend.local_check_errors, 0);
+        assert_eq!(backend.last_check.as_ref().map(|c| c.local), Some(false));
     }
 
     #[test]

@@ -210,7 +210,7 @@ pub(super) fn remove_map_pins(dir: &Path) -> Result<(), DataplaneError> {
 }
 
 /// Removes one pinned file; one already gone is no error.
-fn remove_pin(path: &Path) -> Result<(), DataplaneError> {
+pub(super) fn remove_pin(path: &Path) -> Result<(), DataplaneError> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
