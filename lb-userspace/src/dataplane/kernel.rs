@@ -266,17 +266,23 @@ impl AyaDataplane {
             pins::write_meta(&mut self.meta, &self.options, Some(mode))?;
             return Ok(mode);
         }
-        if link_path.exists() {
-            std::fs::remove_file(&link_path).map_err(|source| DataplaneError::Pin {
-                path: link_path.clone(),
-                source,
-            })?;
-        }
+        self.attach_afresh(interface, mode, &link_path)
+    }
+
+    /// Replaces the link pinned at `link_path` (if any) with a new one of this program on
+    /// `interface`, and records the mode attached.
+    fn attach_afresh(
+        &mut self,
+        interface: &str,
+        mode: XdpModeSetting,
+        link_path: &Path,
+    ) -> Result<AttachedMode, DataplaneError> {
+        pins::remove_pin(link_path)?;
         let (attached, id) = self.attach_link(interface, mode)?;
         let link = program(&mut self.ebpf)?
             .take_link(id)
             .map_err(lb_xdp_error)?;
-        pins::pin_link(link, &link_path)?;
+        pins::pin_link(link, link_path)?;
         pins::write_meta(&mut self.meta, &self.options, Some(attached))?;
         Ok(attached)
     }
@@ -365,14 +371,7 @@ impl AyaDataplane {
             }
         }
         // A new interface of that name: the old link went with the old interface.
-        pins::remove_pin(&link_path)?;
-        let (attached, id) = self.attach_link(&target.interface, target.mode)?;
-        let link = program(&mut self.ebpf)?
-            .take_link(id)
-            .map_err(lb_xdp_error)?;
-        pins::pin_link(link, &link_path)?;
-        pins::write_meta(&mut self.meta, &self.options, Some(attached))?;
-        Ok(attached)
+        self.attach_afresh(&target.interface, target.mode, &link_path)
     }
 
     /// Loads the program again with `options`, on this instance's maps.
