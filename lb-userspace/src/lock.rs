@@ -22,6 +22,8 @@ use crate::config::Config;
 
 /// Where the lock files are.
 pub const LOCK_DIR: &str = "/run/lb";
+/// How long a held lock is waited for before the agent gives up.
+const EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The locks of a running agent; dropping it removes the lock files and releases them.
 #[derive(Debug)]
@@ -137,7 +139,7 @@ fn take(path: &Path, what: &str, me: &str) -> Result<Flock<File>, LockError> {
     // A lock taken on a file its holder removed as it exited is no lock: try again on
     // the file the path names now (a few times: each needs another agent exiting).
     for _ in 0..3 {
-        let lock = take_once(path, what, me)?;
+        let lock = take_soon(path, what, me)?;
         let current = std::fs::metadata(path).map(|m| m.ino());
         if let (Ok(current), Ok(ours)) = (current, lock.metadata().map(|m| m.ino()))
             && current == ours
@@ -149,6 +151,20 @@ fn take(path: &Path, what: &str, me: &str) -> Result<Flock<File>, LockError> {
         path: path.to_path_buf(),
         source: std::io::Error::other("the lock file keeps being replaced"),
     })
+}
+
+/// `take_once`, tried again for up to [`EXIT_GRACE`] while the lock is held: an agent
+/// just killed (`kill -9` and a new `lb run` at once) holds it until its exit is done.
+fn take_soon(path: &Path, what: &str, me: &str) -> Result<Flock<File>, LockError> {
+    let started = std::time::Instant::now();
+    loop {
+        match take_once(path, what, me) {
+            Err(LockError::Held { .. }) if started.elapsed() < EXIT_GRACE => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            taken => return taken,
+        }
+    }
 }
 
 fn take_once(path: &Path, what: &str, me: &str) -> Result<Flock<File>, LockError> {
