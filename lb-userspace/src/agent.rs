@@ -551,3 +551,30 @@ async fn follow_neighbors(neighbors: &Neighbors, state: &Arc<Mutex<State>>) -> a
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_open_file_limit_is_raised_to_the_hard_limit() {
+        let get = || {
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes `limit`.
+            assert_eq!(
+                unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) },
+                0
+            );
+            limit
+        };
+        let mut lowered = get();
+        // One below the hard limit: harmless to the other tests of this process.
+        lowered.rlim_cur = lowered.rlim_max - 1;
+        // SAFETY: setrlimit reads `lowered`.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lowered) }, 0);
+        super::raise_open_file_limit();
+        let raised = get();
+        assert_eq!(raised.rlim_cur, raised.rlim_max);
+    }
+}
