@@ -5,6 +5,10 @@
 //! UDP datagram to the backend's discard port (9) out of that interface, which makes the
 //! kernel resolve it (ARP or neighbour discovery); the agent re-reads the table every
 //! second and follows changes.
+//!
+//! The interface itself is looked up here too (index, MAC, addresses), and link
+//! notifications wake the agent to look again: it follows the interface when it goes,
+//! comes back, or changes its MAC.
 
 use std::{
     collections::HashMap,
