@@ -10,6 +10,7 @@ use std::{
 };
 
 use anyhow::Context;
+use futures::StreamExt;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -19,16 +20,17 @@ use crate::{
     config::Config,
     control,
     dataplane::{
-        AttachHints, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions, remove_pins,
+        AttachHints, AttachTarget, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions,
+        remove_pins,
         vip_capacity,
     },
     doctor::{self, Level},
     explain::monotonic_ns,
-    health::HealthTasks,
-    metrics,
+    health::{self, HealthTasks},
+    lock, metrics,
     model::Model,
     neighbor::Neighbors,
-    state::{self, State},
+    state::{self, InterfaceChange, State},
     status::Start,
     tables::TableWriter,
     writer::Writer,
@@ -56,8 +58,13 @@ pub enum OnExit {
 /// Runs the agent until SIGINT or SIGTERM.
 pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     let config = Config::load(&config_path)?;
-    let started = start(&config).await?;
+    raise_open_file_limit();
+    // Held until the agent exits: before anything touches the pins or the interface.
+    let mut lock = lock::acquire(&config, &config_path)?;
     let pin_dir = config.dataplane.pin_dir();
+    ensure_bpffs(&pin_dir)?;
+    lock.lock_pins(&pin_dir)?;
+    let started = start(&config).await?;
     let interface = started.neighbors.interface().clone();
     let mut state = State::new(
         config_path,
@@ -78,10 +85,11 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         started.mode,
         config.control.socket.display()
     );
+    let mut neighbors = started.neighbors;
     serve(
         &state,
         &services.health_tasks,
-        &started.neighbors,
+        &mut neighbors,
         &started.flow_reader,
     )
     .await?;
@@ -142,6 +150,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         .await
         .context("reading the data-path interface")?;
     let interface = neighbors.interface().clone();
+    config.validate_host(&interface.addresses)?;
     // Before attaching: a device that cannot be made stops the start with nothing changed.
     let announcer = match &config.announce {
         Some(announce) => Some(
@@ -353,9 +362,10 @@ impl Services {
 async fn serve(
     state: &Arc<Mutex<State>>,
     health_tasks: &HealthTasks,
-    neighbors: &Neighbors,
+    neighbors: &mut Neighbors,
     flow_reader: &Arc<FlowReader>,
 ) -> anyhow::Result<()> {
+    let mut link_events = Neighbors::link_events().context("following the interface")?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sighup = signal(SignalKind::hangup())?;
@@ -376,11 +386,108 @@ async fn serve(
             }
             _ = flow_scan.tick() => scan_and_sample(state, flow_reader, &mut scans).await,
             _ = load.tick() => state.lock().expect("agent state poisoned").refresh_load(Instant::now()),
+            // A link changed somewhere: look at ours (the refresh does too, in case a
+            // notification was lost).
+            Some(_) = link_events.next() => follow_interface(state, neighbors).await,
             _ = refresh.tick() => {
-                if let Err(error) = follow_neighbors(neighbors, state).await {
+                follow_interface(state, neighbors).await;
+                let attached = state.lock().expect("agent state poisoned").mode.is_some();
+                if attached && let Err(error) = follow_neighbors(neighbors, state).await {
                     tracing::warn!("neighbour refresh: {error:#}");
                 }
             }
+        }
+    }
+}
+
+/// Follows the interface: when it goes, the data path is detached (the kernel took the
+/// program off with it); when an interface of that name is there again, or its MAC
+/// changed, the program (built for the MAC) is attached by the mode rules of the start
+/// and the tables are written. A failed attach is tried again at the next refresh.
+async fn follow_interface(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) {
+    let name = neighbors.interface().name.clone();
+    let found = match neighbors.lookup(&name).await {
+        Ok(found) => found,
+        Err(error) => {
+            tracing::warn!("looking up interface {name}: {error:#}");
+            return;
+        }
+    };
+    let (change, dataplane, mode, attached) = {
+        let mut state = state.lock().expect("agent state poisoned");
+        let change = state.interface_change(found);
+        (
+            change,
+            state.tables.shared_dataplane(),
+            state.config.dataplane.xdp_mode,
+            state.mode,
+        )
+    };
+    let interface = match change {
+        InterfaceChange::None => return,
+        InterfaceChange::Gone => {
+            state.lock().expect("agent state poisoned").interface_lost();
+            return;
+        }
+        InterfaceChange::Attach(interface) => interface,
+    };
+    let target = AttachTarget {
+        object: EBPF_OBJECT,
+        interface: interface.name.clone(),
+        ifindex: interface.index,
+        mac: interface.mac.0,
+        mode,
+        // In place only on the interface the running program is attached to.
+        attached: attached.filter(|_| interface.index == neighbors.interface().index),
+    };
+    // Loading a program takes a while (the verifier): not on the async workers, and not
+    // under the agent's lock. Table writes wait for the data path meanwhile.
+    let attach = tokio::task::spawn_blocking(move || {
+        dataplane
+            .lock()
+            .expect("data path poisoned")
+            .follow_interface(&target)
+    })
+    .await;
+    match attach {
+        Ok(Ok(mode)) => {
+            neighbors.set_interface(interface.clone());
+            state
+                .lock()
+                .expect("agent state poisoned")
+                .interface_attached(interface, mode);
+        }
+        Ok(Err(error)) => tracing::error!(
+            "attaching to interface {name} (index {}): {:#}; trying again",
+            interface.index,
+            anyhow::Error::from(error)
+        ),
+        Err(error) => tracing::error!("attaching to interface {name}: {error}"),
+    }
+}
+
+/// Raises this process's soft limit on open files to the hard limit: a busy agent holds
+/// a descriptor per health check in flight, per listener connection, per map.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write `limit`.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 || limit.rlim_cur >= limit.rlim_max
+        {
+            return;
+        }
+        let before = limit.rlim_cur;
+        limit.rlim_cur = limit.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+            tracing::info!("open-file limit raised from {before} to {}", limit.rlim_max);
+        } else {
+            tracing::warn!(
+                "cannot raise the open-file limit from {before}: {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
 }
@@ -541,5 +648,29 @@ mod tests {
         );
         let no_net = missing_privileges(1 << CAP_BPF).expect("refused");
         assert!(no_net.ends_with("lacks CAP_NET_ADMIN"), "{no_net}");
+    }
+
+    #[test]
+    fn the_open_file_limit_is_raised_to_the_hard_limit() {
+        let get = || {
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes `limit`.
+            assert_eq!(
+                unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) },
+                0
+            );
+            limit
+        };
+        let mut lowered = get();
+        // One below the hard limit: harmless to the other tests of this process.
+        lowered.rlim_cur = lowered.rlim_max - 1;
+        // SAFETY: setrlimit reads `lowered`.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lowered) }, 0);
+        super::raise_open_file_limit();
+        let raised = get();
+        assert_eq!(raised.rlim_cur, raised.rlim_max);
     }
 }

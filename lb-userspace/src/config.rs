@@ -32,6 +32,17 @@ pub const MAX_MAGLEV_TABLE_SIZE: u32 = 4_194_319;
 /// Linux interface names are at most IFNAMSIZ - 1 bytes.
 const MAX_INTERFACE_NAME: usize = 15;
 
+/// Largest configuration file read: a real one is a few KiB (a thousand backends are
+/// about 60 KiB), and a file is read only this far, so a wrong path (a log, a device
+/// such as /dev/zero) is refused at once instead of being read without end.
+pub const MAX_CONFIG_BYTES: u64 = 4 * 1024 * 1024;
+
+/// Shortest duration a setting accepts: below it, timers would spin.
+pub const MIN_DURATION: Duration = Duration::from_millis(10);
+/// Longest duration a setting accepts: beyond it, a timer that never fires in practice
+/// (a typo such as `interval = "100000000000days"`) silently stops what it paces.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}")]
@@ -39,6 +50,10 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "{path} is larger than {limit} bytes: not a configuration file (a real one is a few KiB)"
+    )]
+    TooLarge { path: PathBuf, limit: u64 },
     #[error("{0}")]
     Parse(String),
     #[error("`{field}`: {reason}")]
@@ -708,11 +723,49 @@ impl Config {
     /// Reads, parses and validates a configuration file. Parse and validation errors do
     /// not repeat the path; the caller knows it.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        use std::io::Read as _;
+        let read_error = |source| ConfigError::Read {
             path: path.to_owned(),
             source,
+        };
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|file| file.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes))
+            .map_err(read_error)?;
+        if bytes.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(ConfigError::TooLarge {
+                path: path.to_owned(),
+                limit: MAX_CONFIG_BYTES,
+            });
+        }
+        let text = String::from_utf8(bytes).map_err(|_| {
+            read_error(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "not UTF-8 text",
+            ))
         })?;
         Config::from_toml(&text)
+    }
+
+    /// The checks that need the host: no backend may be an address of the balancer's
+    /// own interface (`own`), where frames sent to it would come straight back.
+    /// Run where the agent knows the addresses: at start and on every reload.
+    pub fn validate_host(&self, interface_addresses: &[IpAddr]) -> Result<(), ConfigError> {
+        for (i, vip) in self.vips.iter().enumerate() {
+            for (j, backend) in vip.backends.iter().enumerate() {
+                if interface_addresses.contains(&backend.address) {
+                    return Err(invalid(
+                        format!("vip[{i}].backend[{j}].address"),
+                        format!(
+                            "{} is an address of dataplane.interface {} (this balancer): a \
+                             backend must be another host on its segment",
+                            backend.address, self.dataplane.interface
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The first setting fixed at start that differs in `new`: a reload cannot apply it
@@ -773,10 +826,29 @@ impl Config {
         }
         let mut names: HashMap<&str, usize> = HashMap::new();
         let mut services: HashMap<(IpAddr, u16, Protocol), usize> = HashMap::new();
+        let vip_addresses: HashMap<IpAddr, usize> = self
+            .vips
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(i, vip)| (vip.address, i))
+            .collect();
         let mut total_backends = 0;
         for (i, vip) in self.vips.iter().enumerate() {
             let at = format!("vip[{i}]");
             vip.validate(&at, self.dataplane.maglev_table_size)?;
+            for (j, backend) in vip.backends.iter().enumerate() {
+                if let Some(&k) = vip_addresses.get(&backend.address) {
+                    return Err(invalid(
+                        format!("{at}.backend[{j}].address"),
+                        format!(
+                            "{} is the address of vip[{k}] ({:?}): a backend is a server \
+                             behind the balancer, not a VIP",
+                            backend.address, self.vips[k].name
+                        ),
+                    ));
+                }
+            }
 
             if let Some(first) = names.insert(&vip.name, i) {
                 return Err(invalid(
@@ -856,12 +928,7 @@ impl DataplaneConfig {
                 format!("{} is not an absolute path", path.display()),
             ));
         }
-        if self.flow_idle_timeout.is_zero() {
-            return Err(invalid(
-                "dataplane.flow_idle_timeout",
-                "must be greater than 0",
-            ));
-        }
+        check_duration("dataplane.flow_idle_timeout", self.flow_idle_timeout)?;
         if self.conntrack_entries == 0 {
             return Err(invalid("dataplane.conntrack_entries", "must be at least 1"));
         }
@@ -916,6 +983,10 @@ impl AnnounceConfig {
                 ),
             ));
         }
+        // 0: announce as soon as the VIPs qualify.
+        if !self.warmup.is_zero() {
+            check_duration("announce.warmup", self.warmup)?;
+        }
         if let Some(why) = bad_interface_name(&self.device) {
             return Err(invalid("announce.device", why));
         }
@@ -957,6 +1028,7 @@ impl VipConfig {
         if self.port == 0 {
             return Err(invalid(format!("{at}.port"), "must not be 0"));
         }
+        check_duration(&format!("{at}.drain_timeout"), self.drain_timeout)?;
         self.health.validate(&format!("{at}.health"))?;
         if self.min_healthy == 0 {
             return Err(invalid(
@@ -1038,6 +1110,9 @@ fn unusable_address(addr: IpAddr) -> Option<String> {
         IpAddr::V4(v4) if v4.is_multicast() => "a multicast address",
         IpAddr::V6(v6) if v6.is_multicast() => "a multicast address",
         _ if addr.is_unspecified() => "the unspecified address",
+        // The data path sees frames on dataplane.interface only: loopback traffic never
+        // reaches it, and a frame sent to a loopback address never leaves the host.
+        _ if addr.is_loopback() => "a loopback address",
         _ => return None,
     };
     Some(format!("{addr} is {kind}"))
@@ -1084,6 +1159,23 @@ impl VipConfig {
         }
         Ok(())
     }
+}
+
+/// A duration setting must lie within [`MIN_DURATION`]..=[`MAX_DURATION`].
+fn check_duration(field: &str, value: Duration) -> Result<(), ConfigError> {
+    if (MIN_DURATION..=MAX_DURATION).contains(&value) {
+        return Ok(());
+    }
+    let show = |d: Duration| humantime::format_duration(d).to_string();
+    Err(invalid(
+        field,
+        format!(
+            "{} is outside {}..={}",
+            show(value),
+            show(MIN_DURATION),
+            show(MAX_DURATION)
+        ),
+    ))
 }
 
 impl HealthConfig {
@@ -1137,12 +1229,8 @@ impl HealthConfig {
 
     fn validate(&self, at: &str) -> Result<(), ConfigError> {
         let show = |d: Duration| humantime::format_duration(d).to_string();
-        if self.interval.is_zero() {
-            return Err(invalid(format!("{at}.interval"), "must be greater than 0"));
-        }
-        if self.timeout.is_zero() {
-            return Err(invalid(format!("{at}.timeout"), "must be greater than 0"));
-        }
+        check_duration(&format!("{at}.interval"), self.interval)?;
+        check_duration(&format!("{at}.timeout"), self.timeout)?;
         // Otherwise checks of one backend would overlap.
         if self.timeout > self.interval {
             return Err(invalid(
@@ -1158,8 +1246,8 @@ impl HealthConfig {
             ("fast_interval", self.fast_interval),
             ("down_interval", self.down_interval),
         ] {
-            if value.is_some_and(|d| d.is_zero()) {
-                return Err(invalid(format!("{at}.{name}"), "must be greater than 0"));
+            if let Some(value) = value {
+                check_duration(&format!("{at}.{name}"), value)?;
             }
         }
         if self.rise == 0 {
@@ -1826,6 +1914,39 @@ weight = 3
     }
 
     #[test]
+    fn load_reads_at_most_a_few_mib() {
+        // /dev/zero never ends: read to the cap, then refused.
+        let started = std::time::Instant::now();
+        match Config::load(Path::new("/dev/zero")) {
+            Err(error @ ConfigError::TooLarge { .. }) => {
+                assert!(error.to_string().contains("/dev/zero"), "{error}");
+            }
+            other => panic!("expected TooLarge, got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let dir = std::env::temp_dir().join(format!("lb-config-cap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("big.toml");
+        // A comment line long enough to pass the cap by one byte.
+        let mut text = MINIMAL.to_string();
+        text += "#";
+        text += &" ".repeat(MAX_CONFIG_BYTES as usize - text.len());
+        std::fs::write(&path, &text).unwrap();
+        assert_eq!(
+            Config::load(&path).unwrap(),
+            minimal(),
+            "exactly at the cap"
+        );
+        text.push(' ');
+        std::fs::write(&path, &text).unwrap();
+        assert!(matches!(
+            Config::load(&path),
+            Err(ConfigError::TooLarge { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn from_toml_validates() {
         let text = MINIMAL.replace("port = 80", "port = 0");
         assert!(matches!(
@@ -2018,6 +2139,143 @@ weight = 3
                 "vip[0].address",
                 "address {bad}"
             );
+        }
+    }
+
+    #[test]
+    fn vip_address_must_not_be_loopback() {
+        for bad in ["127.0.0.1", "127.1.2.3", "::1"] {
+            assert_eq!(
+                rejected_field(|c| c.vips[0].address = bad.parse().unwrap()),
+                "vip[0].address",
+                "address {bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn backend_address_must_not_be_loopback() {
+        for bad in ["127.0.0.1", "127.9.9.9"] {
+            assert_eq!(
+                rejected_field(|c| c.vips[0].backends[0].address = bad.parse().unwrap()),
+                "vip[0].backend[0].address",
+                "address {bad}"
+            );
+        }
+        let field = rejected_field(|c| {
+            c.vips[0].address = "2001:db8::100".parse().unwrap();
+            c.vips[0].backends[0].address = "::1".parse().unwrap();
+        });
+        assert_eq!(field, "vip[0].backend[0].address");
+    }
+
+    #[test]
+    fn backend_must_not_be_a_vip_address() {
+        // Its own VIP's address.
+        assert_eq!(
+            rejected_field(|c| c.vips[0].backends[0].address = c.vips[0].address),
+            "vip[0].backend[0].address"
+        );
+        // Another VIP's, named in the reason.
+        let mut config = minimal();
+        let mut second = config.vips[0].clone();
+        second.name = "api".into();
+        second.address = "10.0.0.200".parse().unwrap();
+        config.vips.push(second);
+        config.vips[0].backends.push(backend("10.0.0.200"));
+        match config.validate() {
+            Err(ConfigError::Invalid { field, reason }) => {
+                assert_eq!(field, "vip[0].backend[1].address");
+                assert!(
+                    reason.contains("vip[1]") && reason.contains("api"),
+                    "{reason}"
+                );
+            }
+            other => panic!("expected a validation error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn backend_must_not_be_the_balancers_own_address() {
+        let config = minimal();
+        let own: Vec<IpAddr> = ["10.0.0.2", "fe80::1"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        config.validate_host(&own).unwrap();
+        let mut mine = config.clone();
+        mine.vips[0].backends.push(backend("10.0.0.2"));
+        match mine.validate_host(&own) {
+            Err(ConfigError::Invalid { field, reason }) => {
+                assert_eq!(field, "vip[0].backend[1].address");
+                assert!(reason.contains("dataplane.interface eth0"), "{reason}");
+            }
+            other => panic!("expected a validation error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn durations_must_lie_between_10ms_and_a_day() {
+        let too_short = Duration::from_millis(9);
+        let too_long = MAX_DURATION + Duration::from_millis(1);
+        for bad in [too_short, too_long] {
+            assert_eq!(
+                rejected_field(|c| c.vips[0].health.interval = bad),
+                "vip[0].health.interval"
+            );
+            assert_eq!(
+                rejected_field(|c| c.vips[0].health.fast_interval = Some(bad)),
+                "vip[0].health.fast_interval"
+            );
+            assert_eq!(
+                rejected_field(|c| c.vips[0].health.down_interval = Some(bad)),
+                "vip[0].health.down_interval"
+            );
+            assert_eq!(
+                rejected_field(|c| c.vips[0].drain_timeout = bad),
+                "vip[0].drain_timeout"
+            );
+            assert_eq!(
+                rejected_field(|c| c.dataplane.flow_idle_timeout = bad),
+                "dataplane.flow_idle_timeout"
+            );
+            assert_eq!(
+                rejected_field(|c| c.announce = Some(AnnounceConfig {
+                    warmup: bad,
+                    ..AnnounceConfig::default()
+                })),
+                "announce.warmup"
+            );
+        }
+        assert_eq!(
+            rejected_field(|c| c.vips[0].health.timeout = too_short),
+            "vip[0].health.timeout"
+        );
+        // The bounds themselves are accepted, and no warm-up at all.
+        let mut config = minimal();
+        config.vips[0].health.interval = MAX_DURATION;
+        config.vips[0].health.timeout = MIN_DURATION;
+        config.vips[0].drain_timeout = MIN_DURATION;
+        config.announce = Some(AnnounceConfig {
+            warmup: Duration::ZERO,
+            ..AnnounceConfig::default()
+        });
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn an_interval_of_ages_is_refused_with_its_field() {
+        let text = MINIMAL.replace(
+            "[[vip.backend]]",
+            "[vip.health]\ninterval = \"100000000000days\"\n\n[[vip.backend]]",
+        );
+        match Config::from_toml(&text) {
+            Err(error @ ConfigError::Invalid { .. }) => {
+                let message = error.to_string();
+                assert!(message.starts_with("`vip[0].health.interval`"), "{message}");
+                assert!(message.contains("1day"), "{message}");
+            }
+            other => panic!("expected a validation error, got {other:?}"),
         }
     }
 

@@ -26,12 +26,14 @@ use crate::{
     api::{BackendRequest, ChangeAnswer, ErrorAnswer, ReloadAnswer},
     explain::{ExplainError, ExplainRequest, Explanation, monotonic_ns},
     health::HealthTasks,
+    listen::LIMITS,
     state::{self, ControlError, State},
     status::Status,
     writer::Requested,
 };
 
-/// Binds the socket (0600, parent created 0700 if missing) and serves until `shutdown`.
+/// Binds the socket (0600, parent created 0700 if missing) and serves until `shutdown`,
+/// within the listener limits of `listen`.
 pub async fn serve(
     path: PathBuf,
     shared: Arc<Mutex<State>>,
@@ -55,12 +57,7 @@ pub async fn serve(
             health_tasks,
         });
     Ok(tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await;
-        if let Err(error) = served {
-            tracing::error!("control socket: {error}");
-        }
+        crate::listen::serve(listener, "control socket", app, LIMITS, shutdown).await;
         let _ = std::fs::remove_file(&path);
     }))
 }

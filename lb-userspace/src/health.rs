@@ -10,6 +10,7 @@
 use std::{
     collections::HashSet,
     net::SocketAddr,
+    os::fd::AsRawFd,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -101,8 +102,24 @@ pub fn jittered(base: Duration) -> Duration {
     base.mul_f64(0.9 + fastrand::f64() * 0.2)
 }
 
+/// Why a check failed, and whether the reason is this host's rather than the backend's.
+#[derive(Debug)]
+struct Failure {
+    message: String,
+    local: bool,
+}
+
+impl Failure {
+    fn remote(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            local: false,
+        }
+    }
+}
+
 /// Runs one check of `kind` against `target`, or through the VIP along `via` (`target =
-/// "vip"`; an error: why there is no path, which fails the check).
+/// "vip"`; an error: why there is no path, which is this host's failure).
 pub async fn check(
     config: &HealthConfig,
     target: SocketAddr,
@@ -111,63 +128,132 @@ pub async fn check(
     let started = Instant::now();
     let outcome = tokio::time::timeout(config.timeout, async {
         if let Some(path) = via {
-            return crate::vipprobe::check_via_vip(config, path?).await;
+            // No way to send it (no MAC yet, no address of the family here): this host
+            // could not check, which says nothing of the backend.
+            let path = path.map_err(|message| Failure {
+                message,
+                local: true,
+            })?;
+            return crate::vipprobe::check_via_vip(config, path)
+                .await
+                .map_err(Failure::remote);
         }
         match config.kind {
-            HealthKind::Tcp => TcpStream::connect(target)
-                .await
-                .map(drop)
-                .map_err(describe_io),
+            HealthKind::Tcp => connect(target).await.map(drop),
             HealthKind::Http => http_check(config, target).await,
-            HealthKind::Udp => crate::probe::udp_check(config, target).await,
-            HealthKind::Dns => crate::probe::dns_check(config, target).await,
+            HealthKind::Udp => crate::probe::udp_check(config, target)
+                .await
+                .map_err(Failure::remote),
+            HealthKind::Dns => crate::probe::dns_check(config, target)
+                .await
+                .map_err(Failure::remote),
             HealthKind::None => Ok(()),
         }
     })
     .await
     .unwrap_or_else(|_| {
-        Err(format!(
+        Err(Failure::remote(format!(
             "timeout after {}",
             humantime::format_duration(config.timeout)
-        ))
+        )))
     });
+    let (error, local) = match outcome {
+        Ok(()) => (None, false),
+        Err(failure) => (Some(failure.message), failure.local),
+    };
     CheckRecord {
-        ok: outcome.is_ok(),
+        ok: error.is_none(),
         latency_ms: started.elapsed().as_secs_f64() * 1000.0,
-        error: outcome.err(),
+        error,
+        local,
     }
 }
 
-async fn http_check(config: &HealthConfig, target: SocketAddr) -> Result<(), String> {
-    let stream = TcpStream::connect(target).await.map_err(describe_io)?;
+async fn http_check(config: &HealthConfig, target: SocketAddr) -> Result<(), Failure> {
+    let stream = connect(target).await?;
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
-        .map_err(|e| format!("http: {e}"))?;
+        .map_err(|e| Failure::remote(format!("http: {e}")))?;
     tokio::spawn(connection);
     let request = hyper::Request::get(config.http_path())
         .header(hyper::header::HOST, target.ip().to_string())
         .header(hyper::header::USER_AGENT, "lb-health-check")
         .header(hyper::header::CONNECTION, "close")
         .body(Empty::<Bytes>::new())
-        .map_err(|e| format!("http request: {e}"))?;
+        .map_err(|e| Failure::remote(format!("http request: {e}")))?;
     let response = sender
         .send_request(request)
         .await
-        .map_err(|e| format!("http: {e}"))?;
+        .map_err(|e| Failure::remote(format!("http: {e}")))?;
     let status = response.status().as_u16();
     // Read (a bounded part of) the body: an application that answers headers and then
     // hangs is not healthy.
     Limited::new(response.into_body(), HTTP_BODY_CAP)
         .collect()
         .await
-        .map_err(|e| format!("http body: {e}"))?;
+        .map_err(|e| Failure::remote(format!("http body: {e}")))?;
     if status != config.expect_status {
-        return Err(format!(
+        return Err(Failure::remote(format!(
             "status {status} (expected {})",
             config.expect_status
-        ));
+        )));
     }
     Ok(())
+}
+
+/// Opens a TCP connection to `target`, telling this host's failures from the backend's.
+///
+/// A failure of socket(2), or one that connect(2) returns at once, happened before a
+/// packet went out: this host could not even try (no descriptors or buffers, no source
+/// address or port, no route, a local firewall). A failure that arrives later (refused,
+/// reset, an ICMP error from the path, a timeout) is the backend's or its network's.
+/// Some errors cannot come from the network at all and are local whenever they come.
+async fn connect(target: SocketAddr) -> Result<TcpStream, Failure> {
+    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage};
+    let family = if target.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket::socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|errno| failure(errno.into(), true))?;
+    match socket::connect(fd.as_raw_fd(), &SockaddrStorage::from(target)) {
+        Ok(()) | Err(nix::errno::Errno::EINPROGRESS) => {}
+        Err(errno) => return Err(failure(errno.into(), true)),
+    }
+    let stream =
+        TcpStream::from_std(std::net::TcpStream::from(fd)).map_err(|error| failure(error, true))?;
+    let outcome = match stream.writable().await {
+        Ok(()) => stream.take_error(),
+        Err(error) => Err(error),
+    };
+    match outcome {
+        Ok(None) => Ok(stream),
+        Ok(Some(error)) | Err(error) => Err(failure(error, false)),
+    }
+}
+
+/// A failed connection attempt: local when it failed before anything was sent
+/// (`immediate`) or for a reason only this host produces ([`is_local_errno`]).
+fn failure(error: std::io::Error, immediate: bool) -> Failure {
+    Failure {
+        local: immediate || error.raw_os_error().is_some_and(is_local_errno),
+        message: describe_io(error),
+    }
+}
+
+/// Errors that only this host produces, whenever they are reported: out of file
+/// descriptors, of buffer space or memory, of source addresses or ports.
+pub fn is_local_errno(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM | libc::EADDRNOTAVAIL
+    )
 }
 
 fn describe_io(error: std::io::Error) -> String {
@@ -296,6 +382,30 @@ pub fn record(
             .find(|b| b.id == id)
             .map(|b| (name, b))
     })?;
+    let address = backend.config.address;
+    if record.local {
+        // Not the backend's result: its health, streak and last counted check stay.
+        backend.local_check_errors += 1;
+        backend.local_errors_in_a_row += 1;
+        if backend.local_errors_in_a_row == 1 {
+            tracing::warn!(
+                "local check error for backend {address} of vip {vip}: {} (this host's \
+                 problem, not counted against the backend; health stays {})",
+                record.error.as_deref().unwrap_or("?"),
+                backend.health
+            );
+        }
+        backend.last_local_error = Some(record);
+        return None;
+    }
+    if backend.local_errors_in_a_row > 0 {
+        tracing::info!(
+            "checks of backend {address} of vip {vip} run again after {} local check \
+             error(s)",
+            backend.local_errors_in_a_row
+        );
+        backend.local_errors_in_a_row = 0;
+    }
     let mut state = CheckState {
         health: backend.health,
         streak: backend.streak,
@@ -304,7 +414,6 @@ pub fn record(
     let changed = state.observe(record.ok, rise, fall);
     backend.health = state.health;
     backend.streak = state.streak;
-    let address = backend.config.address;
     let seconds = record.latency_ms / 1000.0;
     let reason = record
         .error
@@ -459,6 +568,100 @@ mod tests {
                 "{d:?}"
             );
         }
+    }
+
+    #[test]
+    fn local_errors_are_told_from_the_backends() {
+        let io = |errno| std::io::Error::from_raw_os_error(errno);
+        // socket(2) or connect(2) failing at once: nothing was sent, whatever the errno.
+        for errno in [
+            libc::EMFILE,
+            libc::ENETUNREACH,
+            libc::EHOSTUNREACH,
+            libc::EACCES,
+        ] {
+            assert!(failure(io(errno), true).local, "immediate errno {errno}");
+        }
+        // Only this host runs out of descriptors, buffers or source ports...
+        for errno in [
+            libc::EMFILE,
+            libc::ENFILE,
+            libc::ENOBUFS,
+            libc::ENOMEM,
+            libc::EADDRNOTAVAIL,
+        ] {
+            assert!(failure(io(errno), false).local, "errno {errno}");
+        }
+        // ... while a refusal, a reset or an ICMP error from the path is the backend's.
+        for errno in [
+            libc::ECONNREFUSED,
+            libc::ECONNRESET,
+            libc::ETIMEDOUT,
+            libc::ENETUNREACH,
+            libc::EHOSTUNREACH,
+        ] {
+            let failure = failure(io(errno), false);
+            assert!(!failure.local, "errno {errno}");
+        }
+        assert_eq!(
+            failure(io(libc::ECONNREFUSED), false).message,
+            "connection refused"
+        );
+    }
+
+    fn checked_model() -> (Model, u32) {
+        let config = crate::config::Config::from_toml(
+            "[dataplane]\ninterface = \"eth0\"\nmaglev_table_size = 7\n\
+             [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+             [[vip.backend]]\naddress = \"10.0.0.11\"\n",
+        )
+        .unwrap();
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        model.update(&config).unwrap();
+        let id = model.vips[0].backends[0].id;
+        (model, id)
+    }
+
+    fn result(ok: bool, local: bool) -> CheckRecord {
+        CheckRecord {
+            ok,
+            latency_ms: 1.0,
+            error: (!ok).then(|| "Too many open files (os error 24)".to_string()),
+            local,
+        }
+    }
+
+    #[test]
+    fn local_check_errors_do_not_count_toward_fall() {
+        let (mut model, id) = checked_model();
+        let observed = Observed::default();
+        let mut feed =
+            |ok: bool, local: bool| record(&mut model, &observed, id, result(ok, local), 2, 3);
+        assert_eq!(feed(true, false), None);
+        assert_eq!(feed(true, false), Some(Health::Up));
+        // Any number of local errors, between counted failures: no change, and the
+        // streak of counted failures goes on across them.
+        for _ in 0..50 {
+            assert_eq!(feed(false, true), None);
+        }
+        assert_eq!(feed(false, false), None);
+        assert_eq!(feed(false, true), None);
+        assert_eq!(feed(false, false), None);
+        let backend = &model.vips[0].backends[0];
+        assert_eq!(backend.health, Health::Up);
+        assert_eq!((backend.streak, backend.local_check_errors), (2, 51));
+        assert_eq!(
+            backend.local_errors_in_a_row, 0,
+            "a counted check ends a run"
+        );
+        assert!(backend.last_local_error.as_ref().is_some_and(|r| r.local));
+        assert_eq!(backend.last_check.as_ref().map(|c| c.local), Some(false));
+        let mut feed = |ok, local| record(&mut model, &observed, id, result(ok, local), 2, 3);
+        assert_eq!(feed(false, false), Some(Health::Down), "3 counted failures");
+        // Nor do they count toward rise.
+        assert_eq!(feed(true, false), None);
+        assert_eq!(feed(false, true), None);
+        assert_eq!(feed(true, false), Some(Health::Up));
     }
 
     #[tokio::test]

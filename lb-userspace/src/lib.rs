@@ -1,9 +1,10 @@
 //! The `lb` agent: configuration, the data-plane loader, health checks and control.
 //!
 //! Modules, each of which uses only those listed before it (no import cycles):
-//! `config`; `dataplane`; `doctor`; `model`, `tables`; `writer`; `neighbor`, `capture`; `status`,
-//! `api`, `explain`, `telemetry`, `metrics`, `health`, `announce`; `state`; `control`,
-//! `client`, `top`; `agent`; `cli`. The README's Layout section says what each is for.
+//! `config`, `listen`, `lock`; `dataplane`; `doctor`; `model`, `tables`, `weights`;
+//! `writer`; `neighbor`, `capture`; `status`, `api`, `explain`, `telemetry`, `metrics`,
+//! `probe`, `vipprobe`, `agentcheck`, `health`, `announce`; `state`; `control`, `client`,
+//! `top`; `agent`; `cli`. The README's Layout section says what each is for.
 
 pub mod agent;
 pub mod agentcheck;
@@ -18,6 +19,8 @@ pub mod dataplane;
 pub mod doctor;
 pub mod explain;
 pub mod health;
+pub mod listen;
+pub mod lock;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;

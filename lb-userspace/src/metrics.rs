@@ -347,7 +347,9 @@ fn register_outcomes(registry: &mut Registry, outcomes: &[u64]) {
 /// after, outside it.
 pub type Scraper = Arc<dyn Fn() -> anyhow::Result<Scrape> + Send + Sync>;
 
-/// Serves `GET /metrics` on `address` until `shutdown`.
+/// Serves `GET /metrics` on `address` until `shutdown`, within the listener limits of
+/// `listen` (a local user can reach this port: nothing it does here costs the agent
+/// more than those connections).
 pub async fn serve(
     address: SocketAddr,
     scraper: Scraper,
@@ -359,14 +361,13 @@ pub async fn serve(
     let app = Router::new()
         .route("/metrics", get(metrics))
         .with_state(scraper);
-    Ok(tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await;
-        if let Err(error) = served {
-            tracing::error!("metrics endpoint: {error}");
-        }
-    }))
+    Ok(tokio::spawn(crate::listen::serve(
+        listener,
+        "metrics endpoint",
+        app,
+        crate::listen::LIMITS,
+        shutdown,
+    )))
 }
 
 async fn metrics(

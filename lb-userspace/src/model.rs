@@ -82,6 +82,11 @@ pub struct CheckRecord {
     pub latency_ms: f64,
     /// Why it failed ("connection refused", "timeout", "status 503" ...).
     pub error: Option<String>,
+    /// It failed for a reason of this host (no file descriptors, no buffers, no source
+    /// address, no route): no evidence against the backend, so not counted toward
+    /// `fall` or `rise`.
+    #[serde(default)]
+    pub local: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -94,6 +99,12 @@ pub struct BackendState {
     /// Consecutive results agreeing with each other (rise/fall progress).
     pub streak: u32,
     pub last_check: Option<CheckRecord>,
+    /// Checks that failed for a local reason (see `CheckRecord::local`), since start.
+    pub local_check_errors: u64,
+    /// Of those, how many in a row since the last counted check.
+    pub local_errors_in_a_row: u32,
+    /// The last check that failed for a local reason.
+    pub last_local_error: Option<CheckRecord>,
     /// When the backend entered `drain`.
     pub drain_started: Option<Instant>,
     /// Draining is over: its flows ended, went idle, or `drain_timeout` passed.
@@ -529,6 +540,9 @@ impl Model {
             health,
             streak: 0,
             last_check: None,
+            local_check_errors: 0,
+            local_errors_in_a_row: 0,
+            last_local_error: None,
             drain_started: (backend_config.state == AdminState::Drain).then_some(now),
             drained: false,
             agent: AgentState::default(),

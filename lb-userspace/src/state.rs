@@ -49,9 +49,12 @@ pub struct State {
     /// The table writer, and through it the data path.
     pub tables: Writer,
     pub interface: Interface,
-    pub mode: AttachedMode,
+    /// The XDP mode attached; None while the interface is gone.
+    pub mode: Option<AttachedMode>,
     /// `xdp_mode = "auto"` attached generic: why native was refused.
     pub native_refused: Option<String>,
+    /// Since when the interface is gone (the data path detached with it).
+    pub interface_gone: Option<Instant>,
     /// How this agent found the data path.
     pub start: Start,
     pub telemetry: Telemetry,
@@ -117,8 +120,9 @@ impl State {
             model,
             tables,
             interface,
-            mode,
+            mode: Some(mode),
             native_refused: None,
+            interface_gone: None,
             start: Start::Fresh,
             telemetry: Telemetry::default(),
             remove_when_drained: HashSet::new(),
@@ -184,6 +188,7 @@ impl State {
         if let Some(field) = self.config.restart_only_change(&new) {
             return Err(ReloadError::NeedsRestart(field));
         }
+        new.validate_host(&self.interface.addresses)?;
         let mut model = self.model.clone();
         model.update(&new).map_err(ReloadError::Model)?;
         let mut changes: Vec<String> = self
@@ -297,6 +302,7 @@ impl State {
         let mut config = self.config.clone();
         edit(&mut config)?;
         config.validate()?;
+        config.validate_host(&self.interface.addresses)?;
         let mut model = self.model.clone();
         model.update(&config)?;
         self.replace_model(model);
@@ -532,6 +538,8 @@ impl State {
                             ),
                             consecutive: b.streak,
                             last_check: b.last_check.clone(),
+                            local_check_errors: b.local_check_errors,
+                            last_local_error: b.last_local_error.clone(),
                             new_flows_per_second: self
                                 .telemetry
                                 .new_flow_rates
@@ -551,9 +559,20 @@ impl State {
         let status = Status {
             dataplane: DataplaneStatus {
                 interface: self.interface.name.clone(),
-                interface_mac: self.interface.mac.to_string(),
+                interface_mac: self
+                    .interface_gone
+                    .is_none()
+                    .then(|| self.interface.mac.to_string()),
                 xdp_mode: self.mode,
                 native_refused: self.native_refused.clone(),
+                detached: self.interface_gone.map(|since| {
+                    format!(
+                        "interface {} is gone (for {:.0}s); attaches again when an \
+                         interface of that name returns",
+                        self.interface.name,
+                        now.saturating_duration_since(since).as_secs_f64()
+                    )
+                }),
                 maglev_table_size: self.model.table_size,
                 conntrack_entries: self.telemetry.conntrack_size,
                 conntrack_entries_in_use: self.telemetry.conntrack_size,
@@ -635,6 +654,78 @@ impl State {
             flow_idle: self.config.dataplane.flow_idle_timeout,
         };
         explain::explain(&view, request, now_ns)
+    }
+}
+
+/// What the agent must do to follow its interface, given what netlink shows now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InterfaceChange {
+    /// Nothing (or only its addresses changed: taken as they are).
+    None,
+    /// It went away: the data path went with it.
+    Gone,
+    /// An interface of that name is there and the program is not attached to it as it
+    /// is (it came back, or its MAC changed): attach, then `interface_attached`.
+    Attach(Interface),
+}
+
+impl State {
+    /// Compares the interface as netlink shows it (`now`, None: there is none) with the
+    /// one the data path is attached to. Takes new addresses as they are.
+    pub fn interface_change(&mut self, now: Option<Interface>) -> InterfaceChange {
+        let Some(now) = now else {
+            return match self.interface_gone {
+                Some(_) => InterfaceChange::None,
+                None => InterfaceChange::Gone,
+            };
+        };
+        let attached_here = self.interface_gone.is_none()
+            && self.mode.is_some()
+            && now.index == self.interface.index
+            && now.mac == self.interface.mac;
+        if attached_here {
+            self.interface.addresses = now.addresses;
+            return InterfaceChange::None;
+        }
+        InterfaceChange::Attach(now)
+    }
+
+    /// The interface went away, and the data path with it (the kernel detached it).
+    pub fn interface_lost(&mut self) {
+        tracing::warn!(
+            "interface {} (index {}) is gone: the data path is detached and forwards \
+             nothing; it attaches again when an interface of that name returns",
+            self.interface.name,
+            self.interface.index
+        );
+        self.interface_gone = Some(Instant::now());
+        self.mode = None;
+    }
+
+    /// The program was attached to `interface` (`Attach`) in `mode`: the data path serves
+    /// again, with the tables the model asks for.
+    pub fn interface_attached(&mut self, interface: Interface, mode: AttachedMode) {
+        let what = match self.interface_gone.take() {
+            Some(since) => format!(
+                "interface {} is back after {:.1}s (index {}, MAC {}): attached again",
+                interface.name,
+                since.elapsed().as_secs_f64(),
+                interface.index,
+                interface.mac
+            ),
+            None if interface.index == self.interface.index => format!(
+                "interface {} changed its MAC from {} to {}: the program follows it",
+                interface.name, self.interface.mac, interface.mac
+            ),
+            None => format!(
+                "interface {} was replaced (index {} -> {}, MAC {}): attached to the new one",
+                interface.name, self.interface.index, interface.index, interface.mac
+            ),
+        };
+        tracing::info!("{what} (xdp mode {mode})");
+        self.interface = interface;
+        self.mode = Some(mode);
+        self.sync();
     }
 }
 
@@ -1035,6 +1126,81 @@ mod tests {
 
     fn web() -> VipTarget {
         "10.0.0.100:80/tcp".parse().unwrap()
+    }
+
+    #[test]
+    fn reload_and_runtime_changes_refuse_the_interfaces_own_address() {
+        let mut shared = shared(config("eth0", &["10.0.0.11"]));
+        let refused = shared.reload(config("eth0", &["10.0.0.11", "10.0.0.2"]));
+        assert!(
+            matches!(&refused, Err(ReloadError::Config(ConfigError::Invalid { field, .. }))
+                if field == "vip[0].backend[1].address"),
+            "{refused:?}"
+        );
+        assert_eq!(shared.model.vips[0].backends.len(), 1, "nothing changed");
+        let added = shared.add_backend(&web(), "10.0.0.2".parse().unwrap(), 1);
+        assert!(matches!(added, Err(ControlError::Invalid(_))), "{added:?}");
+    }
+
+    #[test]
+    fn the_interface_is_followed_through_loss_return_and_mac_changes() {
+        let mut shared = shared(config("eth0", &["10.0.0.11"]));
+        let here = shared.interface.clone();
+        assert_eq!(
+            shared.interface_change(Some(here.clone())),
+            InterfaceChange::None
+        );
+        // New addresses alone: taken as they are.
+        let mut readdressed = here.clone();
+        readdressed.addresses.push("10.0.0.3".parse().unwrap());
+        assert_eq!(
+            shared.interface_change(Some(readdressed)),
+            InterfaceChange::None
+        );
+        assert_eq!(shared.interface.addresses.len(), 2);
+        // Gone: once.
+        assert_eq!(shared.interface_change(None), InterfaceChange::Gone);
+        shared.interface_lost();
+        assert_eq!(shared.interface_change(None), InterfaceChange::None);
+        let status = shared.status().unwrap();
+        assert_eq!(status.dataplane.xdp_mode, None);
+        assert_eq!(status.dataplane.interface_mac, None);
+        assert!(
+            status
+                .dataplane
+                .detached
+                .as_deref()
+                .is_some_and(|why| why.contains("interface eth0 is gone")),
+            "{:?}",
+            status.dataplane.detached
+        );
+        // Back, as a new interface (another index, another MAC): attach.
+        let back = Interface {
+            index: 7,
+            mac: MacAddr([2, 0, 0, 0, 0, 7]),
+            ..here.clone()
+        };
+        assert_eq!(
+            shared.interface_change(Some(back.clone())),
+            InterfaceChange::Attach(back.clone())
+        );
+        shared.interface_attached(back.clone(), AttachedMode::Native);
+        let status = shared.status().unwrap();
+        assert_eq!(status.dataplane.xdp_mode, Some(AttachedMode::Native));
+        assert_eq!(
+            status.dataplane.interface_mac.as_deref(),
+            Some("02:00:00:00:00:07")
+        );
+        assert_eq!(status.dataplane.detached, None);
+        // A MAC change in place: attach (the program carries the MAC).
+        let moved = Interface {
+            mac: MacAddr([2, 0, 0, 0, 0, 8]),
+            ..back
+        };
+        assert_eq!(
+            shared.interface_change(Some(moved.clone())),
+            InterfaceChange::Attach(moved)
+        );
     }
 
     #[test]
@@ -1691,6 +1857,7 @@ pub(crate) mod test_support {
             name: "eth0".into(),
             index: 1,
             mac: MacAddr([2, 0, 0, 0, 0, 1]),
+            addresses: vec!["10.0.0.2".parse().unwrap()],
         };
         let tables = Writer::inline(Box::new(MemoryDataplane::default()), TableWriter::new(7));
         let mut shared = State::new(

@@ -51,9 +51,14 @@ pub struct NodeStatus {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DataplaneStatus {
     pub interface: String,
-    pub interface_mac: String,
-    /// The XDP mode actually attached.
-    pub xdp_mode: AttachedMode,
+    /// The interface's MAC; None while it is gone.
+    pub interface_mac: Option<String>,
+    /// The XDP mode actually attached; None while detached (the interface is gone).
+    pub xdp_mode: Option<AttachedMode>,
+    /// Why the data path is not attached, while it is not: the interface went away.
+    /// The agent attaches again when an interface of that name returns.
+    #[serde(default)]
+    pub detached: Option<String>,
     /// `xdp_mode = "auto"` attached in generic mode: why native was refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub native_refused: Option<String>,
@@ -198,6 +203,13 @@ pub struct BackendStatus {
     /// Consecutive check results agreeing with the last one.
     pub consecutive: u32,
     pub last_check: Option<CheckRecord>,
+    /// Checks that failed for a reason of this host (file descriptors, buffers, source
+    /// addresses, routes): not counted toward rise/fall. Since the agent started.
+    #[serde(default)]
+    pub local_check_errors: u64,
+    /// The last of them.
+    #[serde(default)]
+    pub last_local_error: Option<CheckRecord>,
     /// New flows per second over the last sample interval.
     pub new_flows_per_second: f64,
     /// The weight new flows are shared by now, in units of the configured weight.
@@ -246,10 +258,15 @@ fn render_dataplane(out: &mut String, status: &Status) {
         ),
         None => "connection table not scanned yet".to_string(),
     };
+    let attached = match (&d.detached, &d.interface_mac, d.xdp_mode) {
+        (Some(why), ..) => format!("DETACHED: {why}"),
+        (None, Some(mac), Some(mode)) => format!("({mac}) xdp mode {mode}"),
+        (None, ..) => "(?)".to_string(),
+    };
     let _ = writeln!(
         out,
-        "data path: {} ({}) xdp mode {}, maglev table {} slots, {scanned}",
-        d.interface, d.interface_mac, d.xdp_mode, d.maglev_table_size
+        "data path: {} {attached}, maglev table {} slots, {scanned}",
+        d.interface, d.maglev_table_size
     );
     let _ = writeln!(out, "start: {}", d.start);
     if let Some(why) = &d.native_refused {
@@ -330,12 +347,19 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
         "new_flows"
     );
     for b in &vip.backends {
-        let check = match &b.last_check {
+        let mut check = match &b.last_check {
             _ if b.state == AdminStatus::Maint => "unchecked (maint)".to_string(),
             None => "-".to_string(),
             Some(c) if c.ok => format!("ok {:.1}ms", c.latency_ms),
             Some(c) => format!("failed: {}", c.error.as_deref().unwrap_or("?")),
         };
+        if let Some(local) = &b.last_local_error {
+            check += &format!(
+                "; {} local check error(s), last: {}",
+                b.local_check_errors,
+                local.error.as_deref().unwrap_or("?")
+            );
+        }
         let _ = writeln!(
             out,
             "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  {}",
@@ -385,6 +409,8 @@ pub mod tests {
             check: Some("tcp port 80".into()),
             consecutive: 2,
             last_check: None,
+            local_check_errors: 0,
+            last_local_error: None,
             new_flows_per_second: 0.0,
             effective_weight: 1.0,
             weight_reason: "configured".into(),
@@ -393,8 +419,9 @@ pub mod tests {
         Status {
             dataplane: DataplaneStatus {
                 interface: "eth0".into(),
-                interface_mac: "02:00:00:00:00:01".into(),
-                xdp_mode: AttachedMode::Generic,
+                interface_mac: Some("02:00:00:00:00:01".into()),
+                xdp_mode: Some(AttachedMode::Generic),
+                detached: None,
                 native_refused: None,
                 maglev_table_size: 7,
                 conntrack_entries: 0,
@@ -451,6 +478,10 @@ pub mod tests {
             quiet.contains("new flows: - (no new flows in the last sample)"),
             "{quiet}"
         );
+        assert!(
+            text.contains("data path: eth0 (02:00:00:00:00:01) xdp mode generic"),
+            "{text}"
+        );
         for line in [
             "start: fresh",
             "vip web 10.0.0.100:80/tcp hash 5-tuple",
@@ -489,6 +520,45 @@ pub mod tests {
         assert!(text.contains("vip web [fd00::100]:80/tcp hash"), "{text}");
         let target: VipTarget = status.vips[0].target().parse().unwrap();
         assert_eq!(target.address.to_string(), "fd00::100");
+    }
+
+    #[test]
+    fn a_detached_data_path_says_so_and_shows_no_stale_mac() {
+        let mut status = sample();
+        status.dataplane.detached = Some("interface eth0 is gone".into());
+        status.dataplane.interface_mac = None;
+        status.dataplane.xdp_mode = None;
+        let text = render(&status);
+        assert!(
+            text.contains("data path: eth0 DETACHED: interface eth0 is gone, maglev"),
+            "{text}"
+        );
+        assert!(!text.contains("02:00:00:00:00:01"), "{text}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["dataplane"]["xdp_mode"], serde_json::Value::Null);
+        assert_eq!(json["dataplane"]["detached"], "interface eth0 is gone");
+    }
+
+    #[test]
+    fn status_of_an_older_agent_still_parses() {
+        // Before `detached`, `local_check_errors` and `last_local_error` existed.
+        let mut json = serde_json::to_value(sample()).unwrap();
+        json["dataplane"]
+            .as_object_mut()
+            .unwrap()
+            .remove("detached");
+        let backend = json["vips"][0]["backends"][0].as_object_mut().unwrap();
+        backend.remove("local_check_errors");
+        backend.remove("last_local_error");
+        backend.insert(
+            "last_check".into(),
+            serde_json::json!({"ok": false, "latency_ms": 1.0, "error": "refused"}),
+        );
+        let status: Status = serde_json::from_value(json).unwrap();
+        assert_eq!(status.dataplane.detached, None);
+        let backend = &status.vips[0].backends[0];
+        assert_eq!(backend.local_check_errors, 0);
+        assert_eq!(backend.last_check.as_ref().map(|c| c.local), Some(false));
     }
 
     #[test]

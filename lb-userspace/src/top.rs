@@ -72,7 +72,8 @@ pub fn render(status: &Status, rates: Option<(f64, &Previous)>, hot: f64, color:
         out,
         "lb top: {} ({} mode), {} of {} connection-table entries in use; drops {}",
         d.interface,
-        d.xdp_mode,
+        d.xdp_mode
+            .map_or("DETACHED".to_string(), |mode| mode.to_string()),
         d.conntrack_entries_in_use,
         d.conntrack_capacity,
         status

@@ -88,6 +88,8 @@ pub struct Lab {
     udp_servers: Vec<UdpServer>,
     agent: Option<Agent>,
     xdp_pass: Option<XdpPass>,
+    /// `LabOptions::xdp_pass_on_peer`, for a re-plugged interface.
+    xdp_pass_wanted: bool,
     client: Netns,
     lb: Netns,
     backends: Vec<Netns>,
@@ -186,6 +188,7 @@ impl Lab {
             udp_servers: Vec::new(),
             agent: None,
             xdp_pass,
+            xdp_pass_wanted: opts.xdp_pass_on_peer,
             client,
             lb,
             backends,
@@ -410,6 +413,27 @@ impl Lab {
         self.agent.take()
     }
 
+    /// Deletes the balancer's interface (a driver unloaded, a device unplugged): its
+    /// bridge port goes with it.
+    pub fn unplug_lb(&mut self) -> Result<()> {
+        ip(&["-n", self.lb.name(), "link", "del", IFACE])?;
+        // Its xdp_pass went with the port.
+        self.xdp_pass.take();
+        Ok(())
+    }
+
+    /// Creates the balancer's interface again (a new device of the same name) with
+    /// `mac`, its addresses, and (if the lab has one) `xdp_pass` on its new bridge port.
+    pub fn replug_lb(&mut self, mac: &str) -> Result<()> {
+        fabric_port(&self.switch, &self.lb, LB_PORT, IFACE)?;
+        ip(&["-n", self.lb.name(), "link", "set", IFACE, "address", mac])?;
+        host_interface(&self.lb, host_v4(2), host_v6(2))?;
+        if self.xdp_pass_wanted {
+            self.xdp_pass = Some(XdpPass::attach(&self.switch, LB_PORT)?);
+        }
+        Ok(())
+    }
+
     /// The agent's log so far ("" when none ran).
     pub fn agent_log(&self) -> String {
         self.agent.as_ref().map(Agent::log).unwrap_or_default()
@@ -484,6 +508,12 @@ fn host(switch: &Netns, role: &str, port: &str, a4: Ipv4Addr, a6: Ipv6Addr) -> R
     ns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
     ns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
     fabric_port(switch, &ns, port, IFACE)?;
+    host_interface(&ns, a4, a6)?;
+    Ok(ns)
+}
+
+/// Gives the host's `eth0` its addresses and brings it up.
+fn host_interface(ns: &Netns, a4: Ipv4Addr, a6: Ipv6Addr) -> Result<()> {
     let n = ns.name();
     ip(&["-n", n, "addr", "add", &format!("{a4}/24"), "dev", IFACE])?;
     ip(&[
@@ -497,7 +527,7 @@ fn host(switch: &Netns, role: &str, port: &str, a4: Ipv4Addr, a6: Ipv6Addr) -> R
         "nodad",
     ])?;
     ip(&["-n", n, "link", "set", IFACE, "up"])?;
-    Ok(ns)
+    Ok(())
 }
 
 /// `xdp_pass` attached natively on an interface, held by a thread inside its namespace

@@ -133,6 +133,21 @@ fn lb_check_and_run_refuse_bad_files_with_exit_2_naming_the_field() {
             "maglev_table_size",
         ),
         ("syntax", format!("{good}\n[[vip]\n"), "TOML"),
+        (
+            "backend at the VIP",
+            good.replacen("address = \"10.99.0.11\"", "address = \"10.99.0.100\"", 1),
+            "vip[0].backend[0].address",
+        ),
+        (
+            "loopback backend",
+            good.replacen("address = \"10.99.0.12\"", "address = \"127.0.0.1\"", 1),
+            "loopback",
+        ),
+        (
+            "interval of ages",
+            good.replacen("interval = \"200ms\"", "interval = \"100000000000days\"", 1),
+            "vip[0].health.interval",
+        ),
     ];
     for (what, text, named) in cases {
         assert_ne!(text, good, "{what}: the case did not change the file");
@@ -157,6 +172,16 @@ fn lb_check_and_run_refuse_bad_files_with_exit_2_naming_the_field() {
             );
         }
     }
+    // Not a file to read to its end: refused at a few MiB, at once.
+    let started = std::time::Instant::now();
+    let zero = lb_tests::agent::run_lb(&bin, &["check", "--config", "/dev/zero"]).unwrap();
+    assert_eq!(zero.status.code(), Some(2), "{zero}");
+    assert!(zero.stderr.contains("/dev/zero is larger than"), "{zero}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
     let missing = Command::new(&bin)
         .args(["check", "--config"])
         .arg(dir.path().join("absent.toml"))

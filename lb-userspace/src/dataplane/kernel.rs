@@ -20,7 +20,8 @@ use lb_common::{
 };
 
 use super::{
-    Adopted, AttachHints, AttachedMode, Attachment, Counters, Dataplane, DataplaneError,
+    Adopted, AttachHints, AttachTarget, AttachedMode, Attachment, Counters, Dataplane,
+    DataplaneError,
     FlowReader, Found, LoadOptions, attach,
     batch::update_batch,
     in_map,
@@ -56,6 +57,9 @@ pub struct AyaDataplane {
     previous: Option<Adopted>,
     /// Whether the kernel takes batch map updates (BPF_MAP_UPDATE_BATCH).
     batch_writes: bool,
+    /// The debug capture's ring, once `take_capture` gave it away: a program loaded by
+    /// `follow_interface` must write into the same ring.
+    capture: Option<MapData>,
 }
 
 impl AyaDataplane {
@@ -117,6 +121,42 @@ impl AyaDataplane {
         options: LoadOptions,
         pins: Option<&Path>,
     ) -> Result<Self, DataplaneError> {
+        let mut ebpf = Self::load_program(object, &options, pins, None)?;
+        let vips = Vips::new(
+            take_map(&mut ebpf, MAP_VIPS)?,
+            take_map(&mut ebpf, MAP_VIP_SLOTS)?,
+        )?;
+        let dataplane = Self {
+            vips,
+            maglev: take_map(&mut ebpf, MAP_MAGLEV)?,
+            backends: take_map(&mut ebpf, MAP_BACKENDS)?,
+            stats: take_map(&mut ebpf, MAP_STATS)?,
+            vip_stats: take_map(&mut ebpf, MAP_VIP_STATS)?,
+            backend_stats: take_map(&mut ebpf, MAP_BACKEND_STATS)?,
+            conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
+            sources: take_map(&mut ebpf, MAP_SOURCES)?,
+            identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
+            meta: take_map(&mut ebpf, MAP_META)?,
+            pin_dir: pins.map(Path::to_path_buf),
+            options,
+            link_mode: None,
+            previous: None,
+            batch_writes: true,
+            capture: None,
+            ebpf,
+        };
+        Ok(dataplane)
+    }
+
+    /// Loads `lb_xdp` from `object` with `options`: with the maps pinned in `pins` (made
+    /// there when missing), and with the maps of this instance pinned in `instance`
+    /// (`follow_interface`: a second program on this one's maps).
+    fn load_program(
+        object: &[u8],
+        options: &LoadOptions,
+        pins: Option<&Path>,
+        instance: Option<(&Path, &[String])>,
+    ) -> Result<Ebpf, DataplaneError> {
         if object.is_empty() {
             return Err(DataplaneError::NoObject);
         }
@@ -145,32 +185,15 @@ impl AyaDataplane {
                 loader.map_pin_path(name, dir.join(name));
             }
         }
+        if let Some((dir, names)) = instance {
+            for name in names {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
         let mut ebpf = loader.load(object)?;
         let program: &mut Xdp = program(&mut ebpf)?;
         program.load().map_err(lb_xdp_error)?;
-        let vips = Vips::new(
-            take_map(&mut ebpf, MAP_VIPS)?,
-            take_map(&mut ebpf, MAP_VIP_SLOTS)?,
-        )?;
-        let dataplane = Self {
-            vips,
-            maglev: take_map(&mut ebpf, MAP_MAGLEV)?,
-            backends: take_map(&mut ebpf, MAP_BACKENDS)?,
-            stats: take_map(&mut ebpf, MAP_STATS)?,
-            vip_stats: take_map(&mut ebpf, MAP_VIP_STATS)?,
-            backend_stats: take_map(&mut ebpf, MAP_BACKEND_STATS)?,
-            conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
-            sources: take_map(&mut ebpf, MAP_SOURCES)?,
-            identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
-            meta: take_map(&mut ebpf, MAP_META)?,
-            pin_dir: pins.map(Path::to_path_buf),
-            options,
-            link_mode: None,
-            previous: None,
-            batch_writes: true,
-            ebpf,
-        };
-        Ok(dataplane)
+        Ok(ebpf)
     }
 
     /// After replacing incompatible pins: the backends the replaced program served.
@@ -248,17 +271,24 @@ impl AyaDataplane {
                 native_refused: None,
             });
         }
-        if link_path.exists() {
-            std::fs::remove_file(&link_path).map_err(|source| DataplaneError::Pin {
-                path: link_path.clone(),
-                source,
-            })?;
-        }
+        self.attach_afresh(interface, mode, &link_path, hints)
+    }
+
+    /// Replaces the link pinned at `link_path` (if any) with a new one of this program on
+    /// `interface`, and records the mode attached.
+    fn attach_afresh(
+        &mut self,
+        interface: &str,
+        mode: XdpModeSetting,
+        link_path: &Path,
+        hints: &AttachHints,
+    ) -> Result<Attachment, DataplaneError> {
+        pins::remove_pin(link_path)?;
         let (attachment, id) = self.attach_link(interface, mode, hints)?;
         let link = program(&mut self.ebpf)?
             .take_link(id)
             .map_err(lb_xdp_error)?;
-        pins::pin_link(link, &link_path)?;
+        pins::pin_link(link, link_path)?;
         pins::write_meta(&mut self.meta, &self.options, Some(attachment.mode))?;
         Ok(attachment)
     }
@@ -331,7 +361,117 @@ impl AyaDataplane {
 
     /// The debug capture's ring buffer, for `capture::write_pcap` (once).
     pub fn take_capture(&mut self) -> Result<aya::maps::RingBuf<MapData>, DataplaneError> {
+        if let Some(aya::maps::Map::RingBuf(ring)) = self.ebpf.map(MAP_CAPTURE) {
+            let fd = ring
+                .fd()
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(|e| syscall_error(MAP_CAPTURE, "dup", e))?;
+            self.capture = Some(MapData::from_fd(fd).map_err(in_map(MAP_CAPTURE))?);
+        }
         take_map(&mut self.ebpf, MAP_CAPTURE)
+    }
+
+    /// See `Dataplane::follow_interface`. The new program shares every map with the
+    /// running one: the pinned maps by their pins, this instance's own (heavy hitters,
+    /// the capture ring, per-CPU state) through pins made for the load and removed after.
+    /// Only its read-only data differs: the interface's MAC.
+    pub fn follow(&mut self, target: &AttachTarget) -> Result<AttachedMode, DataplaneError> {
+        let dir = self
+            .pin_dir
+            .clone()
+            .expect("follow_interface after load_pinned");
+        let mut options = self.options;
+        options.iface_mac = target.mac;
+        options.ifindex = target.ifindex;
+        let ebpf = self.load_sharing_maps(target.object, &options, &dir)?;
+        // The old program goes once the new one is attached (dropping it detaches
+        // nothing: its link is pinned).
+        let _old = std::mem::replace(&mut self.ebpf, ebpf);
+        self.options = options;
+        let link_path = dir.join(LINK_PIN);
+        if let Some(mode) = target.attached
+            && link_path.exists()
+        {
+            // The interface is the one the link is on: swap the program in one step.
+            let link = pins::open_pinned_link(&link_path)?;
+            let program = program(&mut self.ebpf)?;
+            match program.attach_to_link(link) {
+                Ok(id) => {
+                    std::mem::forget(program.take_link(id).map_err(lb_xdp_error)?);
+                    pins::write_meta(&mut self.meta, &self.options, Some(mode))?;
+                    return Ok(mode);
+                }
+                Err(error) => tracing::warn!(
+                    "replacing the program on its link failed ({error}); attaching afresh"
+                ),
+            }
+        }
+        // A new interface of that name: the old link went with the old interface.
+        let attachment =
+            self.attach_afresh(&target.interface, target.mode, &link_path, &AttachHints::default())?;
+        if let Some(why) = &attachment.native_refused {
+            tracing::warn!("xdp_mode = \"auto\": attached in generic mode; native refused: {why}");
+        }
+        Ok(attachment.mode)
+    }
+
+    /// Loads the program again with `options`, on this instance's maps.
+    fn load_sharing_maps(
+        &self,
+        object: &[u8],
+        options: &LoadOptions,
+        dir: &Path,
+    ) -> Result<Ebpf, DataplaneError> {
+        // bpffs refuses names with a dot.
+        let instance = dir.join(format!("follow-{}", std::process::id()));
+        let pin_error = |source| DataplaneError::Pin {
+            path: instance.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&instance).map_err(pin_error)?;
+        let pinned = self.pin_instance_maps(&instance);
+        let loaded = pinned.and_then(|names| {
+            Self::load_program(object, options, Some(dir), Some((&instance, &names)))
+        });
+        // The maps live on in both programs' descriptors; the pins were for the load.
+        let removed = std::fs::remove_dir_all(&instance).map_err(pin_error);
+        let ebpf = loaded?;
+        removed?;
+        Ok(ebpf)
+    }
+
+    /// Pins the maps of this program instance (neither pinned for restarts nor the
+    /// object's read-only data) in `dir`; returns their names.
+    fn pin_instance_maps(&self, dir: &Path) -> Result<Vec<String>, DataplaneError> {
+        let pin = |name: &str, pinned: Result<(), aya::pin::PinError>| {
+            pinned.map_err(|source| DataplaneError::PinMap {
+                path: dir.join(name),
+                source,
+            })
+        };
+        let mut names = Vec::new();
+        for (name, map) in self.ebpf.maps() {
+            if name.starts_with('.') || PINNED_MAPS.contains(&name) {
+                continue;
+            }
+            pin(name, map.pin(dir.join(name)))?;
+            names.push(name.to_string());
+        }
+        // Taken out of `ebpf` at load (and by `take_capture`).
+        let taken = [
+            (MAP_SOURCES, Some(IterableMap::map(&self.sources))),
+            (MAP_CAPTURE, self.capture.as_ref()),
+        ];
+        for (name, map) in taken {
+            if let Some(map) = map
+                && !names.iter().any(|n| n == name)
+            {
+                pin(name, map.pin(dir.join(name)))?;
+                names.push(name.to_string());
+            }
+        }
+        Ok(names)
     }
 
     /// Writes a connection-table entry (tests: to age or plant an entry).
@@ -506,5 +646,9 @@ impl Dataplane for AyaDataplane {
 
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {
         FlowReader::of(&self.conntrack)
+    }
+
+    fn follow_interface(&mut self, target: &AttachTarget) -> Result<AttachedMode, DataplaneError> {
+        self.follow(target)
     }
 }

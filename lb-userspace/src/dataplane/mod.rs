@@ -82,6 +82,11 @@ pub enum DataplaneError {
         path: PathBuf,
         source: aya::pin::PinError,
     },
+    #[error("pinning map {path}")]
+    PinMap {
+        path: PathBuf,
+        source: aya::pin::PinError,
+    },
 }
 
 /// Summed (over CPUs) counters of the data path.
@@ -119,6 +124,28 @@ pub trait Dataplane {
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError>;
     /// New flows per client source and VIP (summed over CPUs) since the program loaded.
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError>;
+    /// Follows the interface to `target` (it came back under its name, or its MAC
+    /// changed): the program again, built for its MAC, on the same maps, attached in
+    /// place of the running one, or afresh by the mode rules of the start. A data path
+    /// without a program (in memory) has nothing to do.
+    fn follow_interface(&mut self, target: &AttachTarget) -> Result<AttachedMode, DataplaneError> {
+        Ok(target.attached.unwrap_or(AttachedMode::Generic))
+    }
+}
+
+/// Where `Dataplane::follow_interface` attaches.
+#[derive(Clone, Debug)]
+pub struct AttachTarget {
+    /// The eBPF object to load the program from.
+    pub object: &'static [u8],
+    pub interface: String,
+    pub ifindex: u32,
+    /// The interface's MAC: the source of forwarded frames, compiled into the program.
+    pub mac: [u8; 6],
+    pub mode: crate::config::XdpModeSetting,
+    /// The mode the running program is attached in on this interface (`ifindex`); None
+    /// when the interface it was attached to is gone.
+    pub attached: Option<AttachedMode>,
 }
 
 /// The XDP mode that was actually attached.

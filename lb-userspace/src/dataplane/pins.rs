@@ -212,7 +212,7 @@ pub(super) fn remove_map_pins(dir: &Path) -> Result<usize, DataplaneError> {
 }
 
 /// Removes one pinned file; one already gone is no error. Returns whether it was there.
-fn remove_pin(path: &Path) -> Result<bool, DataplaneError> {
+pub(super) fn remove_pin(path: &Path) -> Result<bool, DataplaneError> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(true),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(false),
