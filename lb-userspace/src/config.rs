@@ -703,6 +703,19 @@ mod metrics_addr {
     }
 }
 
+/// A name as `query` is written: absolute or relative, "." for the root.
+pub fn parse_name(text: &str) -> Result<hickory_proto::rr::Name, String> {
+    hickory_proto::rr::Name::from_ascii(text)
+        .map_err(|e| format!("{text:?} is not a DNS name: {e}"))
+}
+
+/// A record type as `query_type` is written ("A", "AAAA", "NS", "SOA" ...).
+pub fn parse_record_type(text: &str) -> Result<hickory_proto::rr::RecordType, String> {
+    text.to_ascii_uppercase()
+        .parse::<hickory_proto::rr::RecordType>()
+        .map_err(|_| format!("{text:?} is not a DNS record type (A, AAAA, NS, SOA, TXT ...)"))
+}
+
 /// Whether two configurations keep the same routes (table, protocol and device): the
 /// announcer is set up once, so a reload must not change these.
 pub fn same_routes(a: &Option<AnnounceConfig>, b: &Option<AnnounceConfig>) -> bool {
@@ -1215,12 +1228,12 @@ impl HealthConfig {
             ));
         }
         if let Some(query) = &self.query
-            && let Err(why) = crate::probe::parse_name(query)
+            && let Err(why) = parse_name(query)
         {
             return Err(invalid(format!("{at}.query"), why));
         }
         if let Some(kind) = &self.query_type
-            && let Err(why) = crate::probe::parse_record_type(kind)
+            && let Err(why) = parse_record_type(kind)
         {
             return Err(invalid(format!("{at}.query_type"), why));
         }

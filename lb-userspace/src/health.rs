@@ -126,7 +126,13 @@ pub async fn check(
     via: Option<Result<VipPath, String>>,
 ) -> CheckRecord {
     let started = Instant::now();
-    let outcome = tokio::time::timeout(config.timeout, async {
+    // A check through the VIP keeps the timeout itself, and says what did not come ("no
+    // SYN-ACK from the VIP within 1s"); this one is then only a net under it.
+    let limit = match via {
+        Some(_) => config.timeout + Duration::from_millis(250),
+        None => config.timeout,
+    };
+    let outcome = tokio::time::timeout(limit, async {
         if let Some(path) = via {
             // No way to send it (no MAC yet, no address of the family here): this host
             // could not check, which says nothing of the backend.

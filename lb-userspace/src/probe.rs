@@ -8,29 +8,14 @@
 
 use std::net::SocketAddr;
 
-use hickory_proto::{
-    op::{Message, MessageType, OpCode, Query, ResponseCode},
-    rr::{Name, RecordType},
-};
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use tokio::net::UdpSocket;
 
-use crate::config::HealthConfig;
+use crate::config::{HealthConfig, parse_name, parse_record_type};
 
 /// The largest reply read (a DNS answer over UDP without EDNS is at most 512 bytes; a
 /// udp check's reply is text to look into).
 const REPLY_CAP: usize = 4096;
-
-/// A name as `query` is written: absolute or relative, "." for the root.
-pub fn parse_name(text: &str) -> Result<Name, String> {
-    Name::from_ascii(text).map_err(|e| format!("{text:?} is not a DNS name: {e}"))
-}
-
-/// A record type as `query_type` is written ("A", "AAAA", "NS", "SOA" ...).
-pub fn parse_record_type(text: &str) -> Result<RecordType, String> {
-    text.to_ascii_uppercase()
-        .parse::<RecordType>()
-        .map_err(|_| format!("{text:?} is not a DNS record type (A, AAAA, NS, SOA, TXT ...)"))
-}
 
 /// A UDP socket of `target`'s family, connected to it.
 async fn connected(target: SocketAddr) -> Result<UdpSocket, String> {
@@ -123,6 +108,7 @@ pub async fn dns_check(config: &HealthConfig, target: SocketAddr) -> Result<(), 
 mod tests {
     use super::*;
     use crate::config::HealthKind;
+    use hickory_proto::rr::RecordType;
     use std::time::Duration;
 
     fn dns_config(query: Option<&str>, kind: Option<&str>) -> HealthConfig {

@@ -1451,6 +1451,7 @@ mod tests {
                 ok: true,
                 latency_ms: 1.3,
                 error: None,
+                local: false,
             });
         }
         shared.model.vips[0].backends[2].health = Health::Down;

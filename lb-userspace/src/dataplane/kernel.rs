@@ -21,8 +21,7 @@ use lb_common::{
 
 use super::{
     Adopted, AttachHints, AttachTarget, AttachedMode, Attachment, Counters, Dataplane,
-    DataplaneError,
-    FlowReader, Found, LoadOptions, attach,
+    DataplaneError, FlowReader, Found, LoadOptions, attach,
     batch::update_batch,
     in_map,
     pins::{self, LINK_PIN, PINNED_MAPS},
@@ -408,8 +407,12 @@ impl AyaDataplane {
             }
         }
         // A new interface of that name: the old link went with the old interface.
-        let attachment =
-            self.attach_afresh(&target.interface, target.mode, &link_path, &AttachHints::default())?;
+        let attachment = self.attach_afresh(
+            &target.interface,
+            target.mode,
+            &link_path,
+            &AttachHints::default(),
+        )?;
         if let Some(why) = &attachment.native_refused {
             tracing::warn!("xdp_mode = \"auto\": attached in generic mode; native refused: {why}");
         }
