@@ -57,6 +57,8 @@ pub enum OnExit {
 /// Runs the agent until SIGINT or SIGTERM.
 pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     let config = Config::load(&config_path)?;
+    // First: without privileges every later step fails, each in its own words.
+    require_privileges()?;
     raise_open_file_limit();
     // Held until the agent exits: before anything touches the pins or the interface.
     let mut lock = lock::acquire(&config, &config_path)?;
@@ -128,7 +130,6 @@ struct Started {
 /// attaches: the program never runs on empty maps. Anything refused before the pins are
 /// touched leaves the host as it was.
 async fn start(config: &Config) -> anyhow::Result<Started> {
-    require_privileges()?;
     let new_model = |vip_capacity: u32| {
         Model::new(
             config.dataplane.maglev_table_size,
