@@ -9,6 +9,7 @@
 #[cfg(feature = "user")]
 pub mod maglev;
 
+pub mod addr;
 mod hash;
 pub use hash::{FlowTuple, flow_hash, stable_hash64};
 

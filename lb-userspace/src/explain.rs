@@ -6,9 +6,7 @@ use std::{
     time::Duration,
 };
 
-use lb_common::{
-    ADDR_FAMILY_V4, ADDR_FAMILY_V6, BACKEND_NONE, FlowKey, FlowTuple, flow_hash, maglev_slot,
-};
+use lb_common::{BACKEND_NONE, FlowKey, FlowTuple, flow_hash, maglev_slot};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -109,46 +107,13 @@ pub enum ExplainError {
 
 /// The 5-tuple of a flow from `source` to the VIP, as the program hashes it.
 pub fn flow_tuple(vip: &VipTarget, source: SocketAddr) -> FlowTuple {
-    let (src, family) = words(source.ip());
-    let (dst, _) = words(vip.address);
-    FlowTuple {
-        src,
-        dst,
-        src_port: source.port(),
-        dst_port: vip.port,
-        proto: vip.protocol.number(),
-        family,
-    }
-}
-
-fn words(address: IpAddr) -> ([u32; 4], u8) {
-    match address {
-        IpAddr::V4(a) => ([u32::from(a), 0, 0, 0], ADDR_FAMILY_V4),
-        IpAddr::V6(a) => {
-            let o = a.octets();
-            let w = |i: usize| u32::from_be_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
-            ([w(0), w(4), w(8), w(12)], ADDR_FAMILY_V6)
-        }
-    }
+    flow_key(vip, source).tuple()
 }
 
 /// The connection-table key of a flow from `source` to the VIP.
 pub fn flow_key(vip: &VipTarget, source: SocketAddr) -> FlowKey {
-    // Addresses as the maps hold them (IPv4: the first 4 bytes), as for a VIP key.
-    let bytes = |a: IpAddr| crate::model::vip_key(a, 0, 0).addr;
-    FlowKey {
-        src: bytes(source.ip()),
-        dst: bytes(vip.address),
-        src_port: source.port().to_be(),
-        dst_port: vip.port.to_be(),
-        proto: vip.protocol.number(),
-        family: if source.is_ipv4() {
-            ADDR_FAMILY_V4
-        } else {
-            ADDR_FAMILY_V6
-        },
-        _pad: [0; 2],
-    }
+    let vip_socket = SocketAddr::new(vip.address, vip.port);
+    FlowKey::between(source, vip_socket, vip.protocol.number())
 }
 
 /// The backend id the table gives a flow (`BACKEND_NONE` when none).

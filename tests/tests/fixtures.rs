@@ -4,6 +4,7 @@
 //! `Model` -> `TableWriter` -> `AyaDataplane`). Each case is an input frame, the
 //! expected action, the counter that must say why, and the expected output bytes.
 
+use std::net::IpAddr;
 use std::sync::Mutex;
 
 use aya::programs::{TestRun, TestRunOptions};
@@ -1409,11 +1410,8 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
     // Two VIP keys (same address, two ports) that hash to one slot of LB_VIP_SLOTS: the
     // slot is shared and the program asks LB_VIPS; once one VIP goes, the slot is the
     // other's alone.
-    let key = |port: u16| lb_common::VipKey {
-        addr: [10, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-        port: port.to_be(),
-        proto: lb_common::PROTO_TCP,
-        family: lb_common::ADDR_FAMILY_V4,
+    let key = |port: u16| {
+        lb_userspace::model::vip_key([10, 0, 0, 100].into(), port, lb_common::PROTO_TCP)
     };
     let slot = lb_common::VipSlot::index(&key(80));
     let other = (81..u16::MAX)
@@ -1511,7 +1509,7 @@ fn new_flows_are_counted_per_client_source() {
         let result = run(&mut fixture, &frame);
         assert_eq!(counted(&result, "ct_miss_udp"), 1);
     }
-    let mut sources: Vec<([u8; 4], String, u64)> = fixture
+    let mut sources: Vec<(IpAddr, String, u64)> = fixture
         .dataplane
         .sources()
         .unwrap()
@@ -1524,7 +1522,7 @@ fn new_flows_are_counted_per_client_source() {
                 .find(|v| v.id == key.vip_id)
                 .unwrap();
             (
-                [key.addr[0], key.addr[1], key.addr[2], key.addr[3]],
+                lb_common::addr::from_map(&key.addr, key.family),
                 vip.config.name.clone(),
                 count,
             )
@@ -1534,8 +1532,8 @@ fn new_flows_are_counted_per_client_source() {
     assert_eq!(
         sources,
         [
-            ([10, 0, 0, 1], "tcp".to_string(), 3),
-            ([10, 0, 0, 7], "udp".to_string(), 2)
+            (IpAddr::from([10, 0, 0, 1]), "tcp".to_string(), 3),
+            (IpAddr::from([10, 0, 0, 7]), "udp".to_string(), 2)
         ]
     );
 }
