@@ -14,10 +14,10 @@ mod program {
         programs::XdpContext,
     };
     use lb_common::{
-        BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord,
-        FLOW_F_CLOSING, FlowEntry, FlowKey, InsertWindow, LAST_SEEN_GRANULARITY_NS, PROTO_UDP,
-        VIP_F_HASH_SRC_IP, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot, flow_hash,
-        maglev_slot, stat,
+        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FlowKey, InsertWindow, PROTO_UDP,
+        VIP_F_HASH_SRC_IP, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
+        flow::{self, Lookup},
+        flow_hash, maglev_slot, stat,
     };
 
     use crate::maps::{
@@ -114,10 +114,9 @@ mod program {
             // backend's kernel checks the quoted sequence number, so a forged error
             // cannot touch a connection. UDP: only a live entry's; nothing checks a UDP
             // error, so it must at least name a flow seen within the idle time.
-            let held = entry
-                .map(|entry| unsafe { &*entry })
-                .filter(|entry| !udp_expired(&packet, now.saturating_sub(entry.last_seen_ns)))
-                .and_then(|entry| serving(entry, vip.vip_id));
+            let held = entry.and_then(|entry| {
+                flow::held(&Maps, unsafe { &*entry }, packet.proto, vip.vip_id, now)
+            });
             let (backend_id, backend) = match held {
                 Some(held) => held,
                 None if packet.proto == PROTO_UDP => {
@@ -139,7 +138,15 @@ mod program {
         if !packet.syn
             && let Some(entry) = entry
         {
-            match follow(unsafe { &mut *entry }, &packet, vip.vip_id, now) {
+            let entry = unsafe { &mut *entry };
+            match flow::follow(
+                &Maps,
+                entry,
+                packet.proto,
+                packet.closing(),
+                vip.vip_id,
+                now,
+            ) {
                 Ok((backend_id, backend)) => {
                     stats.count(stat::CT_HIT);
                     return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
@@ -154,23 +161,19 @@ mod program {
         let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
         let (backend_id, backend) = table_choice(&packet, &vip)?;
-        let flags = if packet.closing() { FLOW_F_CLOSING } else { 0 };
+        let fresh = flow::entry_for(backend_id, packet.closing(), now);
         let written = match entry {
             // The backend it already names (a SYN on a reused tuple while the table
             // stands): refreshed in place.
             Some(entry) if unsafe { (*entry).backend_id } == backend_id => {
-                let entry = unsafe { &mut *entry };
-                entry.flags = flags;
-                entry.last_seen_ns = now;
+                unsafe { *entry = fresh };
                 true
             }
             // A RST ends a flow: it never creates an entry.
             None if packet.rst => false,
             // A new entry, or another backend for an existing one, goes through the map:
             // a pointer into the LRU may meanwhile name a node recycled for another flow.
-            _ if may_insert(stats, now) => LB_CONNTRACK
-                .insert(&flow_key, &entry_for(backend_id, flags, now), 0)
-                .is_ok(),
+            _ if may_insert(stats, now) => LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok(),
             // No room this second: a SYN must not leave an older connection's entry
             // (another backend) for the packets that follow it.
             Some(_) if packet.syn => {
@@ -257,60 +260,18 @@ mod program {
         }
     }
 
-    /// A connection-table entry.
-    #[inline(always)]
-    fn entry_for(backend_id: u32, flags: u32, now: u64) -> FlowEntry {
-        FlowEntry {
-            backend_id,
-            flags,
-            last_seen_ns: now,
-        }
-    }
+    /// What `lb_common::flow`'s decisions read: this program's maps and globals.
+    struct Maps;
 
-    /// The backend an existing entry holds the flow to, and the entry refreshed; or why
-    /// the flow is balanced afresh: `CT_MISS_UDP` (idle-expired UDP), `CT_REHASH` (the
-    /// backend no longer serves flows, or serves another VIP: its id was reused).
-    #[inline(always)]
-    fn follow(
-        entry: &mut FlowEntry,
-        packet: &Packet,
-        vip_id: u32,
-        now: u64,
-    ) -> Result<(u32, BackendInfo), u32> {
-        let age = now.saturating_sub(entry.last_seen_ns);
-        if udp_expired(packet, age) {
-            return Err(stat::CT_MISS_UDP);
+    impl Lookup for Maps {
+        #[inline(always)]
+        fn backend(&self, id: u32) -> Option<&BackendInfo> {
+            LB_BACKENDS.get(id)
         }
-        let Some((backend_id, backend)) = serving(entry, vip_id) else {
-            return Err(stat::CT_REHASH);
-        };
-        if age > LAST_SEEN_GRANULARITY_NS {
-            entry.last_seen_ns = now;
-        }
-        if packet.closing() && entry.flags & FLOW_F_CLOSING == 0 {
-            entry.flags |= FLOW_F_CLOSING;
-        }
-        Ok((backend_id, backend))
-    }
 
-    /// Whether a UDP flow's entry, idle for `age` ns, is too old to be followed.
-    #[inline(always)]
-    fn udp_expired(packet: &Packet, age: u64) -> bool {
-        packet.proto == PROTO_UDP && age > read(&UDP_IDLE_NS)
-    }
-
-    /// The backend an entry holds its flow to, if the flow may stay there: the backend
-    /// serves flows and belongs to the packet's VIP (its id was not reused).
-    #[inline(always)]
-    fn serving(entry: &FlowEntry, vip_id: u32) -> Option<(u32, BackendInfo)> {
-        let backend_id = entry.backend_id;
-        match LB_BACKENDS.get(backend_id) {
-            Some(backend)
-                if backend.flags & BACKEND_F_SERVES_FLOWS != 0 && backend.vip_id == vip_id =>
-            {
-                Some((backend_id, *backend))
-            }
-            _ => None,
+        #[inline(always)]
+        fn udp_idle_ns(&self) -> u64 {
+            read(&UDP_IDLE_NS)
         }
     }
 

@@ -6,7 +6,11 @@ use std::{
     time::Duration,
 };
 
-use lb_common::{BACKEND_NONE, FlowKey, FlowTuple, flow_hash, maglev_slot};
+use lb_common::{
+    BACKEND_NONE, BackendInfo, FlowKey, FlowTuple,
+    flow::{self, Lookup},
+    flow_hash, maglev_slot,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -133,6 +137,19 @@ pub struct View<'a> {
     pub flow_idle: Duration,
 }
 
+/// What the program's decisions read, as the agent writes it: `LB_BACKENDS` is the
+/// desired tables' backends, the UDP idle time the configured flow idle time.
+impl Lookup for View<'_> {
+    fn backend(&self, id: u32) -> Option<&BackendInfo> {
+        self.desired.backends.get(&id).map(|b| &b.info)
+    }
+
+    fn udp_idle_ns(&self) -> u64 {
+        // As the loader sets `GLOBAL_UDP_IDLE_NS`.
+        self.flow_idle.as_nanos().min(u64::MAX as u128) as u64
+    }
+}
+
 impl<'a> View<'a> {
     pub fn of(shared: &'a Shared) -> Self {
         Self {
@@ -181,21 +198,17 @@ pub fn explain(
         table_choice(vip, table, request.source)
     };
     let entry = view.dataplane.flow(&flow_key(&target, request.source))?;
-    let idle_ns = entry.map(|e| now_ns.saturating_sub(e.last_seen_ns));
-    // What the program does with the next non-SYN packet: follow a live entry whose
-    // backend still serves flows, else the table.
-    let follows_entry = entry.is_some_and(|e| {
-        let serving = vip
-            .backends
-            .iter()
-            .any(|b| b.id == e.backend_id && b.serves_flows());
-        let expired = target.protocol == Protocol::Udp
-            && idle_ns.unwrap_or(0) > view.flow_idle.as_nanos() as u64;
-        serving && !expired
+    let idle_ns = entry.map(|e| flow::age(&e, now_ns));
+    // What the program does with the next non-SYN packet (neither FIN nor RST): follow
+    // the entry, decided by the program's own code, else the table. On a copy: explain
+    // writes nothing.
+    let followed = entry.and_then(|mut e| {
+        let proto = target.protocol.number();
+        flow::follow(view, &mut e, proto, false, vip.id, now_ns).ok()
     });
-    let next = match entry {
-        Some(e) if follows_entry => name(e.backend_id),
-        _ => name(table_id),
+    let next = match followed {
+        Some((backend_id, _)) => name(backend_id),
+        None => name(table_id),
     };
     Ok(Explanation {
         vip: vip.config.name.clone(),
@@ -346,6 +359,7 @@ mod tests {
             .find(|b| b.id == other_id)
             .unwrap();
         failed.health = Health::Down;
+        let desired = model.desired();
         let moved = explain_with(&model, &desired, vip, Some(entry(other_id, now)), now);
         assert_eq!(moved.conntrack_backend.as_deref(), Some(other.as_str()));
         assert_eq!(moved.next_packet_backend.as_deref(), Some(table.as_str()));

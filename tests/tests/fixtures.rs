@@ -930,6 +930,82 @@ fn kernel_and_explain_agree_on_random_flows() {
     });
 }
 
+/// The kernel and `lb explain` send the next packet of many flows to the same backend
+/// while their entries name backends in every state (serving, draining, failed, another
+/// VIP's, gone) and, for UDP, are of every age around the idle time: explain runs the
+/// program's own decision (`lb_common::flow`) over what the agent wrote.
+#[test]
+fn kernel_and_explain_agree_on_where_the_next_packet_goes() {
+    if !can_run("kernel_and_explain_agree_on_where_the_next_packet_goes") {
+        return;
+    }
+    let backends = [("10.0.0.41", 1), ("10.0.0.42", 1), ("10.0.0.43", 1)];
+    let mut fixture = fixture(&sticky_config(&backends, 0));
+    // 41 failed; 42 drains (keeps its flows, out of the table); 43 serves.
+    for b in fixture.model.backends_mut() {
+        match b.config.address.to_string().as_str() {
+            "10.0.0.41" => b.health = lb_userspace::model::Health::Down,
+            "10.0.0.42" => b.config.state = lb_userspace::config::AdminState::Drain,
+            _ => {}
+        }
+    }
+    fixture.sync().expect("sync");
+    let mut ids: Vec<u32> = ["tcp", "udp"]
+        .iter()
+        .flat_map(|vip| [41, 42, 43].map(|last| backend_named(&fixture, vip, last)))
+        .collect();
+    ids.push(4000); // no backend
+    let idle = fixture.config.dataplane.flow_idle_timeout.as_nanos() as u64;
+    // Ages a second clear of the idle time: the program's clock is the coarse one.
+    let ages = [0, idle - 1_000_000_000, idle + 1_000_000_000];
+    let mut followed = std::collections::HashSet::new();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for i in 0..300u32 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let proto = if i % 2 == 0 { "tcp" } else { "udp" };
+        let port = 20000 + i as u16;
+        let backend_id = ids[(state % ids.len() as u64) as usize];
+        let age = ages[((state >> 8) % ages.len() as u64) as usize];
+        let vip: VipTarget = format!(
+            "10.0.0.100:{}/{proto}",
+            if proto == "udp" { 53 } else { 80 }
+        )
+        .parse()
+        .unwrap();
+        let source: std::net::SocketAddr = format!("10.0.0.1:{port}").parse().unwrap();
+        let entry = lb_common::FlowEntry {
+            backend_id,
+            flags: 0,
+            last_seen_ns: explain::monotonic_ns() - age,
+        };
+        fixture
+            .dataplane
+            .insert_flow(&explain::flow_key(&vip, source), &entry)
+            .unwrap();
+        let (_, next) = explained(&fixture, proto, port);
+        let frame = if proto == "udp" {
+            ipv4(VIP, L4::Udp { src: port, dst: 53 })
+        } else {
+            tcp(port, TCP_ACK)
+        };
+        let result = run(&mut fixture, &frame);
+        assert_eq!(
+            Some(backend_of(&result)),
+            next,
+            "{proto} flow {port} with an entry on backend id {backend_id}, {age} ns idle: \
+             kernel and explain disagree ({:?})",
+            result.counted
+        );
+        if counted(&result, "ct_hit") == 1 {
+            followed.insert(next);
+        }
+    }
+    // Entries on the draining and the serving backend were followed.
+    assert_eq!(followed, [Some(42), Some(43)].into(), "followed to");
+}
+
 // ---- connection table -------------------------------------------------------------
 
 /// Two TCP and one UDP VIP for the connection-table cases, each test on its own program.
