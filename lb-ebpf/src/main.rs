@@ -2,6 +2,10 @@
 //! destination MAC and sending the frame back out (direct server return).
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
 
+// The panic handler and the licence.
+#[cfg(target_arch = "bpf")]
+use lb_ebpf as _;
+
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
@@ -21,9 +25,8 @@ mod program {
     };
 
     use crate::maps::{
-        BENCH_RECEIVED, BENCH_SENT, Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN,
-        LB_CONNTRACK, LB_FLOOD, LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats,
-        bump_bench_counter, count_source, count_traffic,
+        Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
+        LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source, count_traffic,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -380,69 +383,6 @@ mod program {
     fn read<T: Copy>(global: &T) -> T {
         unsafe { core::ptr::read_volatile(global) }
     }
-
-    /// Returns XDP_PASS. Native XDP_TX on a veth needs a program on the peer; this is it.
-    #[xdp]
-    pub fn xdp_pass(_ctx: XdpContext) -> u32 {
-        xdp_action::XDP_PASS
-    }
-
-    /// Benchmark traffic generator: run with BPF_PROG_TEST_RUN live frames, it sends its
-    /// test frame (untagged IPv4, no options, TCP or UDP) out of the interface given in
-    /// the context, with the source port stepped through `BENCH_FLOWS` values so the
-    /// balancer sees many flows.
-    #[xdp]
-    pub fn xdp_bench_tx(ctx: XdpContext) -> u32 {
-        // Ethernet (14) + IPv4 (20): the source port is the first L4 field.
-        const SRC_PORT_AT: usize = 14 + 20;
-        let start = ctx.data();
-        if start + SRC_PORT_AT + 2 > ctx.data_end() {
-            return xdp_action::XDP_DROP;
-        }
-        let flows = read(&BENCH_FLOWS).clamp(1, 64512);
-        // checked: a plain `%` by a variable carries a panic path the verifier rejects.
-        let port = 1024
-            + bump_bench_counter(BENCH_SENT)
-                .checked_rem(flows)
-                .unwrap_or(0) as u16;
-        unsafe {
-            core::ptr::write_unaligned((start + SRC_PORT_AT) as *mut [u8; 2], port.to_be_bytes())
-        };
-        xdp_action::XDP_TX
-    }
-
-    /// Distinct source ports (flows) the generator cycles through; set at load time
-    /// (`lb_common::GLOBAL_BENCH_FLOWS`).
-    #[unsafe(no_mangle)]
-    static BENCH_FLOWS: u64 = 16384;
-
-    /// Benchmark sink: counts every frame (`BENCH_SINK`, per CPU) and drops it.
-    #[xdp]
-    pub fn xdp_bench_sink(_ctx: XdpContext) -> u32 {
-        bump_bench_counter(BENCH_RECEIVED);
-        xdp_action::XDP_DROP
-    }
-
-    /// Benchmark baseline: swap the MACs and send the frame back, nothing else.
-    #[xdp]
-    pub fn xdp_mac_swap(ctx: XdpContext) -> u32 {
-        match ethernet(&ctx) {
-            Ok(eth) => {
-                unsafe { core::mem::swap(&mut (*eth).dst_addr, &mut (*eth).src_addr) };
-                xdp_action::XDP_TX
-            }
-            Err(_) => xdp_action::XDP_DROP,
-        }
-    }
-
-    #[panic_handler]
-    fn panic(_info: &core::panic::PanicInfo) -> ! {
-        loop {}
-    }
-
-    #[unsafe(link_section = "license")]
-    #[unsafe(no_mangle)]
-    static LICENSE: [u8; 4] = *b"GPL\0";
 }
 
 #[cfg(not(target_arch = "bpf"))]
