@@ -1,15 +1,26 @@
-//! Builds the eBPF crate with the nightly toolchain (aya's template way) and embeds it.
-//! With AYA_BUILD_SKIP=1 (clippy, `cargo check` on machines without bpf-linker) an empty
-//! placeholder object is written instead, so the crate still compiles.
+//! Builds the eBPF crate with the nightly toolchain (aya's template way): one run gives
+//! both of its objects, the balancer `lb-xdp`, embedded here, and the test object
+//! `lb-test-xdp`, handed to dependents (the tests crate) as `links` metadata
+//! (`DEP_LB_XDP_TEST_OBJECT`), so the `lb` binary carries the balancer only.
+//! With AYA_BUILD_SKIP=1 (clippy, `cargo check` on machines without bpf-linker) empty
+//! placeholder objects are written instead, so the crates still compile.
 use std::{env, fs, path::PathBuf};
+
+const OBJECTS: [&str; 2] = ["lb-xdp", "lb-test-xdp"];
 
 fn main() -> anyhow::Result<()> {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
+    println!(
+        "cargo::metadata=test_object={}",
+        out_dir.join("lb-test-xdp").display()
+    );
     let skip = env::var("AYA_BUILD_SKIP").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
     if skip {
-        let object = out_dir.join("lb-xdp");
-        if !object.exists() {
-            fs::write(object, [])?;
+        for name in OBJECTS {
+            let object = out_dir.join(name);
+            if !object.exists() {
+                fs::write(object, [])?;
+            }
         }
         println!("cargo:rerun-if-env-changed=AYA_BUILD_SKIP");
         return Ok(());

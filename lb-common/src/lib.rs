@@ -3,12 +3,14 @@
 //! Everything that lives in BPF map memory is `#[repr(C)]` with its padding written out,
 //! `Pod`, and has its size asserted, so both sides agree on every byte. The flow hash is
 //! here too: the agent predicts where a flow goes (`lb explain`) with the very function
-//! the kernel runs.
+//! the kernel runs, and so is what a connection-table entry decides (`flow`).
 #![cfg_attr(not(any(feature = "std", test)), no_std)]
 
 #[cfg(feature = "user")]
 pub mod maglev;
 
+pub mod addr;
+pub mod flow;
 mod hash;
 pub use hash::{FlowTuple, flow_hash, stable_hash64};
 
@@ -57,10 +59,15 @@ pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// maps only of its own layout (and sizes), and otherwise replaces them.
 pub const LAYOUT_VERSION: u64 = 6;
 /// Global set at load time: how many flows (source ports) the benchmark generator
-/// (`xdp_bench_tx`) cycles through.
+/// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
-/// Frames counted by the benchmark sink program (`xdp_bench_sink`).
+/// Frames counted by the benchmark programs (test object `lb-test-xdp`), per CPU, at
+/// `BENCH_RECEIVED` and `BENCH_SENT`.
 pub const MAP_BENCH_SINK: &str = "BENCH_SINK";
+/// `MAP_BENCH_SINK` index: frames the sink (`xdp_bench_sink`) saw.
+pub const BENCH_RECEIVED: u32 = 0;
+/// `MAP_BENCH_SINK` index: frames the generator (`xdp_bench_tx`) sent.
+pub const BENCH_SENT: u32 = 1;
 /// Default size of the connection table.
 pub const DEFAULT_CONNTRACK_ENTRIES: u32 = 1 << 20;
 /// Global (read-only data) set at load time: the Maglev table size.

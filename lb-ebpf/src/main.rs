@@ -2,6 +2,10 @@
 //! destination MAC and sending the frame back out (direct server return).
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
 
+// The panic handler and the licence.
+#[cfg(target_arch = "bpf")]
+use lb_ebpf as _;
+
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
@@ -17,16 +21,15 @@ mod program {
         programs::XdpContext,
     };
     use lb_common::{
-        BACKEND_F_SERVES_FLOWS, BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord,
-        FLOW_F_CLOSING, FlowEntry, FlowKey, InsertWindow, LAST_SEEN_GRANULARITY_NS, PROTO_UDP,
-        VIP_F_HASH_SRC_IP, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot, flow_hash,
-        maglev_slot, stat,
+        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FlowKey, InsertWindow, PROTO_UDP,
+        VIP_F_HASH_SRC_IP, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
+        flow::{self, Lookup},
+        flow_hash, maglev_slot, stat,
     };
 
     use crate::maps::{
-        BENCH_RECEIVED, BENCH_SENT, Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN,
-        LB_CONNTRACK, LB_FLOOD, LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats,
-        bump_bench_counter, count_source, count_traffic,
+        Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
+        LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source, count_traffic,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -119,10 +122,9 @@ mod program {
             // backend's kernel checks the quoted sequence number, so a forged error
             // cannot touch a connection. UDP: only a live entry's; nothing checks a UDP
             // error, so it must at least name a flow seen within the idle time.
-            let held = entry
-                .map(|entry| unsafe { &*entry })
-                .filter(|entry| !udp_expired(&packet, now.saturating_sub(entry.last_seen_ns)))
-                .and_then(|entry| serving(entry, vip.vip_id));
+            let held = entry.and_then(|entry| {
+                flow::held(&Maps, unsafe { &*entry }, packet.proto, vip.vip_id, now)
+            });
             let (backend_id, backend) = match held {
                 Some(held) => held,
                 None if packet.proto == PROTO_UDP => {
@@ -144,7 +146,15 @@ mod program {
         if !packet.syn
             && let Some(entry) = entry
         {
-            match follow(unsafe { &mut *entry }, &packet, vip.vip_id, now) {
+            let entry = unsafe { &mut *entry };
+            match flow::follow(
+                &Maps,
+                entry,
+                packet.proto,
+                packet.closing(),
+                vip.vip_id,
+                now,
+            ) {
                 Ok((backend_id, backend)) => {
                     stats.count(stat::CT_HIT);
                     return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
@@ -159,23 +169,19 @@ mod program {
         let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
         let (backend_id, backend) = table_choice(&packet, &vip)?;
-        let flags = if packet.closing() { FLOW_F_CLOSING } else { 0 };
+        let fresh = flow::entry_for(backend_id, packet.closing(), now);
         let written = match entry {
             // The backend it already names (a SYN on a reused tuple while the table
             // stands): refreshed in place.
             Some(entry) if unsafe { (*entry).backend_id } == backend_id => {
-                let entry = unsafe { &mut *entry };
-                entry.flags = flags;
-                entry.last_seen_ns = now;
+                unsafe { *entry = fresh };
                 true
             }
             // A RST ends a flow: it never creates an entry.
             None if packet.rst => false,
             // A new entry, or another backend for an existing one, goes through the map:
             // a pointer into the LRU may meanwhile name a node recycled for another flow.
-            _ if may_insert(stats, now) => LB_CONNTRACK
-                .insert(&flow_key, &entry_for(backend_id, flags, now), 0)
-                .is_ok(),
+            _ if may_insert(stats, now) => LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok(),
             // No room this second: a SYN must not leave an older connection's entry
             // (another backend) for the packets that follow it.
             Some(_) if packet.syn => {
@@ -262,60 +268,18 @@ mod program {
         }
     }
 
-    /// A connection-table entry.
-    #[inline(always)]
-    fn entry_for(backend_id: u32, flags: u32, now: u64) -> FlowEntry {
-        FlowEntry {
-            backend_id,
-            flags,
-            last_seen_ns: now,
-        }
-    }
+    /// What `lb_common::flow`'s decisions read: this program's maps and globals.
+    struct Maps;
 
-    /// The backend an existing entry holds the flow to, and the entry refreshed; or why
-    /// the flow is balanced afresh: `CT_MISS_UDP` (idle-expired UDP), `CT_REHASH` (the
-    /// backend no longer serves flows, or serves another VIP: its id was reused).
-    #[inline(always)]
-    fn follow(
-        entry: &mut FlowEntry,
-        packet: &Packet,
-        vip_id: u32,
-        now: u64,
-    ) -> Result<(u32, BackendInfo), u32> {
-        let age = now.saturating_sub(entry.last_seen_ns);
-        if udp_expired(packet, age) {
-            return Err(stat::CT_MISS_UDP);
+    impl Lookup for Maps {
+        #[inline(always)]
+        fn backend(&self, id: u32) -> Option<&BackendInfo> {
+            LB_BACKENDS.get(id)
         }
-        let Some((backend_id, backend)) = serving(entry, vip_id) else {
-            return Err(stat::CT_REHASH);
-        };
-        if age > LAST_SEEN_GRANULARITY_NS {
-            entry.last_seen_ns = now;
-        }
-        if packet.closing() && entry.flags & FLOW_F_CLOSING == 0 {
-            entry.flags |= FLOW_F_CLOSING;
-        }
-        Ok((backend_id, backend))
-    }
 
-    /// Whether a UDP flow's entry, idle for `age` ns, is too old to be followed.
-    #[inline(always)]
-    fn udp_expired(packet: &Packet, age: u64) -> bool {
-        packet.proto == PROTO_UDP && age > read(&UDP_IDLE_NS)
-    }
-
-    /// The backend an entry holds its flow to, if the flow may stay there: the backend
-    /// serves flows and belongs to the packet's VIP (its id was not reused).
-    #[inline(always)]
-    fn serving(entry: &FlowEntry, vip_id: u32) -> Option<(u32, BackendInfo)> {
-        let backend_id = entry.backend_id;
-        match LB_BACKENDS.get(backend_id) {
-            Some(backend)
-                if backend.flags & BACKEND_F_SERVES_FLOWS != 0 && backend.vip_id == vip_id =>
-            {
-                Some((backend_id, *backend))
-            }
-            _ => None,
+        #[inline(always)]
+        fn udp_idle_ns(&self) -> u64 {
+            read(&UDP_IDLE_NS)
         }
     }
 
@@ -431,70 +395,6 @@ mod program {
     fn read<T: Copy>(global: &T) -> T {
         unsafe { core::ptr::read_volatile(global) }
     }
-
-    /// Returns XDP_PASS. Native XDP_TX on a veth needs a program on the peer; this is it.
-    /// Multi-buffer aware, so the peer may have an MTU of 9000.
-    #[xdp(frags)]
-    pub fn xdp_pass(_ctx: XdpContext) -> u32 {
-        xdp_action::XDP_PASS
-    }
-
-    /// Benchmark traffic generator: run with BPF_PROG_TEST_RUN live frames, it sends its
-    /// test frame (untagged IPv4, no options, TCP or UDP) out of the interface given in
-    /// the context, with the source port stepped through `BENCH_FLOWS` values so the
-    /// balancer sees many flows.
-    #[xdp]
-    pub fn xdp_bench_tx(ctx: XdpContext) -> u32 {
-        // Ethernet (14) + IPv4 (20): the source port is the first L4 field.
-        const SRC_PORT_AT: usize = 14 + 20;
-        let start = ctx.data();
-        if start + SRC_PORT_AT + 2 > ctx.data_end() {
-            return xdp_action::XDP_DROP;
-        }
-        let flows = read(&BENCH_FLOWS).clamp(1, 64512);
-        // checked: a plain `%` by a variable carries a panic path the verifier rejects.
-        let port = 1024
-            + bump_bench_counter(BENCH_SENT)
-                .checked_rem(flows)
-                .unwrap_or(0) as u16;
-        unsafe {
-            core::ptr::write_unaligned((start + SRC_PORT_AT) as *mut [u8; 2], port.to_be_bytes())
-        };
-        xdp_action::XDP_TX
-    }
-
-    /// Distinct source ports (flows) the generator cycles through; set at load time
-    /// (`lb_common::GLOBAL_BENCH_FLOWS`).
-    #[unsafe(no_mangle)]
-    static BENCH_FLOWS: u64 = 16384;
-
-    /// Benchmark sink: counts every frame (`BENCH_SINK`, per CPU) and drops it.
-    #[xdp]
-    pub fn xdp_bench_sink(_ctx: XdpContext) -> u32 {
-        bump_bench_counter(BENCH_RECEIVED);
-        xdp_action::XDP_DROP
-    }
-
-    /// Benchmark baseline: swap the MACs and send the frame back, nothing else.
-    #[xdp]
-    pub fn xdp_mac_swap(ctx: XdpContext) -> u32 {
-        match ethernet(&ctx) {
-            Ok(eth) => {
-                unsafe { core::mem::swap(&mut (*eth).dst_addr, &mut (*eth).src_addr) };
-                xdp_action::XDP_TX
-            }
-            Err(_) => xdp_action::XDP_DROP,
-        }
-    }
-
-    #[panic_handler]
-    fn panic(_info: &core::panic::PanicInfo) -> ! {
-        loop {}
-    }
-
-    #[unsafe(link_section = "license")]
-    #[unsafe(no_mangle)]
-    static LICENSE: [u8; 4] = *b"GPL\0";
 }
 
 #[cfg(not(target_arch = "bpf"))]

@@ -111,27 +111,6 @@ pub static LB_META: Array<u64> = Array::with_max_entries(lb_common::meta::COUNT,
 #[map(name = "LB_BACKEND_IDS")]
 pub static LB_BACKEND_IDS: Array<BackendIdentity> = Array::with_max_entries(MAX_BACKENDS, 0);
 
-/// 0 -> frames the benchmark sink (`xdp_bench_sink`) saw; 1 -> frames the generator
-/// (`xdp_bench_tx`) sent. Per CPU, read by the benchmark; not used by the balancer.
-#[map(name = "BENCH_SINK")]
-pub static BENCH_SINK: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
-
-/// `BENCH_SINK` indices: frames the sink saw, frames the generator sent.
-pub const BENCH_RECEIVED: u32 = 0;
-pub const BENCH_SENT: u32 = 1;
-
-/// Adds one to `BENCH_SINK[index]` on this CPU and returns the new count.
-#[inline(always)]
-pub fn bump_bench_counter(index: u32) -> u64 {
-    match BENCH_SINK.get_ptr_mut(index) {
-        Some(counter) => unsafe {
-            *counter += 1;
-            *counter
-        },
-        None => 0,
-    }
-}
-
 /// 0 -> this CPU's `CpuState`: its cached clock and random state. Program only.
 #[map(name = "LB_CPU")]
 pub static LB_CPU: PerCpuArray<CpuState> = PerCpuArray::with_max_entries(1, 0);

@@ -129,20 +129,10 @@ impl Packet {
     /// balanced by the table: an established flow's packets never need it.
     #[inline(always)]
     pub fn flow_tuple(&self) -> FlowTuple {
-        FlowTuple {
-            src: words(&self.src_addr),
-            dst: words(&self.dst_addr),
-            src_port: u16::from_be(self.src_port_be),
-            dst_port: u16::from_be(self.dst_port_be),
-            proto: self.proto,
-            family: self.family,
-        }
+        let ports = (self.src_port_be, self.dst_port_be);
+        let addresses = (&self.src_addr, &self.dst_addr);
+        FlowTuple::of_map(addresses, ports, self.proto, self.family)
     }
-}
-
-#[inline(always)]
-fn words(addr: &[u8; 16]) -> [u32; 4] {
-    unsafe { core::mem::transmute::<[u8; 16], [u32; 4]>(*addr) }.map(u32::from_be)
 }
 
 /// A pointer to a `T` at `offset` bytes into the frame, if the frame is long enough.

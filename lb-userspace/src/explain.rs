@@ -7,7 +7,9 @@ use std::{
 };
 
 use lb_common::{
-    ADDR_FAMILY_V4, ADDR_FAMILY_V6, BACKEND_NONE, FlowKey, FlowTuple, flow_hash, maglev_slot,
+    BACKEND_NONE, BackendInfo, FlowKey, FlowTuple,
+    flow::{self, Lookup},
+    flow_hash, maglev_slot,
 };
 use serde::{Deserialize, Serialize};
 
@@ -162,46 +164,13 @@ pub enum ExplainError {
 
 /// The 5-tuple of a flow from `source` to the VIP, as the program hashes it.
 pub fn flow_tuple(vip: &VipTarget, source: SocketAddr) -> FlowTuple {
-    let (src, family) = words(source.ip());
-    let (dst, _) = words(vip.address);
-    FlowTuple {
-        src,
-        dst,
-        src_port: source.port(),
-        dst_port: vip.port,
-        proto: vip.protocol.number(),
-        family,
-    }
-}
-
-fn words(address: IpAddr) -> ([u32; 4], u8) {
-    match address {
-        IpAddr::V4(a) => ([u32::from(a), 0, 0, 0], ADDR_FAMILY_V4),
-        IpAddr::V6(a) => {
-            let o = a.octets();
-            let w = |i: usize| u32::from_be_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
-            ([w(0), w(4), w(8), w(12)], ADDR_FAMILY_V6)
-        }
-    }
+    flow_key(vip, source).tuple()
 }
 
 /// The connection-table key of a flow from `source` to the VIP.
 pub fn flow_key(vip: &VipTarget, source: SocketAddr) -> FlowKey {
-    // Addresses as the maps hold them (IPv4: the first 4 bytes), as for a VIP key.
-    let bytes = |a: IpAddr| crate::model::vip_key(a, 0, 0).addr;
-    FlowKey {
-        src: bytes(source.ip()),
-        dst: bytes(vip.address),
-        src_port: source.port().to_be(),
-        dst_port: vip.port.to_be(),
-        proto: vip.protocol.number(),
-        family: if source.is_ipv4() {
-            ADDR_FAMILY_V4
-        } else {
-            ADDR_FAMILY_V6
-        },
-        _pad: [0; 2],
-    }
+    let vip_socket = SocketAddr::new(vip.address, vip.port);
+    FlowKey::between(source, vip_socket, vip.protocol.number())
 }
 
 /// The backend id the table gives a flow (`BACKEND_NONE` when none).
@@ -219,6 +188,19 @@ pub struct View<'a> {
     pub desired: &'a Desired,
     pub dataplane: &'a dyn Dataplane,
     pub flow_idle: Duration,
+}
+
+/// What the program's decisions read, as the agent writes it: `LB_BACKENDS` is the
+/// desired tables' backends, the UDP idle time the configured flow idle time.
+impl Lookup for View<'_> {
+    fn backend(&self, id: u32) -> Option<&BackendInfo> {
+        self.desired.backends.get(&id).map(|b| &b.info)
+    }
+
+    fn udp_idle_ns(&self) -> u64 {
+        // As the loader sets `GLOBAL_UDP_IDLE_NS`.
+        self.flow_idle.as_nanos().min(u64::MAX as u128) as u64
+    }
 }
 
 pub fn explain(
@@ -258,21 +240,17 @@ pub fn explain(
         table_choice(vip, table, request.source)
     };
     let entry = view.dataplane.flow(&flow_key(&target, request.source))?;
-    let idle_ns = entry.map(|e| now_ns.saturating_sub(e.last_seen_ns));
-    // What the program does with the next non-SYN packet: follow a live entry whose
-    // backend still serves flows, else the table.
-    let follows_entry = entry.is_some_and(|e| {
-        let serving = vip
-            .backends
-            .iter()
-            .any(|b| b.id == e.backend_id && b.serves_flows());
-        let expired = target.protocol == Protocol::Udp
-            && idle_ns.unwrap_or(0) > view.flow_idle.as_nanos() as u64;
-        serving && !expired
+    let idle_ns = entry.map(|e| flow::age(&e, now_ns));
+    // What the program does with the next non-SYN packet (neither FIN nor RST): follow
+    // the entry, decided by the program's own code, else the table. On a copy: explain
+    // writes nothing.
+    let followed = entry.and_then(|mut e| {
+        let proto = target.protocol.number();
+        flow::follow(view, &mut e, proto, false, vip.id, now_ns).ok()
     });
-    let next = match entry {
-        Some(e) if follows_entry => name(e.backend_id),
-        _ => name(table_id),
+    let next = match followed {
+        Some((backend_id, _)) => name(backend_id),
+        None => name(table_id),
     };
     Ok(Explanation {
         vip: vip.config.name.clone(),
@@ -441,6 +419,7 @@ mod tests {
             .find(|b| b.id == other_id)
             .unwrap();
         failed.health = Health::Down;
+        let desired = model.desired();
         let moved = explain_with(&model, &desired, vip, Some(entry(other_id, now)), now);
         assert_eq!(moved.conntrack_backend.as_deref(), Some(other.as_str()));
         assert_eq!(moved.next_packet_backend.as_deref(), Some(table.as_str()));

@@ -6,8 +6,8 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use lb_common::{
-    ADDR_FAMILY_V4, ADDR_FAMILY_V6, BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo,
-    MAX_BACKENDS, MAX_VIPS, VIP_F_HASH_SRC_IP, VipKey, maglev::MaglevBackend,
+    BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo, MAX_BACKENDS, MAX_VIPS,
+    VIP_F_HASH_SRC_IP, VipKey, maglev::MaglevBackend,
 };
 use serde::{Deserialize, Serialize};
 
@@ -287,17 +287,7 @@ impl VipState {
 
 /// The data-path key of a VIP.
 pub fn vip_key(address: IpAddr, port: u16, proto: u8) -> VipKey {
-    let mut addr = [0u8; 16];
-    let family = match address {
-        IpAddr::V4(a) => {
-            addr[..4].copy_from_slice(&a.octets());
-            ADDR_FAMILY_V4
-        }
-        IpAddr::V6(a) => {
-            addr.copy_from_slice(&a.octets());
-            ADDR_FAMILY_V6
-        }
-    };
+    let (addr, family) = lb_common::addr::to_map(address);
     VipKey {
         addr,
         port: port.to_be(),
@@ -688,11 +678,11 @@ impl Model {
 
 /// What `LB_BACKEND_IDS` records for a backend id.
 pub fn identity(address: IpAddr, vip_id: u32) -> BackendIdentity {
-    let key = vip_key(address, 0, 0);
+    let (addr, family) = lb_common::addr::to_map(address);
     BackendIdentity {
-        addr: key.addr,
+        addr,
         vip_id,
-        family: key.family,
+        family,
         in_use: 1,
         _pad: [0; 2],
     }

@@ -621,23 +621,12 @@ pub fn arp_for_dsr(ns: &Netns, iface: &str) -> Result<()> {
 }
 
 fn load_xdp_pass(ifname: &str) -> Result<aya::Ebpf> {
-    ensure!(
-        !lb_userspace::EBPF_OBJECT.is_empty(),
-        "the eBPF object is empty (AYA_BUILD_SKIP?)"
-    );
-    // Loading the object creates all its maps; xdp_pass uses none, so the connection
-    // table (a million preallocated entries by default) is made tiny: labs run in
-    // parallel, and each one's agent has a full-size table of its own.
-    let mut ebpf = aya::EbpfLoader::new()
-        .map_max_entries(lb_common::MAP_CONNTRACK, 64)
-        .load(lb_userspace::EBPF_OBJECT)
-        .context("load the eBPF object")?;
+    let mut ebpf = crate::program::load_test_program("xdp_pass", 1)?;
     let program: &mut aya::programs::Xdp = ebpf
         .program_mut("xdp_pass")
-        .ok_or_else(|| anyhow!("no program xdp_pass in the eBPF object"))?
+        .ok_or_else(|| anyhow!("no program xdp_pass in the test eBPF object"))?
         .try_into()
         .context("xdp_pass is not an XDP program")?;
-    program.load().context("load xdp_pass")?;
     program
         .attach(ifname, aya::programs::XdpMode::Driver)
         .with_context(|| format!("attach xdp_pass (native) to {ifname}"))?;

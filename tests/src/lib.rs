@@ -310,8 +310,8 @@ pub fn ensure_bpffs() -> Result<(), String> {
 }
 
 fn check_ebpf_object() -> Result<(), String> {
-    if lb_userspace::EBPF_OBJECT.is_empty() {
-        Err("lb_userspace::EBPF_OBJECT is empty (built with AYA_BUILD_SKIP=1?)".into())
+    if lb_userspace::EBPF_OBJECT.is_empty() || program::TEST_OBJECT.is_empty() {
+        Err("the eBPF objects are empty (built with AYA_BUILD_SKIP=1?)".into())
     } else {
         Ok(())
     }

@@ -1,8 +1,9 @@
 //! A program instance of its own (attached to nothing), its maps written by the agent's
 //! own code from a configuration: what the packet fixtures and the benchmarks run
-//! BPF_PROG_TEST_RUN against.
+//! BPF_PROG_TEST_RUN against. And the test object's programs (`xdp_pass`, the benchmark
+//! generator, sink and baseline), which the production object does not carry.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow, ensure};
 use lb_userspace::{
     EBPF_OBJECT,
     config::Config,
@@ -62,4 +63,30 @@ impl Instance {
             .context("write the tables")?;
         Ok(())
     }
+}
+
+/// The test object `lb-test-xdp` (`xdp_pass`, `xdp_mac_swap`, `xdp_bench_tx`,
+/// `xdp_bench_sink` and `BENCH_SINK`), built beside the balancer by lb-userspace's build
+/// script (see `build.rs`). Empty when built with `AYA_BUILD_SKIP=1`.
+pub static TEST_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("LB_TEST_OBJECT"));
+
+/// A new instance of the test object with its program `name` loaded (not attached), the
+/// benchmark generator set to cycle through `bench_flows` flows
+/// (`lb_common::GLOBAL_BENCH_FLOWS`).
+pub fn load_test_program(name: &str, bench_flows: u64) -> Result<aya::Ebpf> {
+    ensure!(
+        !TEST_OBJECT.is_empty(),
+        "the test eBPF object is empty (built with AYA_BUILD_SKIP=1?)"
+    );
+    let mut ebpf = aya::EbpfLoader::new()
+        .override_global(lb_common::GLOBAL_BENCH_FLOWS, &bench_flows, true)
+        .load(TEST_OBJECT)
+        .context("load the test eBPF object")?;
+    let program: &mut aya::programs::Xdp = ebpf
+        .program_mut(name)
+        .ok_or_else(|| anyhow!("no program {name} in the test eBPF object"))?
+        .try_into()
+        .with_context(|| format!("{name} is not an XDP program"))?;
+    program.load().with_context(|| format!("load {name}"))?;
+    Ok(ebpf)
 }

@@ -4,6 +4,7 @@
 //! `Model` -> `TableWriter` -> `AyaDataplane`). Each case is an input frame, the
 //! expected action, the counter that must say why, and the expected output bytes.
 
+use std::net::IpAddr;
 use std::sync::Mutex;
 
 use aya::programs::{TestRun, TestRunOptions};
@@ -984,6 +985,82 @@ fn kernel_and_explain_agree_on_random_flows() {
     });
 }
 
+/// The kernel and `lb explain` send the next packet of many flows to the same backend
+/// while their entries name backends in every state (serving, draining, failed, another
+/// VIP's, gone) and, for UDP, are of every age around the idle time: explain runs the
+/// program's own decision (`lb_common::flow`) over what the agent wrote.
+#[test]
+fn kernel_and_explain_agree_on_where_the_next_packet_goes() {
+    if !can_run("kernel_and_explain_agree_on_where_the_next_packet_goes") {
+        return;
+    }
+    let backends = [("10.0.0.41", 1), ("10.0.0.42", 1), ("10.0.0.43", 1)];
+    let mut fixture = fixture(&sticky_config(&backends, 0));
+    // 41 failed; 42 drains (keeps its flows, out of the table); 43 serves.
+    for b in fixture.model.backends_mut() {
+        match b.config.address.to_string().as_str() {
+            "10.0.0.41" => b.health = lb_userspace::model::Health::Down,
+            "10.0.0.42" => b.config.state = lb_userspace::config::AdminState::Drain,
+            _ => {}
+        }
+    }
+    fixture.sync().expect("sync");
+    let mut ids: Vec<u32> = ["tcp", "udp"]
+        .iter()
+        .flat_map(|vip| [41, 42, 43].map(|last| backend_named(&fixture, vip, last)))
+        .collect();
+    ids.push(4000); // no backend
+    let idle = fixture.config.dataplane.flow_idle_timeout.as_nanos() as u64;
+    // Ages a second clear of the idle time: the program's clock is the coarse one.
+    let ages = [0, idle - 1_000_000_000, idle + 1_000_000_000];
+    let mut followed = std::collections::HashSet::new();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for i in 0..300u32 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let proto = if i % 2 == 0 { "tcp" } else { "udp" };
+        let port = 20000 + i as u16;
+        let backend_id = ids[(state % ids.len() as u64) as usize];
+        let age = ages[((state >> 8) % ages.len() as u64) as usize];
+        let vip: VipTarget = format!(
+            "10.0.0.100:{}/{proto}",
+            if proto == "udp" { 53 } else { 80 }
+        )
+        .parse()
+        .unwrap();
+        let source: std::net::SocketAddr = format!("10.0.0.1:{port}").parse().unwrap();
+        let entry = lb_common::FlowEntry {
+            backend_id,
+            flags: 0,
+            last_seen_ns: explain::monotonic_ns() - age,
+        };
+        fixture
+            .dataplane
+            .insert_flow(&explain::flow_key(&vip, source), &entry)
+            .unwrap();
+        let (_, next) = explained(&fixture, proto, port);
+        let frame = if proto == "udp" {
+            ipv4(VIP, L4::Udp { src: port, dst: 53 })
+        } else {
+            tcp(port, TCP_ACK)
+        };
+        let result = run(&mut fixture, &frame);
+        assert_eq!(
+            Some(backend_of(&result)),
+            next,
+            "{proto} flow {port} with an entry on backend id {backend_id}, {age} ns idle: \
+             kernel and explain disagree ({:?})",
+            result.counted
+        );
+        if counted(&result, "ct_hit") == 1 {
+            followed.insert(next);
+        }
+    }
+    // Entries on the draining and the serving backend were followed.
+    assert_eq!(followed, [Some(42), Some(43)].into(), "followed to");
+}
+
 // ---- connection table -------------------------------------------------------------
 
 /// Two TCP and one UDP VIP for the connection-table cases, each test on its own program.
@@ -1464,11 +1541,8 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
     // Two VIP keys (same address, two ports) that hash to one slot of LB_VIP_SLOTS: the
     // slot is shared and the program asks LB_VIPS; once one VIP goes, the slot is the
     // other's alone.
-    let key = |port: u16| lb_common::VipKey {
-        addr: [10, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-        port: port.to_be(),
-        proto: lb_common::PROTO_TCP,
-        family: lb_common::ADDR_FAMILY_V4,
+    let key = |port: u16| {
+        lb_userspace::model::vip_key([10, 0, 0, 100].into(), port, lb_common::PROTO_TCP)
     };
     let slot = lb_common::VipSlot::index(&key(80));
     let other = (81..u16::MAX)
@@ -1566,7 +1640,7 @@ fn new_flows_are_counted_per_client_source() {
         let result = run(&mut fixture, &frame);
         assert_eq!(counted(&result, "ct_miss_udp"), 1);
     }
-    let mut sources: Vec<([u8; 4], String, u64)> = fixture
+    let mut sources: Vec<(IpAddr, String, u64)> = fixture
         .dataplane
         .sources()
         .unwrap()
@@ -1579,7 +1653,7 @@ fn new_flows_are_counted_per_client_source() {
                 .find(|v| v.id == key.vip_id)
                 .unwrap();
             (
-                [key.addr[0], key.addr[1], key.addr[2], key.addr[3]],
+                lb_common::addr::from_map(&key.addr, key.family),
                 vip.config.name.clone(),
                 count,
             )
@@ -1589,8 +1663,8 @@ fn new_flows_are_counted_per_client_source() {
     assert_eq!(
         sources,
         [
-            ([10, 0, 0, 1], "tcp".to_string(), 3),
-            ([10, 0, 0, 7], "udp".to_string(), 2)
+            (IpAddr::from([10, 0, 0, 1]), "tcp".to_string(), 3),
+            (IpAddr::from([10, 0, 0, 7]), "udp".to_string(), 2)
         ]
     );
 }

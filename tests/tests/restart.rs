@@ -256,15 +256,11 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
         source_sample: 1,
         ifindex: 0,
     };
-    let key = lb_common::FlowKey {
-        src: [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-        dst: [10, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-        src_port: 40000u16.to_be(),
-        dst_port: 80u16.to_be(),
-        proto: 6,
-        family: 4,
-        _pad: [0; 2],
-    };
+    let key = lb_common::FlowKey::between(
+        "10.0.0.1:40000".parse().unwrap(),
+        "10.0.0.100:80".parse().unwrap(),
+        lb_common::PROTO_TCP,
+    );
     let entry = lb_common::FlowEntry {
         backend_id: 7,
         flags: 0,

@@ -103,8 +103,8 @@ fn run(args: &Args) -> Result<()> {
         bail!("the benchmarks need root (BPF_PROG_TEST_RUN, network namespaces, XDP)");
     }
     lb_tests::ensure_bpffs().map_err(anyhow::Error::msg)?;
-    if lb_userspace::EBPF_OBJECT.is_empty() {
-        bail!("the eBPF object is empty (built with AYA_BUILD_SKIP=1?)");
+    if lb_userspace::EBPF_OBJECT.is_empty() || lb_tests::program::TEST_OBJECT.is_empty() {
+        bail!("the eBPF objects are empty (built with AYA_BUILD_SKIP=1?)");
     }
     let sections: Vec<&str> = args.only.iter().map(String::as_str).collect();
     for s in &sections {

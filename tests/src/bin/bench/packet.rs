@@ -14,8 +14,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use aya::programs::{TestRun, TestRunOptions, Xdp};
 use lb_common::stat;
-use lb_tests::program::{IFACE_MAC, Instance};
-use lb_userspace::{EBPF_OBJECT, dataplane::Dataplane};
+use lb_tests::program::{IFACE_MAC, Instance, load_test_program};
+use lb_userspace::dataplane::Dataplane;
 use serde_json::{Value, json};
 
 use crate::frames::{Frame, L4, TCP_ACK, TCP_SYN, V4_SRC_ADDR_AT, V4_SRC_PORT_AT};
@@ -79,25 +79,9 @@ pub fn config_text(backends: usize) -> String {
     t
 }
 
-/// `xdp_pass` on its own (the empty program), with a tiny connection table.
+/// A program of the test object (`xdp_pass`: the empty program) on its own.
 pub fn load_program(name: &str) -> Result<aya::Ebpf> {
-    load_generator(name, 1)
-}
-
-/// `load_program`, with the benchmark generator set to cycle through `flows` flows.
-pub fn load_generator(name: &str, flows: u64) -> Result<aya::Ebpf> {
-    ensure!(!EBPF_OBJECT.is_empty(), "the eBPF object is empty");
-    let mut ebpf = aya::EbpfLoader::new()
-        .override_global(lb_common::GLOBAL_BENCH_FLOWS, &flows, true)
-        .map_max_entries(lb_common::MAP_CONNTRACK, 64)
-        .load(EBPF_OBJECT)
-        .context("load the eBPF object")?;
-    let program: &mut Xdp = ebpf
-        .program_mut(name)
-        .ok_or_else(|| anyhow!("no program {name}"))?
-        .try_into()?;
-    program.load().with_context(|| format!("load {name}"))?;
-    Ok(ebpf)
+    load_test_program(name, 1)
 }
 
 pub fn xdp<'a>(ebpf: &'a mut aya::Ebpf, name: &str) -> Result<&'a mut Xdp> {

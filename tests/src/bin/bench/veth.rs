@@ -18,14 +18,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, ensure};
 use aya::maps::PerCpuArray;
 use aya::programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp, XdpMode};
-use lb_common::{MAP_BENCH_SINK, stat};
+use lb_common::{BENCH_RECEIVED, BENCH_SENT, MAP_BENCH_SINK, stat};
 use lb_tests::Netns;
 use lb_tests::netns::ip;
 use lb_userspace::dataplane::Dataplane;
 use serde_json::{Value, json};
 
 use crate::frames::{Frame, L4, TCP_ACK};
-use crate::packet::{load_generator, load_program, xdp};
+use crate::packet::{load_program, xdp};
 use crate::report::{Table, median, num, range};
 use lb_tests::program::Instance;
 
@@ -234,8 +234,8 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
     } = bed;
     let (gen_ns, lb_ns, gen_ifindex) = (*gen_ns, *lb_ns, *gen_ifindex);
     let mut out = Measured::default();
-    // Generator and sink share one object instance, so one BENCH_SINK: 0 received, 1 sent.
-    let mut gen_ebpf = load_generator("xdp_bench_sink", flows)?;
+    // Generator and sink share one object instance, so one BENCH_SINK for both counts.
+    let mut gen_ebpf = lb_tests::program::load_test_program("xdp_bench_sink", flows)?;
     {
         let tx: &mut Xdp = xdp(&mut gen_ebpf, "xdp_bench_tx")?;
         tx.load().context("load xdp_bench_tx")?;
@@ -278,7 +278,7 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
 
     let send = |frame: &[u8]| -> Result<Run> {
         let ctx = ctx_for(frame.len());
-        let (sent0, recv0) = (sum(&counters, 1)?, sum(&counters, 0)?);
+        let (sent0, recv0) = (sum(&counters, BENCH_SENT)?, sum(&counters, BENCH_RECEIVED)?);
         let tx = gen_ebpf
             .program("xdp_bench_tx")
             .ok_or_else(|| anyhow!("no xdp_bench_tx"))?;
@@ -298,8 +298,8 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
         // Frames still in the veth rings land within microseconds.
         sleep(Duration::from_millis(100));
         Ok(Run {
-            sent: sum(&counters, 1)? - sent0,
-            received: sum(&counters, 0)? - recv0,
+            sent: sum(&counters, BENCH_SENT)? - sent0,
+            received: sum(&counters, BENCH_RECEIVED)? - recv0,
             seconds,
             lb_tx: None,
         })

@@ -1,0 +1,306 @@
+//! What a packet's connection-table entry decides, written once: the XDP program runs
+//! these functions on every packet that has an entry, and `lb explain` runs them over
+//! the agent's tables, so the two cannot disagree.
+//!
+//! They are pure: lookups stay with the caller, behind `Lookup`, whose methods are called
+//! only where the decision needs them, so the kernel reads what it read before and no
+//! more (one `LB_BACKENDS` element for a followed entry, none for an idle UDP one).
+
+use crate::{
+    BACKEND_F_SERVES_FLOWS, BackendInfo, FLOW_F_CLOSING, FlowEntry, LAST_SEEN_GRANULARITY_NS,
+    PROTO_UDP, stat,
+};
+
+/// What a decision reads besides the entry: in the kernel, its maps and load-time
+/// globals; in `lb explain`, what the agent writes into them.
+pub trait Lookup {
+    /// `LB_BACKENDS[id]`: the backend an entry names, if the id names one.
+    fn backend(&self, id: u32) -> Option<&BackendInfo>;
+    /// Idle time after which a UDP flow's entry is ignored (`GLOBAL_UDP_IDLE_NS`).
+    fn udp_idle_ns(&self) -> u64;
+}
+
+/// Nanoseconds since the entry's flow last sent a packet (0 for an entry from the
+/// future: another CPU's clock read a little later).
+#[inline(always)]
+pub fn age(entry: &FlowEntry, now: u64) -> u64 {
+    now.saturating_sub(entry.last_seen_ns)
+}
+
+/// Whether a flow's entry, idle for `age` ns, is too old to be followed: only UDP
+/// entries expire (a TCP entry holds its flow until the LRU evicts it).
+#[inline(always)]
+pub fn udp_expired(lookup: &impl Lookup, proto: u8, age: u64) -> bool {
+    proto == PROTO_UDP && age > lookup.udp_idle_ns()
+}
+
+/// Whether `backend` may keep a flow of VIP `vip_id`: it serves flows (ready, or
+/// draining while healthy) and belongs to that VIP (an id reused for another VIP's
+/// backend must not take this VIP's flows).
+#[inline(always)]
+pub fn serves(backend: &BackendInfo, vip_id: u32) -> bool {
+    backend.flags & BACKEND_F_SERVES_FLOWS != 0 && backend.vip_id == vip_id
+}
+
+/// The backend an entry holds its flow to, if the flow may stay there (`serves`).
+#[inline(always)]
+pub fn serving(lookup: &impl Lookup, entry: &FlowEntry, vip_id: u32) -> Option<(u32, BackendInfo)> {
+    let backend_id = entry.backend_id;
+    match lookup.backend(backend_id) {
+        Some(backend) if serves(backend, vip_id) => Some((backend_id, *backend)),
+        _ => None,
+    }
+}
+
+/// The backend an entry of `age` ns holds its flow to, or why it holds it no more
+/// (`follow`'s reasons): the one decision `held` and `follow` share.
+#[inline(always)]
+fn decide(
+    lookup: &impl Lookup,
+    entry: &FlowEntry,
+    proto: u8,
+    vip_id: u32,
+    age: u64,
+) -> Result<(u32, BackendInfo), u32> {
+    if udp_expired(lookup, proto, age) {
+        return Err(stat::CT_MISS_UDP);
+    }
+    serving(lookup, entry, vip_id).ok_or(stat::CT_REHASH)
+}
+
+/// The backend a live entry holds its flow to, the entry untouched: where an ICMP error
+/// about the flow goes (an error is not a packet of the flow).
+#[inline(always)]
+pub fn held(
+    lookup: &impl Lookup,
+    entry: &FlowEntry,
+    proto: u8,
+    vip_id: u32,
+    now: u64,
+) -> Option<(u32, BackendInfo)> {
+    decide(lookup, entry, proto, vip_id, age(entry, now)).ok()
+}
+
+/// A packet (not a SYN) of a flow that has an entry: the backend the entry holds it to,
+/// and the entry refreshed (its time, at most once per `LAST_SEEN_GRANULARITY_NS`; the
+/// closing flag once the client sent a FIN or RST); or why the flow is balanced afresh:
+/// `stat::CT_MISS_UDP` (an idle UDP entry), `stat::CT_REHASH` (the backend is gone, no
+/// longer serves flows, or serves another VIP).
+#[inline(always)]
+pub fn follow(
+    lookup: &impl Lookup,
+    entry: &mut FlowEntry,
+    proto: u8,
+    closing: bool,
+    vip_id: u32,
+    now: u64,
+) -> Result<(u32, BackendInfo), u32> {
+    let age = age(entry, now);
+    let held = decide(lookup, entry, proto, vip_id, age)?;
+    // Writes only when something changed: entries are shared by every CPU's packets.
+    if age > LAST_SEEN_GRANULARITY_NS {
+        entry.last_seen_ns = now;
+    }
+    if closing && entry.flags & FLOW_F_CLOSING == 0 {
+        entry.flags |= FLOW_F_CLOSING;
+    }
+    Ok(held)
+}
+
+/// A new entry holding a flow to `backend_id`, seen `now`; closing if its first packet
+/// was a FIN or RST.
+#[inline(always)]
+pub fn entry_for(backend_id: u32, closing: bool, now: u64) -> FlowEntry {
+    FlowEntry {
+        backend_id,
+        flags: if closing { FLOW_F_CLOSING } else { 0 },
+        last_seen_ns: now,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PROTO_TCP;
+    use std::cell::Cell;
+
+    const VIP: u32 = 3;
+    const SECOND: u64 = 1_000_000_000;
+    const IDLE: u64 = 30 * SECOND;
+    const NOW: u64 = 10_000 * SECOND;
+
+    /// Backends 0..4: 0 serves VIP 3, 1 is VIP 3's but serves no flows (failed), 2 serves
+    /// VIP 4 (the id was reused), 3 is not there. Counts the lookups.
+    #[derive(Default)]
+    struct Maps {
+        backend_reads: Cell<u32>,
+        idle_reads: Cell<u32>,
+    }
+
+    const BACKENDS: [BackendInfo; 3] = [
+        BackendInfo {
+            mac: [2, 0, 0, 0, 0, 0],
+            flags: BACKEND_F_SERVES_FLOWS,
+            vip_id: VIP,
+        },
+        BackendInfo {
+            mac: [2, 0, 0, 0, 0, 1],
+            flags: 0,
+            vip_id: VIP,
+        },
+        BackendInfo {
+            mac: [2, 0, 0, 0, 0, 2],
+            flags: BACKEND_F_SERVES_FLOWS,
+            vip_id: VIP + 1,
+        },
+    ];
+
+    impl Lookup for Maps {
+        fn backend(&self, id: u32) -> Option<&BackendInfo> {
+            self.backend_reads.set(self.backend_reads.get() + 1);
+            BACKENDS.get(id as usize)
+        }
+        fn udp_idle_ns(&self) -> u64 {
+            self.idle_reads.set(self.idle_reads.get() + 1);
+            IDLE
+        }
+    }
+
+    fn entry(backend_id: u32, idle: u64) -> FlowEntry {
+        FlowEntry {
+            backend_id,
+            flags: 0,
+            last_seen_ns: NOW - idle,
+        }
+    }
+
+    #[test]
+    fn a_live_entry_is_followed_and_its_time_refreshed_only_past_the_granularity() {
+        let maps = Maps::default();
+        for proto in [PROTO_TCP, PROTO_UDP] {
+            let mut recent = entry(0, SECOND / 2);
+            let followed = follow(&maps, &mut recent, proto, false, VIP, NOW);
+            assert_eq!(followed, Ok((0, BACKENDS[0])));
+            assert_eq!(
+                recent,
+                entry(0, SECOND / 2),
+                "within the granularity: unwritten"
+            );
+
+            let mut older = entry(0, 5 * SECOND);
+            assert_eq!(
+                follow(&maps, &mut older, proto, false, VIP, NOW),
+                Ok((0, BACKENDS[0]))
+            );
+            assert_eq!(older.last_seen_ns, NOW);
+            assert_eq!(older.flags, 0);
+        }
+    }
+
+    #[test]
+    fn an_idle_udp_entry_expires_and_a_tcp_one_never() {
+        let maps = Maps::default();
+        let mut idle_udp = entry(0, IDLE + 1);
+        let before = idle_udp;
+        assert_eq!(
+            follow(&maps, &mut idle_udp, PROTO_UDP, false, VIP, NOW),
+            Err(stat::CT_MISS_UDP)
+        );
+        assert_eq!(
+            idle_udp, before,
+            "an expired entry is left for the new choice"
+        );
+        assert_eq!(
+            maps.backend_reads.get(),
+            0,
+            "no backend read for an expired entry"
+        );
+        let mut just_live = entry(0, IDLE);
+        assert!(follow(&maps, &mut just_live, PROTO_UDP, false, VIP, NOW).is_ok());
+
+        let mut idle_tcp = entry(0, 100 * IDLE);
+        let reads = maps.idle_reads.get();
+        assert!(follow(&maps, &mut idle_tcp, PROTO_TCP, false, VIP, NOW).is_ok());
+        assert_eq!(
+            maps.idle_reads.get(),
+            reads,
+            "TCP never reads the UDP idle time"
+        );
+        assert_eq!(idle_tcp.last_seen_ns, NOW);
+    }
+
+    #[test]
+    fn a_gone_failed_or_other_vips_backend_gives_way_to_the_table() {
+        let maps = Maps::default();
+        for (backend_id, what) in [(1, "failed"), (2, "another VIP's"), (3, "gone")] {
+            let mut stale = entry(backend_id, 5 * SECOND);
+            let before = stale;
+            assert_eq!(
+                follow(&maps, &mut stale, PROTO_TCP, true, VIP, NOW),
+                Err(stat::CT_REHASH),
+                "{what}"
+            );
+            assert_eq!(
+                stale, before,
+                "{what}: the entry is left for the new choice"
+            );
+            assert_eq!(serving(&maps, &stale, VIP), None, "{what}");
+        }
+        // Backend 2 is followed by its own VIP's flows.
+        assert_eq!(
+            serving(&maps, &entry(2, 0), VIP + 1),
+            Some((2, BACKENDS[2]))
+        );
+    }
+
+    #[test]
+    fn a_fin_or_rst_marks_the_entry_closing_and_it_stays_closing() {
+        let maps = Maps::default();
+        let mut open = entry(0, 0);
+        assert!(follow(&maps, &mut open, PROTO_TCP, true, VIP, NOW).is_ok());
+        assert_eq!(open.flags, FLOW_F_CLOSING);
+        // A late packet after the FIN still follows, and does not reopen the flow.
+        assert_eq!(
+            follow(&maps, &mut open, PROTO_TCP, false, VIP, NOW),
+            Ok((0, BACKENDS[0]))
+        );
+        assert_eq!(open.flags, FLOW_F_CLOSING);
+
+        assert_eq!(
+            entry_for(7, false, NOW),
+            FlowEntry {
+                backend_id: 7,
+                flags: 0,
+                last_seen_ns: NOW
+            }
+        );
+        assert_eq!(entry_for(7, true, NOW).flags, FLOW_F_CLOSING);
+    }
+
+    #[test]
+    fn held_gives_a_live_entrys_backend_without_touching_the_entry() {
+        let maps = Maps::default();
+        let live = entry(0, 5 * SECOND);
+        assert_eq!(
+            held(&maps, &live, PROTO_UDP, VIP, NOW),
+            Some((0, BACKENDS[0]))
+        );
+        assert_eq!(held(&maps, &entry(0, IDLE + 1), PROTO_UDP, VIP, NOW), None);
+        assert_eq!(
+            held(&maps, &entry(0, IDLE + 1), PROTO_TCP, VIP, NOW),
+            Some((0, BACKENDS[0]))
+        );
+        assert_eq!(held(&maps, &entry(1, 0), PROTO_TCP, VIP, NOW), None);
+    }
+
+    #[test]
+    fn an_entry_seen_after_now_is_of_age_zero() {
+        let future = FlowEntry {
+            backend_id: 0,
+            flags: 0,
+            last_seen_ns: NOW + SECOND,
+        };
+        assert_eq!(age(&future, NOW), 0);
+        assert_eq!(age(&entry(0, 5), NOW), 5);
+    }
+}
