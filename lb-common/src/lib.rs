@@ -226,7 +226,8 @@ const _: () = assert!(size_of::<SourceKey>() == 24);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct CaptureRecord {
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) when the frame arrived.
+    /// CLOCK_MONOTONIC when the frame arrived, as the program reads it: the coarse clock
+    /// (`bpf_ktime_get_coarse_ns`, read once per jiffy), so up to a tick early.
     pub ts_ns: u64,
     /// The frame's length on the wire.
     pub len: u32,
@@ -295,20 +296,23 @@ pub struct FlowEntry {
     pub backend_id: u32,
     /// `FLOW_F_*` bits.
     pub flags: u32,
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet, to
+    /// CLOCK_MONOTONIC of the last packet, as the program reads it (the coarse clock,
+    /// `bpf_ktime_get_coarse_ns`, read once per jiffy), to
     /// `LAST_SEEN_GRANULARITY_NS`.
     pub last_seen_ns: u64,
 }
 const _: () = assert!(size_of::<FlowEntry>() == 16);
 
-/// Value of `LB_FLOOD` (per CPU): connection-table inserts in the current second.
+/// A per-CPU rate limit's window: events counted in the second that began at
+/// `start_ns`. The value of `LB_FLOOD` (connection-table inserts) and of
+/// `LB_CAPTURE_WIN` (frames copied to the debug capture).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct InsertWindow {
+pub struct RateWindow {
     pub start_ns: u64,
-    pub inserts: u64,
+    pub events: u64,
 }
-const _: () = assert!(size_of::<InsertWindow>() == 16);
+const _: () = assert!(size_of::<RateWindow>() == 16);
 
 /// Per-VIP and per-backend traffic counters (per CPU; the agent sums them).
 #[repr(C)]
@@ -429,7 +433,7 @@ mod aya_pod {
     unsafe impl aya::Pod for super::TrafficCounters {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}
-    unsafe impl aya::Pod for super::InsertWindow {}
+    unsafe impl aya::Pod for super::RateWindow {}
 }
 
 /// The Maglev slot a flow hash selects: `hash` scaled onto `0..table_size` by a

@@ -21,7 +21,7 @@ mod program {
         programs::XdpContext,
     };
     use lb_common::{
-        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FlowKey, InsertWindow, PROTO_UDP,
+        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FlowKey, PROTO_UDP, RateWindow,
         VIP_F_HASH_SRC_IP, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
         flow::{self, Lookup},
         flow_hash, maglev_slot, stat,
@@ -354,19 +354,19 @@ mod program {
 
     /// Whether one more event fits in this CPU's `limit` per second, counted in `window`.
     #[inline(always)]
-    fn within_rate(window: &PerCpuArray<InsertWindow>, limit: u64, now: u64) -> bool {
+    fn within_rate(window: &PerCpuArray<RateWindow>, limit: u64, now: u64) -> bool {
         let Some(window) = window.get_ptr_mut(0) else {
             return true;
         };
         let window = unsafe { &mut *window };
         if now.saturating_sub(window.start_ns) >= 1_000_000_000 {
             window.start_ns = now;
-            window.inserts = 0;
+            window.events = 0;
         }
-        if window.inserts >= limit {
+        if window.events >= limit {
             return false;
         }
-        window.inserts += 1;
+        window.events += 1;
         true
     }
 

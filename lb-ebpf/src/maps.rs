@@ -13,8 +13,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, InsertWindow, MAX_BACKENDS, MAX_VIPS,
-    Outcomes, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, VipSlot, stat,
+    BackendIdentity, BackendInfo, FlowEntry, FlowKey, MAX_BACKENDS, MAX_VIPS, Outcomes, RateWindow,
+    SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, VipSlot, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -95,11 +95,11 @@ pub static LB_CAPTURE: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 
 /// 0 -> this CPU's captures in the current second (the capture's rate limit).
 #[map(name = "LB_CAPTURE_WIN")]
-pub static LB_CAPTURE_WIN: PerCpuArray<InsertWindow> = PerCpuArray::with_max_entries(1, 0);
+pub static LB_CAPTURE_WIN: PerCpuArray<RateWindow> = PerCpuArray::with_max_entries(1, 0);
 
 /// 0 -> this CPU's inserts in the current second (flood guard). Program only.
 #[map(name = "LB_FLOOD")]
-pub static LB_FLOOD: PerCpuArray<InsertWindow> = PerCpuArray::with_max_entries(1, 0);
+pub static LB_FLOOD: PerCpuArray<RateWindow> = PerCpuArray::with_max_entries(1, 0);
 
 /// index -> u64 (`lb_common::meta`): layout version and sizes of the pinned maps.
 /// Written and read by the agent only (restart adoption); 8 entries.

@@ -208,11 +208,7 @@ pub fn heavy_hitters(
 }
 
 fn source_address(key: &SourceKey) -> IpAddr {
-    if key.family == lb_common::ADDR_FAMILY_V4 {
-        IpAddr::from([key.addr[0], key.addr[1], key.addr[2], key.addr[3]])
-    } else {
-        IpAddr::from(key.addr)
-    }
+    lb_common::addr::from_map(&key.addr, key.family)
 }
 
 /// Max over mean of per-backend counts; 0 when all are 0 (nothing to compare).

@@ -296,43 +296,51 @@ fn syn_probe(path: VipPath, timeout: Duration) -> Result<(), String> {
     let seq = fastrand::u32(..);
     send_to_backend(&path, &tcp_syn(source, path.vip, seq))
         .map_err(|e| format!("sending the SYN: {e}"))?;
-    let deadline = Instant::now() + timeout;
     let mut buffer = [0u8; 2048];
+    let answer = wait_for(timeout, "no SYN-ACK from the VIP", |left| {
+        set_receive_timeout(&raw, left)?;
+        let (n, from) = receive(&raw, &mut buffer)?;
+        // IPv4 raw sockets get the IP header too; IPv6 ones only the segment.
+        let header = if path.vip.is_ipv4() {
+            usize::from(buffer[0] & 0x0f) * 4
+        } else {
+            0
+        };
+        Ok(buffer
+            .get(header..n)
+            .and_then(|tcp| syn_answer(tcp, from, source, path.vip, seq)))
+    })?;
+    match answer {
+        SynAnswer::SynAck => Ok(()),
+        SynAnswer::Reset => Err("connection refused by the VIP".into()),
+    }
+}
+
+/// Reads until `read` finds the answer (`Ok(Some)`; `Ok(None)`: not this packet) or
+/// `timeout` passes; `read` is given the time left. Says `missing` when none came.
+fn wait_for<T>(
+    timeout: Duration,
+    missing: &str,
+    mut read: impl FnMut(Duration) -> io::Result<Option<T>>,
+) -> Result<T, String> {
+    let deadline = Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(format!(
-                "no SYN-ACK from the VIP within {}",
+                "{missing} within {}",
                 humantime::format_duration(timeout)
             ));
         }
-        set_receive_timeout(&raw, left).map_err(|e| format!("raw socket: {e}"))?;
-        let (n, from) = match receive(&raw, &mut buffer) {
-            Ok(got) => got,
+        match read(left) {
+            Ok(Some(found)) => return Ok(found),
+            Ok(None) => {}
             Err(e)
                 if matches!(
                     e.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                continue;
-            }
-            Err(e) => return Err(format!("raw socket: {e}")),
-        };
-        // IPv4 raw sockets get the IP header too; IPv6 ones only the segment.
-        let tcp = if path.vip.is_ipv4() {
-            let header = usize::from(buffer[0] & 0x0f) * 4;
-            if n < header {
-                continue;
-            }
-            &buffer[header..n]
-        } else {
-            &buffer[..n]
-        };
-        match syn_answer(tcp, from, source, path.vip, seq) {
-            Some(SynAnswer::SynAck) => return Ok(()),
-            Some(SynAnswer::Reset) => return Err("connection refused by the VIP".into()),
-            None => continue,
+                ) => {}
+            Err(e) => return Err(format!("receiving the answer: {e}")),
         }
     }
 }
@@ -347,35 +355,14 @@ fn datagram_probe(path: VipPath, payload: &[u8], timeout: Duration) -> Result<Ve
         .map_err(|e| format!("udp socket: {e}"))?;
     send_to_backend(&path, &udp_datagram(source, path.vip, payload))
         .map_err(|e| format!("sending the datagram: {e}"))?;
-    let deadline = Instant::now() + timeout;
     let mut buffer = vec![0u8; 4096];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(format!(
-                "no reply from the VIP within {}",
-                humantime::format_duration(timeout)
-            ));
-        }
-        socket
-            .set_read_timeout(Some(left))
-            .map_err(|e| format!("udp socket: {e}"))?;
-        match socket.recv_from(&mut buffer) {
-            Ok((n, from)) if from == path.vip => return Ok(buffer[..n].to_vec()),
-            // From elsewhere (the backend's own address: the service answers from the
-            // wrong address, which DSR clients would drop): not an answer.
-            Ok(_) => continue,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                continue;
-            }
-            Err(e) => return Err(format!("udp socket: {e}")),
-        }
-    }
+    wait_for(timeout, "no reply from the VIP", |left| {
+        socket.set_read_timeout(Some(left))?;
+        let (n, from) = socket.recv_from(&mut buffer)?;
+        // From elsewhere (the backend's own address: the service answers from the wrong
+        // address, which DSR clients would drop): not an answer.
+        Ok((from == path.vip).then(|| buffer[..n].to_vec()))
+    })
 }
 
 /// One check of `config` through the VIP along `path`.
