@@ -116,7 +116,7 @@ impl Telemetry {
                 })
                 .collect();
             self.top_sources = heavy_hitters(&sources, &self.last_sources, seconds);
-            self.hot_sources = hot_sources(model, &sources, &self.last_sources, |id| delta(id));
+            self.hot_sources = hot_sources(model, &sources, &self.last_sources, delta);
         }
         self.last_sources = sources.into_iter().collect();
         self.last_sample = Some((now, new_flows));
