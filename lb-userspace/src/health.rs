@@ -381,12 +381,13 @@ pub fn record(
     rise: u32,
     fall: u32,
 ) -> Option<Health> {
-    let (vip, backend) = model.vips.iter_mut().find_map(|v| {
+    let (vip, kind, backend) = model.vips.iter_mut().find_map(|v| {
         let name = v.config.name.clone();
+        let config = &v.config;
         v.backends
             .iter_mut()
             .find(|b| b.id == id)
-            .map(|b| (name, b))
+            .map(|b| (name, config.health_of(&b.config).kind, b))
     })?;
     let address = backend.config.address;
     if record.local {
@@ -426,7 +427,15 @@ pub fn record(
         .clone()
         .unwrap_or_else(|| format!("{:.1}ms", record.latency_ms));
     backend.last_check = Some(record);
-    crate::metrics::observe_check(observed, &vip, &address.to_string(), seconds, changed);
+    let kind = kind.to_string();
+    crate::metrics::observe_check(
+        observed,
+        &vip,
+        &kind,
+        &address.to_string(),
+        seconds,
+        changed,
+    );
     match changed {
         Some(Health::Up) => tracing::info!(
             "backend {address} of vip {vip} is UP: {reason} ({} consecutive successes)",

@@ -28,6 +28,17 @@ pub struct VipLabels {
     pub vip: String,
 }
 
+/// A check's duration is labelled by its VIP and its kind.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CheckLabels {
+    pub vip: String,
+    /// "tcp", "http", "udp" or "dns".
+    pub kind: String,
+}
+
+/// The kinds that run checks (`none` runs none), for dropping a VIP's series.
+const CHECK_KINDS: [&str; 4] = ["tcp", "http", "udp", "dns"];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BackendLabels {
     pub vip: String,
@@ -67,7 +78,7 @@ struct KindLabels {
 /// Metrics the agent observes over time (the rest is read at scrape time).
 #[derive(Clone)]
 pub struct Observed {
-    pub check_duration: Family<VipLabels, Histogram>,
+    pub check_duration: Family<CheckLabels, Histogram>,
     pub transitions: Family<TransitionLabels, Counter>,
 }
 
@@ -90,7 +101,12 @@ impl Observed {
     /// gone, so that their series leave the exposition with them.
     pub fn forget(&self, vips: &[String], backends: &[(String, String)]) {
         for vip in vips {
-            self.check_duration.remove(&VipLabels { vip: vip.clone() });
+            for kind in CHECK_KINDS {
+                self.check_duration.remove(&CheckLabels {
+                    vip: vip.clone(),
+                    kind: kind.into(),
+                });
+            }
         }
         for (vip, backend) in backends {
             for to in ["up", "down"] {
@@ -456,13 +472,17 @@ pub fn prometheus_text(openmetrics: &str) -> String {
 pub fn observe_check(
     observed: &Observed,
     vip: &str,
+    kind: &str,
     backend: &str,
     seconds: f64,
     changed: Option<Health>,
 ) {
     observed
         .check_duration
-        .get_or_create(&VipLabels { vip: vip.into() })
+        .get_or_create(&CheckLabels {
+            vip: vip.into(),
+            kind: kind.into(),
+        })
         .observe(seconds);
     if let Some(health) = changed {
         let to = if health == Health::Up { "up" } else { "down" };

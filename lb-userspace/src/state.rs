@@ -1417,7 +1417,14 @@ mod tests {
     fn a_removed_backends_metric_series_go_with_it() {
         let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
         for backend in ["10.0.0.11", "10.0.0.12"] {
-            observe_check(&shared.observed, "web", backend, 0.001, Some(Health::Up));
+            observe_check(
+                &shared.observed,
+                "web",
+                "tcp",
+                backend,
+                0.001,
+                Some(Health::Up),
+            );
         }
         let text = render(&shared.scrape().unwrap()).unwrap();
         assert!(text.contains("backend=\"10.0.0.12\""), "{text}");
@@ -1654,7 +1661,7 @@ mod tests {
     #[test]
     fn the_classic_text_names_counter_families_as_their_samples() {
         let shared = shared(config("eth0", &["10.0.0.11"]));
-        observe_check(&shared.observed, "web", "10.0.0.11", 0.002, None);
+        observe_check(&shared.observed, "web", "tcp", "10.0.0.11", 0.002, None);
         let openmetrics = render(&shared.scrape().unwrap()).unwrap();
         assert!(openmetrics.contains("# TYPE lb_vip_packets counter"));
         assert!(openmetrics.ends_with("# EOF\n"));
@@ -1734,11 +1741,16 @@ mod tests {
         observe_check(
             &shared.observed,
             "web",
+            "tcp",
             "10.0.0.11",
             0.002,
             Some(Health::Up),
         );
         let text = render(&shared.scrape().unwrap()).unwrap();
+        assert!(
+            text.contains("lb_health_check_duration_seconds_count{vip=\"web\",kind=\"tcp\"} 1"),
+            "check durations by VIP and kind:\n{text}"
+        );
         let lines = text.lines().map(|l| Ok(l.to_string()));
         let scrape = prometheus_parse::Scrape::parse(lines).expect("a real parser accepts it");
         let names: std::collections::BTreeSet<&str> =
