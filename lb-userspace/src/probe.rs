@@ -44,10 +44,15 @@ pub async fn udp_check(config: &HealthConfig, target: SocketAddr) -> Result<(), 
     socket.send(payload.as_bytes()).await.map_err(describe)?;
     let mut reply = vec![0u8; REPLY_CAP];
     let n = socket.recv(&mut reply).await.map_err(describe)?;
+    check_udp_reply(config, &reply[..n])
+}
+
+/// Whether a udp check's `reply` passes: it contains `expect`, when that is set.
+pub fn check_udp_reply(config: &HealthConfig, reply: &[u8]) -> Result<(), String> {
     match &config.expect {
-        Some(expect) if !contains(&reply[..n], expect.as_bytes()) => Err(format!(
+        Some(expect) if !contains(reply, expect.as_bytes()) => Err(format!(
             "reply {:?} does not contain {expect:?}",
-            String::from_utf8_lossy(&reply[..n.min(64)])
+            String::from_utf8_lossy(&reply[..reply.len().min(64)])
         )),
         _ => Ok(()),
     }

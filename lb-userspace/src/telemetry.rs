@@ -4,7 +4,7 @@
 //! scans and counter reads; status, draining and metrics read it.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     net::IpAddr,
     time::{Duration, Instant},
 };
@@ -35,8 +35,6 @@ pub struct Telemetry {
     pub busiest_over_average: HashMap<u32, f64>,
     /// Per VIP id: the heavy hitters of the last interval.
     pub top_sources: HashMap<u32, Vec<SourceRate>>,
-    /// Per VIP id (`hot_source_share`): the sources balanced per connection for now.
-    pub hot_sources: HashMap<u32, HashSet<SourceKey>>,
     /// The previous sample: when, and each backend's new-flow counter then.
     last_sample: Option<(Instant, HashMap<u32, u64>)>,
     /// Each source's new-flow count at the previous sample.
@@ -116,57 +114,10 @@ impl Telemetry {
                 })
                 .collect();
             self.top_sources = heavy_hitters(&sources, &self.last_sources, seconds);
-            self.hot_sources = hot_sources(model, &sources, &self.last_sources, delta);
         }
         self.last_sources = sources.into_iter().collect();
         self.last_sample = Some((now, new_flows));
     }
-}
-
-/// A VIP needs this many new flows in a sample interval before any source counts as hot:
-/// a quiet VIP's only client is no hot spot.
-pub const HOT_MIN_FLOWS: u64 = 20;
-
-/// Per VIP with `hot_source_share`: the sources whose new flows since `previous` exceed
-/// that share of the VIP's new flows (`backend_delta`: each backend's new flows since).
-fn hot_sources(
-    model: &Model,
-    sources: &[(SourceKey, u64)],
-    previous: &HashMap<SourceKey, u64>,
-    backend_delta: impl Fn(u32) -> u64,
-) -> HashMap<u32, HashSet<SourceKey>> {
-    let mut hot = HashMap::new();
-    for vip in &model.vips {
-        let Some(share) = vip.config.hot_source_share else {
-            continue;
-        };
-        let total: u64 = vip.backends.iter().map(|b| backend_delta(b.id)).sum();
-        if total < HOT_MIN_FLOWS {
-            continue;
-        }
-        let over: HashSet<SourceKey> = sources
-            .iter()
-            .filter(|(key, _)| key.vip_id == vip.id)
-            .filter(|(key, count)| {
-                let before = previous
-                    .get(key)
-                    .copied()
-                    .filter(|b| b <= count)
-                    .unwrap_or(0);
-                (count - before) as f64 > share * total as f64
-            })
-            .map(|(key, _)| *key)
-            .collect();
-        if !over.is_empty() {
-            hot.insert(vip.id, over);
-        }
-    }
-    hot
-}
-
-/// A source key's address.
-pub fn source_address_of(key: &SourceKey) -> IpAddr {
-    source_address(key)
 }
 
 /// Per VIP id, the sources with the most new flows since `previous`, busiest first.
@@ -278,66 +229,6 @@ mod tests {
             "{:?}",
             telemetry.active_flows
         );
-    }
-
-    #[test]
-    fn a_source_over_the_hot_share_is_hot_while_it_stays_over() {
-        let mut config = crate::config::Config::from_toml(
-            "[dataplane]\ninterface = \"eth0\"\nmaglev_table_size = 7\n\
-             [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\n\
-             protocol = \"tcp\"\nhash = \"src-ip\"\n\
-             [vip.health]\nkind = \"none\"\n\
-             [[vip.backend]]\naddress = \"10.0.0.11\"\nmac = \"02:00:00:00:00:01\"\n\
-             [[vip.backend]]\naddress = \"10.0.0.12\"\nmac = \"02:00:00:00:00:02\"\n",
-        )
-        .unwrap();
-        // Set past validation, which refuses it until the data path can spill.
-        config.vips[0].hot_source_share = Some(0.3);
-        let mut model = Model::new(7, 16, Duration::ZERO);
-        model.update(&config).unwrap();
-        let (vip, ids) = (
-            model.vips[0].id,
-            [model.vips[0].backends[0].id, model.vips[0].backends[1].id],
-        );
-        let key = |last: u8| SourceKey {
-            addr: [10, 0, 0, last, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-            vip_id: vip,
-            family: lb_common::ADDR_FAMILY_V4,
-            _pad: [0; 3],
-        };
-        let mut telemetry = Telemetry::default();
-        let start = Instant::now();
-        let at = |s: u64| start + Duration::from_secs(s);
-        let flows = |a: u64, b: u64| HashMap::from([(ids[0], a), (ids[1], b)]);
-        telemetry.sample(at(0), &model, flows(0, 0), vec![(key(1), 0), (key(2), 0)]);
-        // 100 new flows: source 1 opened 60, source 2 opened 40 — both over 30%.
-        telemetry.sample(
-            at(2),
-            &model,
-            flows(50, 50),
-            vec![(key(1), 60), (key(2), 40)],
-        );
-        assert_eq!(telemetry.hot_sources[&vip].len(), 2);
-        // 100 more: source 1 80, source 2 10 (10%): only source 1 stays hot.
-        telemetry.sample(
-            at(4),
-            &model,
-            flows(100, 100),
-            vec![(key(1), 140), (key(2), 50)],
-        );
-        let hot: Vec<IpAddr> = telemetry.hot_sources[&vip]
-            .iter()
-            .map(source_address_of)
-            .collect();
-        assert_eq!(hot, ["10.0.0.1".parse::<IpAddr>().unwrap()]);
-        // A quiet interval decides nothing: nobody is hot.
-        telemetry.sample(
-            at(6),
-            &model,
-            flows(105, 105),
-            vec![(key(1), 150), (key(2), 50)],
-        );
-        assert!(!telemetry.hot_sources.contains_key(&vip));
     }
 
     #[test]

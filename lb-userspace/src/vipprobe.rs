@@ -371,21 +371,8 @@ pub async fn check_via_vip(config: &HealthConfig, path: VipPath) -> Result<(), S
     tokio::task::spawn_blocking(move || match config.kind {
         HealthKind::Tcp => syn_probe(path, timeout),
         HealthKind::Udp => {
-            let reply = datagram_probe(
-                path,
-                config.send.as_deref().unwrap_or("").as_bytes(),
-                timeout,
-            )?;
-            match &config.expect {
-                Some(expect)
-                    if !reply
-                        .windows(expect.len().max(1))
-                        .any(|w| w == expect.as_bytes()) =>
-                {
-                    Err(format!("reply from the VIP does not contain {expect:?}"))
-                }
-                _ => Ok(()),
-            }
+            let payload = config.send.as_deref().unwrap_or("").as_bytes();
+            crate::probe::check_udp_reply(&config, &datagram_probe(path, payload, timeout)?)
         }
         HealthKind::Dns => {
             let query = crate::probe::dns_query(&config, fastrand::u16(..))?;
