@@ -145,6 +145,10 @@ impl State {
     /// Follows what changes with time alone (a slow-start step): asks for new tables
     /// when the inputs differ from the last request.
     pub fn refresh_load(&mut self, now: Instant) {
+        // Only slow start changes with time alone.
+        if self.config.vips.iter().all(|v| v.slow_start.is_none()) {
+            return;
+        }
         self.model.note_usable(now);
         let inputs = self.model.table_inputs_at(now);
         if inputs != self.last_inputs {
