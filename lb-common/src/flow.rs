@@ -7,8 +7,8 @@
 //! more (one `LB_BACKENDS` element for a followed entry, none for an idle UDP one).
 
 use crate::{
-    BACKEND_F_SERVES_FLOWS, BackendInfo, FLOW_F_CLOSING, FlowEntry, LAST_SEEN_GRANULARITY_NS,
-    PROTO_UDP, stat,
+    BACKEND_F_SERVES_FLOWS, BackendInfo, FLOW_F_CLOSING, FLOW_F_LEARNED, FlowEntry,
+    LAST_SEEN_GRANULARITY_NS, PROTO_UDP, stat,
 };
 
 /// What a decision reads besides the entry: in the kernel, its maps and load-time
@@ -98,8 +98,11 @@ pub fn follow(
     let age = age(entry, now);
     let held = decide(lookup, entry, proto, vip_id, age)?;
     // Writes only when something changed: entries are shared by every CPU's packets.
+    // A learned entry is written with a time older than the granularity, so its flow's
+    // first packet here lands in this write and makes it this node's own.
     if age > LAST_SEEN_GRANULARITY_NS {
         entry.last_seen_ns = now;
+        entry.flags &= !FLOW_F_LEARNED;
     }
     if closing && entry.flags & FLOW_F_CLOSING == 0 {
         entry.flags |= FLOW_F_CLOSING;
@@ -195,6 +198,23 @@ mod tests {
             assert_eq!(older.last_seen_ns, NOW);
             assert_eq!(older.flags, 0);
         }
+    }
+
+    #[test]
+    fn a_learned_entry_becomes_this_nodes_own_at_its_first_packet() {
+        let maps = Maps::default();
+        // As the cluster writes it: older than the granularity, so the packet refreshes it.
+        let mut learned = FlowEntry {
+            flags: FLOW_F_LEARNED | FLOW_F_CLOSING,
+            ..entry(0, LAST_SEEN_GRANULARITY_NS + 1)
+        };
+        let followed = follow(&maps, &mut learned, PROTO_TCP, false, VIP, NOW);
+        assert_eq!(followed, Ok((0, BACKENDS[0])));
+        assert_eq!(learned.last_seen_ns, NOW);
+        assert_eq!(
+            learned.flags, FLOW_F_CLOSING,
+            "learned cleared, closing kept"
+        );
     }
 
     #[test]

@@ -41,6 +41,11 @@ pub const MAP_CONNTRACK: &str = "LB_CONNTRACK";
 pub const MAP_FLOOD: &str = "LB_FLOOD";
 pub const MAP_SOURCES: &str = "LB_SOURCES";
 pub const MAP_CAPTURE: &str = "LB_CAPTURE";
+/// The ring buffer of new connection-table entries for the cluster's peers.
+pub const MAP_EXPORT: &str = "LB_EXPORT";
+/// Global set at load time: non-zero when `[cluster]` is configured, so the program
+/// exports every entry it creates to `MAP_EXPORT` (zero: one predictable branch).
+pub const GLOBAL_CLUSTER_EXPORT: &str = "CLUSTER_EXPORT";
 /// Bytes of each captured frame kept (the rest is cut, as tcpdump's snaplen).
 pub const CAPTURE_BYTES: usize = 128;
 /// Global set at load time: one new flow in this many is counted (with that weight) for
@@ -57,7 +62,7 @@ pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 6;
+pub const LAYOUT_VERSION: u64 = 7;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -288,6 +293,10 @@ const _: () = assert!(size_of::<FlowKey>() == 40);
 /// `FlowEntry::flags`: the client sent a FIN or RST. The entry stays (late packets
 /// still follow it) but the flow no longer counts as active, so a drain can end.
 pub const FLOW_F_CLOSING: u32 = 1;
+/// `FlowEntry::flags`: the entry came from a cluster peer (`[cluster]`), not from this
+/// node's own packets. Cleared by the first packet that follows it here (that refresh
+/// writes the entry anyway); meanwhile it does not count as an active flow of this node.
+pub const FLOW_F_LEARNED: u32 = 2;
 
 /// Value of `LB_CONNTRACK`.
 #[repr(C)]
@@ -302,6 +311,19 @@ pub struct FlowEntry {
     pub last_seen_ns: u64,
 }
 const _: () = assert!(size_of::<FlowEntry>() == 16);
+
+/// One entry the program created, for the cluster's peers (`LB_EXPORT` ring buffer).
+/// The backend is named by this node's id: the agent turns it into the backend's address,
+/// which the peers map to their own ids.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct ExportRecord {
+    pub key: FlowKey,
+    pub backend_id: u32,
+    /// `FLOW_F_*` bits of the new entry.
+    pub flags: u32,
+}
+const _: () = assert!(size_of::<ExportRecord>() == 48);
 
 /// A per-CPU rate limit's window: events counted in the second that began at
 /// `start_ns`. The value of `LB_FLOOD` (connection-table inserts) and of
@@ -388,7 +410,11 @@ pub mod stat {
     /// a VIP flow, sent to that flow's backend (whose replies bypass the balancer, so
     /// only it can lower its path MTU).
     pub const SEEN_ICMP_TOO_BIG: u32 = 24;
-    pub const COUNT: u32 = 25;
+    /// New entries written to the cluster export ring (`[cluster]`).
+    pub const CLUSTER_EXPORTED: u32 = 25;
+    /// New entries not exported: the ring was full (the agent or its peers are slow).
+    pub const CLUSTER_EXPORT_DROPPED: u32 = 26;
+    pub const COUNT: u32 = 27;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -417,6 +443,8 @@ pub mod stat {
         "ct_insert_skipped",
         "captured",
         "seen_icmp_too_big",
+        "cluster_exported",
+        "cluster_export_dropped",
     ];
 }
 

@@ -30,6 +30,7 @@ mod program {
     use crate::maps::{
         Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
         LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source, count_traffic,
+        export_flow,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -181,7 +182,14 @@ mod program {
             None if packet.rst => false,
             // A new entry, or another backend for an existing one, goes through the map:
             // a pointer into the LRU may meanwhile name a node recycled for another flow.
-            _ if may_insert(stats, now) => LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok(),
+            _ if may_insert(stats, now) => {
+                let inserted = LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok();
+                // The one place a new entry is made: its peers learn it from here.
+                if inserted {
+                    export_flow(stats, &flow_key, &fresh);
+                }
+                inserted
+            }
             // No room this second: a SYN must not leave an older connection's entry
             // (another backend) for the packets that follow it.
             Some(_) if packet.syn => {

@@ -13,8 +13,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, MAX_BACKENDS, MAX_VIPS, Outcomes, RateWindow,
-    SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, VipSlot, stat,
+    BackendIdentity, BackendInfo, ExportRecord, FlowEntry, FlowKey, MAX_BACKENDS, MAX_VIPS,
+    Outcomes, RateWindow, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, VipSlot,
+    stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -92,6 +93,42 @@ pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8, weight: u64) {
 /// drained by the agent. 256 KiB.
 #[map(name = "LB_CAPTURE")]
 pub static LB_CAPTURE: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+
+/// New connection-table entries (`ExportRecord`) for the cluster's peers. Written by the
+/// program only when `CLUSTER_EXPORT` is set; drained by the agent every 50 ms. 1 MiB:
+/// 21845 records, two seconds of 10,000 new flows per second.
+#[map(name = "LB_EXPORT")]
+pub static LB_EXPORT: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
+
+/// Non-zero when `[cluster]` is configured (`lb_common::GLOBAL_CLUSTER_EXPORT`).
+#[unsafe(no_mangle)]
+static CLUSTER_EXPORT: u32 = 0;
+
+/// `bpf_ringbuf_submit` flag: no wakeup of the reader. The agent polls on a timer (it
+/// batches anyway), so the program never pays for waking it.
+const BPF_RB_NO_WAKEUP: u64 = 1;
+
+/// Hands a newly created entry to the agent for the cluster's peers. Without `[cluster]`
+/// one load and a branch; with it, a reserve and a submit. A full ring (the agent is
+/// behind) drops the record and counts it: a slow peer never slows the data path.
+#[inline(always)]
+pub fn export_flow(stats: &Stats, key: &FlowKey, entry: &FlowEntry) {
+    if unsafe { core::ptr::read_volatile(&CLUSTER_EXPORT) } == 0 {
+        return;
+    }
+    match LB_EXPORT.reserve::<ExportRecord>(0) {
+        Some(mut slot) => {
+            slot.write(ExportRecord {
+                key: *key,
+                backend_id: entry.backend_id,
+                flags: entry.flags,
+            });
+            slot.submit(BPF_RB_NO_WAKEUP);
+            stats.count(stat::CLUSTER_EXPORTED);
+        }
+        None => stats.count(stat::CLUSTER_EXPORT_DROPPED),
+    }
+}
 
 /// 0 -> this CPU's captures in the current second (the capture's rate limit).
 #[map(name = "LB_CAPTURE_WIN")]

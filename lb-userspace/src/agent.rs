@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     EBPF_OBJECT,
     announce::{self, Announcer},
+    cluster,
     config::Config,
     control,
     dataplane::{
@@ -75,10 +76,24 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         interface.clone(),
         started.mode,
     );
+    // A node without a table of its own learns its peers' before it announces.
+    let learn = started.cluster.is_some() && !matches!(started.start, Start::Adopted);
+    state.announce.learning = learn;
+    state.cluster = started
+        .cluster
+        .as_ref()
+        .map(|(opened, _)| opened.stats.clone());
     state.start = started.start;
     state.native_refused = started.native_refused;
     let state = Arc::new(Mutex::new(state));
-    let services = Services::start(&config, &state, started.capture, started.announcer).await?;
+    let services = Services::start(
+        &config,
+        &state,
+        started.capture,
+        started.announcer,
+        started.cluster.map(|(opened, maps)| (opened, maps, learn)),
+    )
+    .await?;
     println!(
         "serving {} VIP(s) on {} (xdp mode: {}); control socket {}",
         config.vips.len(),
@@ -124,6 +139,7 @@ struct Started {
     flow_reader: Arc<FlowReader>,
     capture: Option<(aya::maps::RingBuf<aya::maps::MapData>, PathBuf)>,
     announcer: Option<Announcer>,
+    cluster: Option<(cluster::Opened, cluster::Maps)>,
 }
 
 /// Loads (or adopts) the program, writes the tables the configuration asks for, then
@@ -160,6 +176,15 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         ),
         None => None,
     };
+    // The key and the socket too: a key others may read is refused before anything.
+    let opened = match &config.cluster {
+        Some(cluster) => Some(cluster::open(
+            cluster,
+            &interface.name,
+            &interface.addresses,
+        )?),
+        None => None,
+    };
 
     let mut options = LoadOptions::from_config(config, interface.mac.0);
     options.ifindex = interface.index;
@@ -170,6 +195,18 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     let flow_reader = Arc::new(dataplane.flow_reader()?);
     let capture = match &config.debug.capture {
         Some(path) => Some((dataplane.take_capture()?, path.clone())),
+        None => None,
+    };
+    let cluster = match opened {
+        Some(opened) => {
+            let (export, writer) = dataplane.take_export()?;
+            let maps = cluster::Maps {
+                export,
+                writer,
+                reader: flow_reader.clone(),
+            };
+            Some((opened, maps))
+        }
         None => None,
     };
     let mut writer = TableWriter::new(config.dataplane.maglev_table_size);
@@ -228,6 +265,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         flow_reader,
         capture,
         announcer,
+        cluster,
     })
 }
 
@@ -302,8 +340,28 @@ impl Services {
         state: &Arc<Mutex<State>>,
         capture: Option<(aya::maps::RingBuf<aya::maps::MapData>, PathBuf)>,
         announcer: Option<Announcer>,
+        cluster: Option<(cluster::Opened, cluster::Maps, bool)>,
     ) -> anyhow::Result<Self> {
         let shutdown = CancellationToken::new();
+        if let (Some((opened, maps, learn)), Some(config)) = (cluster, &config.cluster) {
+            tracing::info!(
+                "cluster: sharing new flows with {} peer(s){}",
+                config.peers.len(),
+                if learn {
+                    "; learning theirs before announcing"
+                } else {
+                    ""
+                }
+            );
+            cluster::start(
+                state.clone(),
+                opened,
+                maps,
+                learn,
+                config.learn_timeout,
+                shutdown.clone(),
+            )?;
+        }
         if let Some((ring, path)) = capture {
             let shutdown = shutdown.clone();
             tokio::spawn(async move {

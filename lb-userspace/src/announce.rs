@@ -53,6 +53,9 @@ pub enum Why {
     TooFewUp { up: usize, min_healthy: u32 },
     /// The warm-up after start is not over.
     WarmingUp { left: Duration },
+    /// `[cluster]`: the node started with an empty connection table and is learning its
+    /// peers' entries (until they answered or `cluster.learn_timeout` passed).
+    Learning,
 }
 
 impl fmt::Display for Why {
@@ -65,6 +68,7 @@ impl fmt::Display for Why {
                 "{up} backend(s) up, fewer than min_healthy {min_healthy}"
             ),
             Why::WarmingUp { left } => write!(f, "warming up ({:.1}s left)", left.as_secs_f64()),
+            Why::Learning => write!(f, "learning the cluster peers' flows"),
         }
     }
 }
@@ -76,6 +80,8 @@ pub struct NodeView {
     pub serving_for: Option<Duration>,
     pub warmup: Duration,
     pub drained: bool,
+    /// Learning the cluster peers' entries (`Why::Learning`).
+    pub learning: bool,
 }
 
 /// Whether one VIP should be announced: `Ok(())`, or why not. `up` is the number of its
@@ -94,6 +100,9 @@ pub fn verdict(node: &NodeView, up: usize, min_healthy: u32) -> Result<(), Why> 
         return Err(Why::WarmingUp {
             left: node.warmup - serving_for,
         });
+    }
+    if node.learning {
+        return Err(Why::Learning);
     }
     Ok(())
 }
@@ -124,6 +133,8 @@ pub struct State {
     pub serving_since: Option<Instant>,
     /// `lb node drain` (until `lb node ready`).
     pub drained: bool,
+    /// `[cluster]`: learning the peers' entries; nothing is announced meanwhile.
+    pub learning: bool,
     /// Addresses whose routes are in the table, as of the last reconcile.
     pub installed: BTreeSet<IpAddr>,
     /// The last reconcile's error, while it lasts.
@@ -140,6 +151,7 @@ impl State {
             serving_for: self.serving_since.map(|since| now.duration_since(since)),
             warmup,
             drained: self.drained,
+            learning: self.learning,
         }
     }
 
@@ -707,6 +719,7 @@ mod tests {
             serving_for: serving_for.map(Duration::from_secs),
             warmup: 5 * SECOND,
             drained,
+            learning: false,
         }
     }
 
@@ -736,6 +749,12 @@ mod tests {
         );
         // The warm-up ends exactly at `warmup`.
         assert_eq!(verdict(&node(Some(5), false), 3, 1), Ok(()));
+        // Learning the cluster's flows holds the announcement past the warm-up.
+        let learning = NodeView {
+            learning: true,
+            ..node(Some(10), false)
+        };
+        assert_eq!(verdict(&learning, 3, 1), Err(Why::Learning));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! Modules, each of which uses only those listed before it (no import cycles):
 //! `config`, `listen`, `lock`; `dataplane`; `doctor`; `model`, `tables`, `weights`;
 //! `writer`; `neighbor`, `capture`; `status`, `api`, `explain`, `telemetry`, `metrics`,
-//! `probe`, `vipprobe`, `agentcheck`, `health`, `announce`; `state`; `control`, `client`,
+//! `probe`, `vipprobe`, `agentcheck`, `health`, `announce`; `cluster`; `state`; `control`, `client`,
 //! `top`; `agent`; `cli`. The README's Layout section says what each is for.
 
 pub mod agent;
@@ -13,6 +13,7 @@ pub mod api;
 pub mod capture;
 pub mod cli;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod control;
 pub mod dataplane;

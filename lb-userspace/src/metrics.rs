@@ -46,6 +46,11 @@ pub struct BackendLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PeerLabels {
+    peer: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TransitionLabels {
     pub vip: String,
     pub backend: String,
@@ -151,6 +156,9 @@ pub fn render(scrape: &Scrape) -> anyhow::Result<String> {
     register_vips(&mut registry, &scrape.status);
     register_backends(&mut registry, &scrape.status);
     register_outcomes(&mut registry, &scrape.outcomes);
+    if let Some(cluster) = &scrape.status.cluster {
+        register_cluster(&mut registry, cluster);
+    }
     let dataplane = &scrape.status.dataplane;
     for (name, help, value) in [
         (
@@ -357,6 +365,92 @@ fn register_outcomes(registry: &mut Registry, outcomes: &[u64]) {
         "ICMP fragmentation-needed / ICMPv6 packet-too-big errors about VIP flows, sent to the flows' backends",
         icmp_too_big,
     );
+}
+
+/// `[cluster]`: per peer, what was sent, received, inserted and rejected, and the last
+/// contact; and what the node could not export.
+fn register_cluster(registry: &mut Registry, cluster: &crate::status::ClusterStatus) {
+    type Get = fn(&crate::status::PeerStatus) -> u64;
+    let counters: [(&str, &str, Get); 6] = [
+        (
+            "cluster_entries_sent",
+            "Entries sent to a cluster peer",
+            |p| p.sent,
+        ),
+        (
+            "cluster_bytes_sent",
+            "UDP payload bytes sent to a cluster peer",
+            |p| p.bytes_sent,
+        ),
+        (
+            "cluster_entries_received",
+            "Entries received from a cluster peer (accepted datagrams)",
+            |p| p.received,
+        ),
+        (
+            "cluster_entries_inserted",
+            "Entries from a cluster peer inserted into the connection table",
+            |p| p.inserted,
+        ),
+        (
+            "cluster_entries_unknown",
+            "Entries from a cluster peer naming a VIP or backend this node lacks",
+            |p| p.unknown,
+        ),
+        (
+            "cluster_rejected",
+            "Datagrams from a cluster peer's address dropped: authentication, malformed, stale or replayed",
+            |p| p.rejected,
+        ),
+    ];
+    for (name, help, get) in counters {
+        let family = family::<PeerLabels, Counter>(registry, name, help);
+        for peer in &cluster.peers {
+            let labels = PeerLabels {
+                peer: peer.address.clone(),
+            };
+            family.get_or_create(&labels).inc_by(get(peer));
+        }
+    }
+    let contact = family::<PeerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>(
+        registry,
+        "cluster_last_contact_seconds",
+        "Seconds since the last accepted datagram from a cluster peer (absent: none yet)",
+    );
+    for peer in &cluster.peers {
+        if let Some(age) = peer.last_contact_seconds {
+            let labels = PeerLabels {
+                peer: peer.address.clone(),
+            };
+            contact.get_or_create(&labels).set(age);
+        }
+    }
+    for (name, help, value) in [
+        (
+            "cluster_exported",
+            "New entries the data path exported for the peers",
+            cluster.exported,
+        ),
+        (
+            "cluster_export_dropped",
+            "New entries not exported: the export ring was full",
+            cluster.export_dropped,
+        ),
+        (
+            "cluster_queue_dropped",
+            "New entries not sent: the send queue was full",
+            cluster.queue_dropped,
+        ),
+        (
+            "cluster_unknown_sender",
+            "Cluster datagrams from addresses that are no peer",
+            cluster.unknown_sender,
+        ),
+    ] {
+        let counter = Counter::<u64>::default();
+        counter.inc_by(value);
+        registry.register(name, help, counter);
+    }
 }
 
 /// Takes one scrape of the agent's state (briefly under its lock); rendering happens

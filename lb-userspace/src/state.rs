@@ -20,7 +20,7 @@ use lb_common::stat;
 
 use crate::{
     agentcheck::{self, AgentHost},
-    announce,
+    announce, cluster,
     config::{AdminState, BackendConfig, Config, ConfigError, MAX_WEIGHT, MacAddr, VipConfig},
     dataplane::AttachedMode,
     explain::{self, ExplainError, ExplainRequest, Explanation, VipTarget},
@@ -64,6 +64,8 @@ pub struct State {
     pub observed: Observed,
     /// Announcing VIPs to routers (`[announce]`) and the node's drain state.
     pub announce: announce::State,
+    /// `[cluster]`: the cluster task's counters.
+    pub cluster: Option<cluster::Shared>,
     /// What the table writer was last asked for.
     last_inputs: TableInputs,
 }
@@ -128,6 +130,7 @@ impl State {
             remove_when_drained: HashSet::new(),
             observed: Observed::default(),
             announce: Default::default(),
+            cluster: None,
             last_inputs: TableInputs::default(),
         }
     }
@@ -594,6 +597,12 @@ impl State {
                 .map(|(name, value)| (name.to_string(), *value))
                 .collect(),
             node: announce::node_status(&self.announce_view(), now),
+            cluster: self.cluster.as_ref().map(|shared| {
+                shared
+                    .lock()
+                    .expect("cluster stats poisoned")
+                    .status(&counters.outcomes, now)
+            }),
         };
         Ok((status, counters.outcomes))
     }
@@ -826,6 +835,30 @@ impl announce::Host for State {
 
     fn announce_state(&mut self) -> &mut announce::State {
         &mut self.announce
+    }
+}
+
+impl cluster::Host for State {
+    fn cluster_config(&self) -> Option<&crate::config::ClusterConfig> {
+        self.config.cluster.as_ref()
+    }
+
+    fn directory(&self) -> cluster::Directory {
+        cluster::Directory::new(self.model.vips.iter().flat_map(|vip| {
+            let key = vip.key();
+            vip.backends
+                .iter()
+                .map(move |b| (key, b.id, lb_common::addr::to_map(b.config.address).0))
+        }))
+    }
+
+    fn udp_idle(&self) -> std::time::Duration {
+        self.config.dataplane.flow_idle_timeout
+    }
+
+    fn learned(&mut self) {
+        self.announce.learning = false;
+        self.announce.changed();
     }
 }
 

@@ -28,6 +28,51 @@ pub struct Status {
     /// Announcing VIPs to routers (`[announce]`) and the node's drain state.
     #[serde(default)]
     pub node: NodeStatus,
+    /// Sharing flows with other nodes (`[cluster]`); absent without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<ClusterStatus>,
+}
+
+/// `[cluster]`: the entries this node shares with its peers.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// The address and port the node sends from and listens on.
+    pub address: Option<String>,
+    /// Learning before announcing: "not_needed" (the table was adopted), "waiting",
+    /// "done", "timed_out".
+    pub learning: String,
+    /// Entries learned from the peers while learning.
+    pub learned_at_start: u64,
+    /// New entries the data path exported, and those it dropped (ring full).
+    pub exported: u64,
+    pub export_dropped: u64,
+    /// New entries dropped because the send queue was full.
+    pub queue_dropped: u64,
+    /// Datagrams from addresses that are no peer.
+    pub unknown_sender: u64,
+    pub peers: Vec<PeerStatus>,
+}
+
+/// One cluster peer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PeerStatus {
+    pub address: String,
+    /// Entries sent to it (new ones and dumps), in how many datagrams and bytes.
+    pub sent: u64,
+    pub datagrams_sent: u64,
+    pub bytes_sent: u64,
+    pub send_errors: u64,
+    /// Entries received from it in accepted datagrams; of those, inserted here, and
+    /// naming a VIP or backend this node lacks.
+    pub received: u64,
+    pub inserted: u64,
+    pub unknown: u64,
+    /// Datagrams from its address dropped (authentication, malformed, stale, replayed),
+    /// and why the last one was.
+    pub rejected: u64,
+    pub last_reject: Option<String>,
+    /// Seconds since its last accepted datagram; none yet: null.
+    pub last_contact_seconds: Option<f64>,
 }
 
 /// The node's part in a multi-node deployment (`[announce]`).
@@ -224,6 +269,42 @@ pub struct BackendStatus {
     pub agent_error: Option<String>,
 }
 
+fn render_cluster(out: &mut String, cluster: &ClusterStatus) {
+    let _ = writeln!(
+        out,
+        "cluster: {}, learning {} ({} entries learned at start), exported {} (dropped {} \
+         in the ring, {} in the queue), {} datagrams from unknown senders",
+        cluster.address.as_deref().unwrap_or("?"),
+        cluster.learning.replace('_', " "),
+        cluster.learned_at_start,
+        cluster.exported,
+        cluster.export_dropped,
+        cluster.queue_dropped,
+        cluster.unknown_sender
+    );
+    for peer in &cluster.peers {
+        let contact = match peer.last_contact_seconds {
+            Some(age) => format!("{age:.1}s ago"),
+            None => "never".to_string(),
+        };
+        let _ = writeln!(
+            out,
+            "  peer {}: sent {}, received {}, inserted {}, unknown {}, rejected {}{}, \
+             last contact {contact}",
+            peer.address,
+            peer.sent,
+            peer.received,
+            peer.inserted,
+            peer.unknown,
+            peer.rejected,
+            peer.last_reject
+                .as_deref()
+                .map(|why| format!(" (last: {why})"))
+                .unwrap_or_default()
+        );
+    }
+}
+
 /// The status as a table for people.
 pub fn render(status: &Status) -> String {
     let mut out = String::new();
@@ -271,6 +352,9 @@ fn render_dataplane(out: &mut String, status: &Status) {
     let _ = writeln!(out, "start: {}", d.start);
     if let Some(why) = &d.native_refused {
         let _ = writeln!(out, "native xdp refused: {why}");
+    }
+    if let Some(cluster) = &status.cluster {
+        render_cluster(out, cluster);
     }
     let node = &status.node;
     if node.announcing {
@@ -449,6 +533,7 @@ pub mod tests {
             }],
             counters: BTreeMap::new(),
             node: NodeStatus::default(),
+            cluster: None,
         }
     }
 

@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_common::{FLOW_F_CLOSING, FlowEntry, FlowKey, SourceKey};
+use lb_common::{FLOW_F_CLOSING, FLOW_F_LEARNED, FlowEntry, FlowKey, SourceKey};
 
 use crate::{
     model::Model,
@@ -57,6 +57,10 @@ impl Telemetry {
         self.last_scan = Some(started);
         self.active_flows.clear();
         for (_, entry) in flows {
+            // A cluster peer's flow, not (yet) seen here: that node counts it.
+            if entry.flags & FLOW_F_LEARNED != 0 {
+                continue;
+            }
             // A client's FIN only half-closes: the backend may still be sending, so a
             // closing flow counts while its packets (the client's ACKs) keep coming.
             let window = if entry.flags & FLOW_F_CLOSING != 0 {
@@ -205,9 +209,11 @@ mod tests {
             flow(4, 2, grace, closing),
             flow(5, 2, grace + 1, closing),
             flow(6, 2, idle / 2, closing),
+            // A cluster peer's flow: that node's to count.
+            flow(7, 1, 2_000_000_000, FLOW_F_LEARNED),
         ];
         telemetry.record_flows(flows, Instant::now(), now, idle_time);
-        assert_eq!(telemetry.conntrack_size, 6);
+        assert_eq!(telemetry.conntrack_size, 7);
         assert_eq!(
             telemetry.active_flows.get(&1),
             Some(&2),

@@ -255,6 +255,7 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
         capture_rate: 0,
         source_sample: 1,
         ifindex: 0,
+        cluster_export: false,
     };
     let key = lb_common::FlowKey::between(
         "10.0.0.1:40000".parse().unwrap(),

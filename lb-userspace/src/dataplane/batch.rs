@@ -130,18 +130,7 @@ impl FlowReader {
     pub(super) fn of(
         conntrack: &BpfHashMap<MapData, FlowKey, FlowEntry>,
     ) -> Result<Self, DataplaneError> {
-        let fd = aya::maps::IterableMap::map(conntrack)
-            .fd()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|source| DataplaneError::Pin {
-                path: PathBuf::from(MAP_CONNTRACK),
-                source,
-            })?;
-        let data = MapData::from_fd(fd).map_err(in_map(MAP_CONNTRACK))?;
-        let map = BpfHashMap::try_from(aya::maps::Map::LruHashMap(data))
-            .map_err(in_map(MAP_CONNTRACK))?;
-        Ok(FlowReader(FlowSource::Map(map)))
+        Ok(FlowReader(FlowSource::Map(own_handle(conntrack)?)))
     }
 
     /// A reader of these entries (the in-memory data path's).
@@ -175,6 +164,49 @@ impl FlowReader {
             FlowSource::Map(map) => read_flows_by_key(map),
             #[cfg(test)]
             FlowSource::Snapshot(flows) => Ok(flows.clone()),
+        }
+    }
+}
+
+/// Another handle on the connection table (a duplicated descriptor).
+fn own_handle(
+    conntrack: &BpfHashMap<MapData, FlowKey, FlowEntry>,
+) -> Result<BpfHashMap<MapData, FlowKey, FlowEntry>, DataplaneError> {
+    let fd = aya::maps::IterableMap::map(conntrack)
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|source| DataplaneError::Pin {
+            path: PathBuf::from(MAP_CONNTRACK),
+            source,
+        })?;
+    let data = MapData::from_fd(fd).map_err(in_map(MAP_CONNTRACK))?;
+    BpfHashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(in_map(MAP_CONNTRACK))
+}
+
+/// Writes entries learned from cluster peers into the connection table, apart from the
+/// data path's own handle (the table writer's thread owns that one).
+pub struct FlowWriter(BpfHashMap<MapData, FlowKey, FlowEntry>);
+
+impl FlowWriter {
+    pub(super) fn of(
+        conntrack: &BpfHashMap<MapData, FlowKey, FlowEntry>,
+    ) -> Result<Self, DataplaneError> {
+        Ok(FlowWriter(own_handle(conntrack)?))
+    }
+
+    /// Inserts `entry` unless the flow has one already (BPF_NOEXIST: what this node's
+    /// own packets decided wins). Returns whether it was inserted.
+    pub fn insert_new(&mut self, key: &FlowKey, entry: &FlowEntry) -> Result<bool, DataplaneError> {
+        const BPF_NOEXIST: u64 = 1;
+        match self.0.insert(key, entry, BPF_NOEXIST) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                Ok(false)
+            }
+            Err(source) => Err(in_map(MAP_CONNTRACK)(source)),
         }
     }
 }

@@ -14,14 +14,14 @@ use aya::{
 use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE, GLOBAL_CT_INSERT_LIMIT,
     GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, MAP_BACKEND_IDS, MAP_BACKEND_STATS,
-    MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS,
-    MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS,
-    TrafficCounters, VipInfo, VipKey, stat,
+    MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_EXPORT, MAP_MAGLEV, MAP_META, MAP_SOURCES,
+    MAP_STATS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey,
+    TABLE_GENERATIONS, TrafficCounters, VipInfo, VipKey, stat,
 };
 
 use super::{
     Adopted, AttachHints, AttachTarget, AttachedMode, Attachment, Counters, Dataplane,
-    DataplaneError, FlowReader, Found, LoadOptions, attach,
+    DataplaneError, FlowReader, FlowWriter, Found, LoadOptions, attach,
     batch::update_batch,
     in_map,
     pins::{self, LINK_PIN, PINNED_MAPS},
@@ -59,6 +59,8 @@ pub struct AyaDataplane {
     /// The debug capture's ring, once `take_capture` gave it away: a program loaded by
     /// `follow_interface` must write into the same ring.
     capture: Option<MapData>,
+    /// The cluster's export ring, once `take_export` gave it away (as `capture`).
+    export: Option<MapData>,
 }
 
 impl AyaDataplane {
@@ -142,6 +144,7 @@ impl AyaDataplane {
             previous: None,
             batch_writes: true,
             capture: None,
+            export: None,
             ebpf,
         };
         Ok(dataplane)
@@ -161,6 +164,7 @@ impl AyaDataplane {
         }
         let maglev_entries = options.vip_capacity * TABLE_GENERATIONS * options.maglev_table_size;
         let udp_idle_ns = options.flow_idle.as_nanos().min(u64::MAX as u128) as u64;
+        let cluster_export = u32::from(options.cluster_export);
         let mut loader = EbpfLoader::new();
         loader
             .override_global(GLOBAL_MAGLEV_SIZE, &options.maglev_table_size, true)
@@ -172,6 +176,7 @@ impl AyaDataplane {
                 true,
             )
             .override_global(GLOBAL_CAPTURE_RATE, &options.capture_rate, true)
+            .override_global(lb_common::GLOBAL_CLUSTER_EXPORT, &cluster_export, true)
             .override_global(
                 lb_common::GLOBAL_SOURCE_SAMPLE,
                 &options.source_sample,
@@ -360,15 +365,19 @@ impl AyaDataplane {
 
     /// The debug capture's ring buffer, for `capture::write_pcap` (once).
     pub fn take_capture(&mut self) -> Result<aya::maps::RingBuf<MapData>, DataplaneError> {
-        if let Some(aya::maps::Map::RingBuf(ring)) = self.ebpf.map(MAP_CAPTURE) {
-            let fd = ring
-                .fd()
-                .as_fd()
-                .try_clone_to_owned()
-                .map_err(|e| syscall_error(MAP_CAPTURE, "dup", e))?;
-            self.capture = Some(MapData::from_fd(fd).map_err(in_map(MAP_CAPTURE))?);
-        }
-        take_map(&mut self.ebpf, MAP_CAPTURE)
+        let (kept, ring) = take_ring(&mut self.ebpf, MAP_CAPTURE)?;
+        self.capture = kept;
+        Ok(ring)
+    }
+
+    /// The cluster's export ring buffer and a handle that writes learned entries into the
+    /// connection table, for `cluster` (once).
+    pub fn take_export(
+        &mut self,
+    ) -> Result<(aya::maps::RingBuf<MapData>, FlowWriter), DataplaneError> {
+        let (kept, ring) = take_ring(&mut self.ebpf, MAP_EXPORT)?;
+        self.export = kept;
+        Ok((ring, FlowWriter::of(&self.conntrack)?))
     }
 
     /// See `Dataplane::follow_interface`. The new program shares every map with the
@@ -465,6 +474,7 @@ impl AyaDataplane {
         let taken = [
             (MAP_SOURCES, Some(IterableMap::map(&self.sources))),
             (MAP_CAPTURE, self.capture.as_ref()),
+            (MAP_EXPORT, self.export.as_ref()),
         ];
         for (name, map) in taken {
             if let Some(map) = map
@@ -507,6 +517,24 @@ fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
         .program_mut("lb_xdp")
         .ok_or_else(|| lb_xdp_error(aya::programs::ProgramError::NotLoaded))?;
     program.try_into().map_err(lb_xdp_error)
+}
+
+/// Takes ring buffer `name` out of `ebpf`, keeping a second handle on its map: a program
+/// loaded by `follow_interface` must write into the same ring.
+fn take_ring(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+) -> Result<(Option<MapData>, aya::maps::RingBuf<MapData>), DataplaneError> {
+    let mut kept = None;
+    if let Some(aya::maps::Map::RingBuf(ring)) = ebpf.map(name) {
+        let fd = ring
+            .fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| syscall_error(name, "dup", e))?;
+        kept = Some(MapData::from_fd(fd).map_err(in_map(name))?);
+    }
+    Ok((kept, take_map(ebpf, name)?))
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DataplaneError>

@@ -33,7 +33,7 @@ use lb_common::{
 use crate::config::Config;
 
 pub use attach::{AttachHints, SINGLE_BUFFER_MTU};
-pub use batch::FlowReader;
+pub use batch::{FlowReader, FlowWriter};
 pub use kernel::AyaDataplane;
 #[cfg(test)]
 pub use memory::{MemoryDataplane, Write};
@@ -192,6 +192,8 @@ pub struct LoadOptions {
     /// The interface the program is for (0: not known, as in tests without one); pinned
     /// state of another interface is not adopted.
     pub ifindex: u32,
+    /// `[cluster]`: the program exports the entries it creates (`LB_EXPORT`).
+    pub cluster_export: bool,
 }
 
 impl LoadOptions {
@@ -207,6 +209,7 @@ impl LoadOptions {
             capture_rate: config.debug.program_rate(),
             source_sample: lb_common::DEFAULT_SOURCE_SAMPLE,
             ifindex: 0,
+            cluster_export: config.cluster.is_some(),
         }
     }
 }

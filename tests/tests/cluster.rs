@@ -1,0 +1,462 @@
+//! End to end: nodes that share their connection-table entries (`[cluster]`).
+//!
+//! `flows_survive_a_node_loss_after_a_backend_change` runs the multi-node lab of the
+//! BGP test (`lb_tests::router`: a BIRD router with ECMP in front of two nodes that
+//! announce over BGP): long-lived connections through both nodes, a backend added at
+//! runtime on both (as an autoscaler would), then node 1 killed; its flows move to node
+//! 2, which learnt them, and none breaks. Then node 1 comes back with a new map layout
+//! (an empty connection table): it learns the flows from node 2 before it announces,
+//! and node 2 is killed in turn. It skips loudly without `bird`.
+//!
+//! `forged_and_replayed_datagrams_are_rejected` sends the agent datagrams from a test
+//! socket at a peer's address: another key, an altered byte, a replay, an old one.
+//!
+//! `cargo test -p lb-tests --test cluster -- --nocapture` shows the figures.
+
+use std::io::Write as _;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::thread::sleep;
+use std::time::{Duration, Instant, SystemTime};
+
+use lb_tests::client::Chatter;
+use lb_tests::router::{self, Bird, EcmpLab, PinDir, ROUTER, VIP, backend_addr, node_addr};
+use lb_tests::{Agent, Conn, Health, Lab, LabOptions, Protocol, XdpMode, require_e2e, skip};
+use lb_userspace::cluster::wire;
+use serde_json::Value;
+
+const HOLD: u64 = 3;
+const KEEPALIVE: u64 = 1;
+const KEY: &str = "a test key, 32 bytes long......!";
+/// Long-lived connections of the failover test.
+const FLOWS: usize = 24;
+
+fn report(text: &str) {
+    let _ = std::io::stderr().write_all(format!("{text}\n").as_bytes());
+}
+
+fn status(agent: &Agent) -> Value {
+    agent.status_json().expect("lb status --json")
+}
+
+fn wait_for(what: &str, timeout: Duration, condition: impl Fn() -> bool) -> Duration {
+    let start = Instant::now();
+    while !condition() {
+        assert!(start.elapsed() < timeout, "{what}: not within {timeout:?}");
+        sleep(Duration::from_millis(50));
+    }
+    start.elapsed()
+}
+
+/// The shared key, as an operator sets it: a file only root may read.
+fn write_key(dir: &Path) -> PathBuf {
+    let path = dir.join("cluster.key");
+    std::fs::write(&path, format!("{KEY}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+fn cluster_section(peers: &[IpAddr], key: &Path) -> String {
+    let peers: Vec<String> = peers.iter().map(|p| format!("\"{p}\"")).collect();
+    format!(
+        "\n[cluster]\npeers = [{}]\nkey_file = \"{}\"\nlearn_timeout = \"3s\"\n",
+        peers.join(", "),
+        key.display()
+    )
+}
+
+/// One node of the ECMP lab with `[cluster]`.
+struct Node {
+    index: usize,
+    config: PathBuf,
+    socket: PathBuf,
+    bird_config: String,
+    runs: u32,
+    agent: Option<Agent>,
+    bird: Option<Bird>,
+    _pins: PinDir,
+}
+
+impl Node {
+    fn new(lab: &EcmpLab, index: usize, key: &Path) -> Node {
+        let pins = PinDir::new(&format!("cl-{}", lab.node(index).name())).expect("pin dir");
+        let socket = lab.dir().join(format!("lb{}.sock", index + 1));
+        let node = router::shipped_config("lb-node.conf").unwrap();
+        let bird_config = router::configure(
+            &node,
+            &[
+                ("NODE_ID", node_addr(index).to_string()),
+                ("ROUTER", ROUTER.to_string()),
+                ("HOLD", HOLD.to_string()),
+                ("KEEPALIVE", KEEPALIVE.to_string()),
+            ],
+            &lab.dir().join(format!("bird-lb{}.log", index + 1)),
+        )
+        .unwrap();
+        let node = Node {
+            index,
+            config: lab.dir().join(format!("lb{}.toml", index + 1)),
+            socket,
+            bird_config,
+            runs: 0,
+            agent: None,
+            bird: None,
+            _pins: pins,
+        };
+        node.write_config(3, 65536, key);
+        node
+    }
+
+    /// The same configuration on both nodes (socket and pins aside), with the first
+    /// `backends` backends and a connection table of `conntrack` entries.
+    fn write_config(&self, backends: usize, conntrack: u32, key: &Path) {
+        let mut text = format!(
+            "[dataplane]\ninterface = \"eth0\"\nxdp_mode = \"native\"\n\
+             conntrack_entries = {conntrack}\npin_path = \"{}\"\n\n\
+             [control]\nsocket = \"{}\"\nmetrics = \"off\"\n\n\
+             [announce]\nwarmup = \"1s\"\n\n\
+             [[vip]]\nname = \"web\"\naddress = \"{VIP}\"\nport = 80\nprotocol = \"tcp\"\n\n\
+             [vip.health]\nkind = \"tcp\"\ninterval = \"200ms\"\ntimeout = \"100ms\"\n\
+             rise = 2\nfall = 2\n",
+            self._pins.path().display(),
+            self.socket.display()
+        );
+        for i in 0..backends {
+            text += &format!("\n[[vip.backend]]\naddress = \"{}\"\n", backend_addr(i));
+        }
+        let peers = [IpAddr::V4(node_addr(0)), IpAddr::V4(node_addr(1))];
+        text += &cluster_section(&peers, key);
+        std::fs::write(&self.config, text).unwrap();
+    }
+
+    fn start(&mut self, lab: &EcmpLab, bin: &Path) {
+        let name = format!("bird-lb{}-{}", self.index + 1, self.runs);
+        self.bird = Some(
+            Bird::start(lab.node(self.index), lab.dir(), &name, &self.bird_config)
+                .expect("start bird"),
+        );
+        self.runs += 1;
+        let log = lab
+            .dir()
+            .join(format!("lb{}-{}.log", self.index + 1, self.runs));
+        self.agent = Some(
+            Agent::start(bin, lab.node(self.index), &self.config, &self.socket, &log)
+                .expect("start the agent"),
+        );
+    }
+
+    /// SIGKILL to the agent and to BIRD: the routes and the BGP session go at once.
+    fn kill(&mut self) {
+        let pid = self.agent().pid().expect("running");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::SIGKILL,
+        )
+        .unwrap();
+        self.bird.as_mut().unwrap().kill().unwrap();
+    }
+
+    fn agent(&self) -> &Agent {
+        self.agent.as_ref().expect("the agent runs")
+    }
+
+    /// The connection table's and the Maglev table's backend for a flow from `source`.
+    fn explain(&self, source: SocketAddr) -> (Option<String>, Option<String>) {
+        let out = self
+            .agent()
+            .ctl(&[
+                "explain",
+                &format!("{VIP}:80/tcp"),
+                &source.to_string(),
+                "--json",
+            ])
+            .expect("lb explain");
+        let e: Value = serde_json::from_str(&out).unwrap();
+        let text = |v: &Value| v.as_str().map(str::to_string);
+        (text(&e["conntrack_backend"]), text(&e["table_backend"]))
+    }
+
+    fn peer(&self) -> Value {
+        status(self.agent())["cluster"]["peers"][0].clone()
+    }
+}
+
+#[test]
+fn flows_survive_a_node_loss_after_a_backend_change() {
+    const TEST: &str = "flows_survive_a_node_loss_after_a_backend_change";
+    let Some(bin) = require_e2e(TEST) else {
+        return;
+    };
+    if let Err(why) = router::bird_version() {
+        return skip(TEST, &why);
+    }
+    let mut lab = EcmpLab::new(4).expect("build the topology");
+    lab.serve_tcp(80).expect("backend servers");
+    let router_config = router::configure(
+        &router::shipped_config("router.conf").unwrap(),
+        &[
+            ("ROUTER_ID", ROUTER.to_string()),
+            ("LB1", node_addr(0).to_string()),
+            ("LB2", node_addr(1).to_string()),
+            ("VIPS4", "[ 10.99.0.0/24{32,32} ]".into()),
+            ("HOLD", HOLD.to_string()),
+            ("KEEPALIVE", KEEPALIVE.to_string()),
+        ],
+        &lab.dir().join("bird-router.log"),
+    )
+    .unwrap();
+    let _router_bird = Bird::start(lab.router(), lab.dir(), "bird-router", &router_config)
+        .expect("start the router's bird");
+    let key = write_key(lab.dir());
+    let mut nodes: Vec<Node> = (0..2).map(|i| Node::new(&lab, i, &key)).collect();
+    let both = [node_addr(0), node_addr(1)];
+    for node in &mut nodes {
+        node.start(&lab, &bin);
+    }
+    lab.wait_next_hops(&both, Duration::from_secs(20))
+        .expect("both nodes announced");
+    let mut lines = vec!["cluster: two nodes behind ECMP over BGP, sharing flows".to_string()];
+
+    // Long-lived connections through both nodes.
+    let vip = SocketAddr::new(IpAddr::V4(VIP), 80);
+    let conns: Vec<Conn> = (0..FLOWS)
+        .map(|_| Conn::open(lab.client(), vip, Duration::from_secs(10)).expect("connection"))
+        .collect();
+    let sources: Vec<SocketAddr> = conns.iter().map(|c| c.local_addr().unwrap()).collect();
+    let backends: Vec<String> = conns
+        .iter()
+        .map(|c| {
+            let index: usize = c.backend().trim_start_matches("backend-").parse().unwrap();
+            backend_addr(index - 1).to_string()
+        })
+        .collect();
+    // Every flow reaches both connection tables, on the backend it has.
+    let shared = wait_for("every flow in both tables", Duration::from_secs(5), || {
+        sources.iter().zip(&backends).all(|(source, backend)| {
+            nodes
+                .iter()
+                .all(|n| n.explain(*source).0.as_deref() == Some(backend.as_str()))
+        })
+    });
+    let via_lb1 = status(nodes[1].agent())["cluster"]["peers"][0]["inserted"]
+        .as_u64()
+        .unwrap();
+    let via_lb2 = status(nodes[0].agent())["cluster"]["peers"][0]["inserted"]
+        .as_u64()
+        .unwrap();
+    lines.push(format!(
+        "{FLOWS} long-lived connections: {via_lb1} through lb1, {via_lb2} through lb2; each \
+         node had the other's within {shared:?}"
+    ));
+    assert!(via_lb1 > 0 && via_lb2 > 0, "all through one node");
+    assert_eq!(via_lb1 + via_lb2, FLOWS as u64);
+    let chat = Chatter::start(conns, Duration::from_millis(100), Duration::from_secs(120));
+
+    // A backend added at runtime on both nodes: the tables change.
+    let added = backend_addr(3).to_string();
+    for node in &nodes {
+        node.agent()
+            .ctl(&["backend", "add", &format!("{VIP}:80/tcp"), &added])
+            .expect("lb backend add");
+    }
+    wait_for(
+        "the new backend in both tables",
+        Duration::from_secs(10),
+        || {
+            nodes.iter().all(|n| {
+                status(n.agent())["vips"][0]["backends"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|b| b["address"] == added.as_str() && b["in_table"] == true)
+            })
+        },
+    );
+    // Without sharing, a flow of lb1 that lb2's new table sends elsewhere would break.
+    let moved = sources
+        .iter()
+        .zip(&backends)
+        .filter(|(source, backend)| {
+            nodes[1].explain(**source).1.as_deref() != Some(backend.as_str())
+        })
+        .count();
+    lines.push(format!(
+        "backend {added} added on both: the new table gives {moved} of the {FLOWS} flows \
+         another backend"
+    ));
+
+    // lb1 dies: its flows move to lb2, which learnt them.
+    let misses = |n: &Node| {
+        status(n.agent())["counters"]["ct_miss_non_syn"]
+            .as_u64()
+            .unwrap()
+    };
+    let misses_before = misses(&nodes[1]);
+    nodes[0].kill();
+    lab.wait_next_hops(&[node_addr(1)], Duration::from_secs(HOLD + 5))
+        .expect("lb1 dropped");
+    drop(nodes[0].agent.take());
+    let rounds = chat.rounds();
+    assert!(
+        chat.wait_rounds(rounds + 15, Duration::from_secs(5)),
+        "the connections stopped echoing after lb1 died"
+    );
+    lines.push(format!(
+        "lb1 killed: lb2 carried every flow ({} connection-table misses without a SYN)",
+        misses(&nodes[1]) - misses_before
+    ));
+
+    // lb1 returns with another map layout (a new connection-table size): an empty table.
+    // It learns the flows from lb2 before it announces.
+    nodes[0].write_config(4, 32768, &key);
+    let started = Instant::now();
+    nodes[0].start(&lab, &bin);
+    lab.wait_next_hops(&both, Duration::from_secs(20))
+        .expect("lb1 announced again");
+    let back = started.elapsed();
+    let cluster = status(nodes[0].agent())["cluster"].clone();
+    assert_eq!(cluster["learning"], "done", "{cluster:#}");
+    let learned = cluster["learned_at_start"].as_u64().unwrap();
+    assert!(learned >= FLOWS as u64, "learned {learned}: {cluster:#}");
+    let log = nodes[0].agent().log();
+    let learnt_at = log.find("cluster: learned").expect("learning logged");
+    let announced_at = log.find("announcing 10.99.0.100").expect("announced");
+    assert!(
+        learnt_at < announced_at,
+        "announced before learning:\n{log}"
+    );
+    assert!(log.contains("replacing the pinned data path"), "{log}");
+    for (source, backend) in sources.iter().zip(&backends) {
+        assert_eq!(
+            nodes[0].explain(*source).0.as_deref(),
+            Some(backend.as_str()),
+            "{source}"
+        );
+    }
+    lines.push(format!(
+        "lb1 back with a new map layout: learned {learned} entries from lb2, then announced \
+         ({back:?} after its start, warm-up 1 s)"
+    ));
+
+    // lb2 dies: every flow moves to lb1.
+    nodes[1].kill();
+    lab.wait_next_hops(&[node_addr(0)], Duration::from_secs(HOLD + 5))
+        .expect("lb2 dropped");
+    drop(nodes[1].agent.take());
+    let rounds = chat.rounds();
+    chat.wait_rounds(rounds + 15, Duration::from_secs(5));
+    let reports = chat.stop();
+    let broken: Vec<String> = reports
+        .iter()
+        .filter_map(|r| {
+            r.error
+                .as_ref()
+                .map(|(at, e)| format!("{:?} at {at:?}: {e}", r.local))
+        })
+        .collect();
+    lines.push(format!(
+        "lb2 killed: all flows on lb1; {} of {FLOWS} connections broken over both failovers \
+         ({} echo rounds)",
+        broken.len(),
+        reports.iter().map(|r| r.exchanges).min().unwrap_or(0)
+    ));
+    report(&lines.join("\n"));
+    assert!(broken.is_empty(), "connections broke: {broken:#?}");
+    for node in &mut nodes {
+        drop(node.agent.take());
+        if let Some(mut bird) = node.bird.take() {
+            bird.stop();
+        }
+    }
+}
+
+/// The sender's clock, as the wire format counts it.
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+#[test]
+fn forged_and_replayed_datagrams_are_rejected() {
+    let Some(bin) = require_e2e("forged_and_replayed_datagrams_are_rejected") else {
+        return;
+    };
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(80, false).expect("backend servers");
+    let key = write_key(lab.dir());
+    // The client is the peer: the test speaks for it.
+    let peer = lab.client_addr(false);
+    let agent_addr = SocketAddr::new(lab.lb_addr(false), 4790);
+    let vips = vec![lab.vip("web", false, 80, Protocol::Tcp, Health::fast_tcp())];
+    let mut config = lab.agent_config(XdpMode::Native, vips);
+    config.conntrack_entries = Some(4096);
+    let text = config.to_toml() + &cluster_section(&[peer], &key);
+    let path = lab.dir().join("lb.toml");
+    std::fs::write(&path, text).unwrap();
+    let log = lab.dir().join("lb.log");
+    let agent =
+        Agent::start(&bin, lab.lb(), &path, &lab.socket_path(), &log).expect("start the agent");
+    let peer_status = |agent: &Agent| status(agent)["cluster"]["peers"][0].clone();
+    // A first start: the agent asks its peer, which never answers; the timeout ends it.
+    wait_for("learning timed out", Duration::from_secs(6), || {
+        status(&agent)["cluster"]["learning"] == "timed_out"
+    });
+
+    let message = |seq: u64, time_ms: u64| wire::Message {
+        kind: wire::Kind::Entries,
+        boot: 1,
+        seq,
+        time_ms,
+        entries: Vec::new(),
+    };
+    let sent = lab
+        .client()
+        .run(move || {
+            let socket = UdpSocket::bind(SocketAddr::new(peer, 0)).unwrap();
+            let send = |datagram: &[u8]| {
+                socket.send_to(datagram, agent_addr).unwrap();
+                sleep(Duration::from_millis(100));
+            };
+            let good = wire::encode(&message(1, now_ms()), KEY.as_bytes());
+            send(&good);
+            // A replay of it.
+            send(&good);
+            // Another key; an altered byte; an old datagram (a late replay).
+            send(&wire::encode(
+                &message(2, now_ms()),
+                b"not the cluster's key, wrong!!!!",
+            ));
+            let mut altered = wire::encode(&message(3, now_ms()), KEY.as_bytes());
+            altered[20] ^= 1;
+            send(&altered);
+            send(&wire::encode(
+                &message(4, now_ms() - wire::MAX_SKEW_MS - 5_000),
+                KEY.as_bytes(),
+            ));
+        })
+        .expect("send from the peer's namespace");
+    drop(sent);
+    let peer_now = peer_status(&agent);
+    report(&format!(
+        "cluster peer after forged datagrams: {peer_now:#}"
+    ));
+    assert_eq!(peer_now["address"], peer.to_string());
+    assert_eq!(peer_now["rejected"], 4, "{peer_now:#}");
+    assert!(peer_now["last_contact_seconds"].is_number(), "{peer_now:#}");
+    let text = agent.status().unwrap();
+    assert!(
+        text.contains("cluster: ") && text.contains("rejected 4"),
+        "{text}"
+    );
+    let log = std::fs::read_to_string(&log).unwrap();
+    for why in [
+        "a replay",
+        "authentication failed",
+        "outside the time window",
+    ] {
+        assert!(log.contains(why), "{why} not logged:\n{log}");
+    }
+}
