@@ -239,12 +239,8 @@ fn flows_survive_a_node_loss_after_a_backend_change() {
                 .all(|n| n.explain(*source).0.as_deref() == Some(backend.as_str()))
         })
     });
-    let via_lb1 = status(nodes[1].agent())["cluster"]["peers"][0]["inserted"]
-        .as_u64()
-        .unwrap();
-    let via_lb2 = status(nodes[0].agent())["cluster"]["peers"][0]["inserted"]
-        .as_u64()
-        .unwrap();
+    let via_lb1 = nodes[1].peer()["inserted"].as_u64().unwrap();
+    let via_lb2 = nodes[0].peer()["inserted"].as_u64().unwrap();
     lines.push(format!(
         "{FLOWS} long-lived connections: {via_lb1} through lb1, {via_lb2} through lb2; each \
          node had the other's within {shared:?}"
@@ -412,8 +408,7 @@ fn forged_and_replayed_datagrams_are_rejected() {
         time_ms,
         entries: Vec::new(),
     };
-    let sent = lab
-        .client()
+    lab.client()
         .run(move || {
             let socket = UdpSocket::bind(SocketAddr::new(peer, 0)).unwrap();
             let send = |datagram: &[u8]| {
@@ -438,7 +433,6 @@ fn forged_and_replayed_datagrams_are_rejected() {
             ));
         })
         .expect("send from the peer's namespace");
-    drop(sent);
     let peer_now = peer_status(&agent);
     report(&format!(
         "cluster peer after forged datagrams: {peer_now:#}"
