@@ -474,6 +474,29 @@ fn packet_goals(net: &[(String, usize, f64, f64, f64)], goals: &mut Vec<Goal>) {
             });
         }
     }
+    // [cluster]: the export must not make the new-flow path more than 20% dearer.
+    for backends in [1, 100, 1000] {
+        let loop_net = |case: &str| {
+            net.iter()
+                .find(|r| r.0 == case && r.1 == backends)
+                .map_or(f64::NAN, |r| r.3)
+        };
+        let (plain, cluster) = (loop_net("tcp_syn"), loop_net("tcp_syn_cluster"));
+        let ratio = cluster / plain;
+        goals.push(Goal {
+            what: format!(
+                "new flow with [cluster] (export) vs without, loop kernel net, {backends} backend(s)"
+            ),
+            measured: format!(
+                "{} ns vs {} ns = {}x",
+                num(cluster, 1),
+                num(plain, 1),
+                num(ratio, 2)
+            ),
+            target: "<= 1.20x".into(),
+            met: ratio.is_finite().then_some(ratio <= 1.2),
+        });
+    }
     let ns = worst("tcp_syn", |r| r.3);
     goals.push(Goal {
         what: "new flow, every SYN a new key (loop, kernel), vs Katran inserting every SYN".into(),

@@ -9,6 +9,8 @@
 //! loop gives every call a new source address and port, so every SYN inserts a new key.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
@@ -91,6 +93,42 @@ pub fn xdp<'a>(ebpf: &'a mut aya::Ebpf, name: &str) -> Result<&'a mut Xdp> {
         .try_into()?)
 }
 
+/// What makes the second instance export its new entries (no socket or key is opened:
+/// only the program's global and its ring).
+const CLUSTER: &str = "\n[cluster]\npeers = [\"10.0.0.12\"]\nkey_file = \"/etc/lb/cluster.key\"\n";
+
+/// Drains the export ring on a thread of its own, as the agent does.
+struct ExportReader {
+    stop: Arc<AtomicBool>,
+    handle: std::thread::JoinHandle<u64>,
+}
+
+impl ExportReader {
+    fn start(mut ring: aya::maps::RingBuf<aya::maps::MapData>) -> ExportReader {
+        let stop = Arc::new(AtomicBool::new(false));
+        let handle = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut records = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    while ring.next().is_some() {
+                        records += 1;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                records
+            })
+        };
+        ExportReader { stop, handle }
+    }
+
+    /// Records read.
+    fn stop(self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handle.join().unwrap_or(0)
+    }
+}
+
 /// Flows of the many-flows case, like the veth generator's 16384 source ports.
 const MANY_FLOWS: u32 = 16384;
 const FLOWS_BASE_PORT: u16 = 20000;
@@ -105,6 +143,8 @@ struct Case {
     frame: Vec<u8>,
     /// Sent once before measuring (creates the flow's entry).
     prime: Option<Vec<u8>>,
+    /// Run on the instance loaded with `[cluster]` (new entries go to the export ring).
+    cluster: bool,
     /// The loop gives every call a new source (IPv4 only).
     new_source_per_call: bool,
     /// The loop cycles the source port through this many flows, each primed with a SYN
@@ -141,6 +181,17 @@ fn cases() -> Vec<Case> {
             what: "TCP SYN to the VIP (new flow: Maglev + connection-table write)",
             frame: frame(c4, v4, 40000, 80, syn),
             prime: None,
+            cluster: false,
+            new_source_per_call: true,
+            flows: 1,
+            action: XDP_TX,
+        },
+        Case {
+            name: "tcp_syn_cluster",
+            what: "TCP SYN to the VIP with [cluster]: the new entry is also exported",
+            frame: frame(c4, v4, 40000, 80, syn),
+            prime: None,
+            cluster: true,
             new_source_per_call: true,
             flows: 1,
             action: XDP_TX,
@@ -150,6 +201,7 @@ fn cases() -> Vec<Case> {
             what: "TCP ACK of an established flow (connection-table hit)",
             frame: frame(c4, v4, 40001, 80, ack),
             prime: Some(frame(c4, v4, 40001, 80, syn)),
+            cluster: false,
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
@@ -159,6 +211,7 @@ fn cases() -> Vec<Case> {
             what: "TCP ACKs cycling over 16384 established flows (table hits, colder cache)",
             frame: frame(c4, v4, FLOWS_BASE_PORT, 80, ack),
             prime: Some(frame(c4, v4, FLOWS_BASE_PORT, 80, syn)),
+            cluster: false,
             new_source_per_call: false,
             flows: MANY_FLOWS,
             action: XDP_TX,
@@ -168,6 +221,7 @@ fn cases() -> Vec<Case> {
             what: "UDP to the VIP, flow known (connection-table hit)",
             frame: frame(c4, v4, 40002, 53, L4::Udp),
             prime: Some(frame(c4, v4, 40002, 53, L4::Udp)),
+            cluster: false,
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
@@ -177,6 +231,7 @@ fn cases() -> Vec<Case> {
             what: "IPv6 TCP ACK of an established flow",
             frame: frame(c6, v6, 40003, 80, ack),
             prime: Some(frame(c6, v6, 40003, 80, syn)),
+            cluster: false,
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
@@ -186,6 +241,7 @@ fn cases() -> Vec<Case> {
             what: "TCP to a non-VIP address (XDP_PASS)",
             frame: frame(c4, IpAddr::from(Ipv4Addr::new(10, 0, 0, 2)), 40004, 80, ack),
             prime: None,
+            cluster: false,
             new_source_per_call: false,
             flows: 1,
             action: XDP_PASS,
@@ -290,9 +346,16 @@ pub fn run(opts: &Options) -> Result<Results> {
     );
     for &backends in &opts.backend_counts {
         eprintln!("bench: per packet, {backends} backend(s)...");
-        let mut inst = Instance::load(&config_text(backends))?;
+        // The same tables twice: without `[cluster]`, and with it (the export ring read
+        // by a thread of its own, as the agent reads it, so that it never fills).
+        let mut insts = [
+            Instance::load(&config_text(backends))?,
+            Instance::load(&(config_text(backends) + CLUSTER))?,
+        ];
+        let exports = ExportReader::start(insts[1].dataplane.take_export()?.0);
         let cases = cases();
         for case in &cases {
+            let inst = &mut insts[usize::from(case.cluster)];
             if let Some(p) = &case.prime {
                 let program = inst.dataplane.program_mut()?;
                 let mut p = p.clone();
@@ -310,6 +373,7 @@ pub fn run(opts: &Options) -> Result<Results> {
         let mut source_counter = 0u64;
         for round in 0..opts.rounds {
             for (ci, case) in cases.iter().enumerate() {
+                let inst = &mut insts[usize::from(case.cluster)];
                 let pass_prog = xdp(&mut pass_ebpf, "xdp_pass")?;
                 let (rv, k, w) = run_repeat(pass_prog, &case.frame, opts.repeat)?;
                 ensure!(rv == XDP_PASS, "xdp_pass returned {rv}");
@@ -429,7 +493,12 @@ pub fn run(opts: &Options) -> Result<Results> {
                 },
             }));
         }
-        out_json.push(json!({ "backends": backends, "counter_changes": counters_json }));
+        let exported = exports.stop();
+        out_json.push(json!({
+            "backends": backends,
+            "counter_changes": counters_json,
+            "cluster_records_read": exported,
+        }));
     }
     table.note(format!(
         "{} rounds; repeat = {} per call; loop = {} calls of repeat = 1; net = lb_xdp minus \
@@ -439,6 +508,11 @@ pub fn run(opts: &Options) -> Result<Results> {
     table.note(
         "tcp_syn: under repeat the same SYN re-writes its own entry each run; in the loop \
          every call has a new source address and port, so every SYN inserts a new key.",
+    );
+    table.note(
+        "tcp_syn_cluster: tcp_syn on an instance loaded with [cluster]: every new entry \
+         is also written to the export ring (read meanwhile by a thread, as the agent \
+         reads it); under repeat no entry is new, so only the loop shows the export.",
     );
     table.note(
         "tcp_established_16k_flows: the loop cycles over 16384 established flows (as the \
