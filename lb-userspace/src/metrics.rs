@@ -596,6 +596,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn cluster_series_are_per_peer_and_only_with_cluster() {
+        let mut status = crate::status::tests::sample();
+        let scrape = |status: &Status| Scrape {
+            status: status.clone(),
+            outcomes: vec![0; stat::COUNT as usize],
+            observed: Observed::default(),
+        };
+        let plain = render(&scrape(&status)).unwrap();
+        assert!(!plain.contains("lb_cluster_"), "{plain}");
+        status.cluster = Some(crate::status::ClusterStatus {
+            exported: 9,
+            peers: vec![crate::status::PeerStatus {
+                address: "10.0.0.12".into(),
+                sent: 5,
+                rejected: 2,
+                last_contact_seconds: Some(0.5),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        let text = prometheus_text(&render(&scrape(&status)).unwrap());
+        for line in [
+            "lb_cluster_entries_sent_total{peer=\"10.0.0.12\"} 5",
+            "lb_cluster_rejected_total{peer=\"10.0.0.12\"} 2",
+            "lb_cluster_last_contact_seconds{peer=\"10.0.0.12\"} 0.5",
+            "lb_cluster_exported_total 9",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
+        }
+    }
+
+    #[test]
     fn openmetrics_only_when_asked_for() {
         // What Prometheus sends.
         assert!(accepts_openmetrics(

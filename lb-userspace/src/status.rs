@@ -476,6 +476,35 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
 pub mod tests {
     use super::*;
 
+    #[test]
+    fn the_cluster_line_names_each_peer_and_its_counts() {
+        let mut status = sample();
+        assert!(!render(&status).contains("cluster:"));
+        status.cluster = Some(ClusterStatus {
+            address: Some("10.0.0.11:4790".into()),
+            learning: "timed_out".into(),
+            peers: vec![PeerStatus {
+                address: "10.0.0.12".into(),
+                sent: 40,
+                received: 7,
+                inserted: 6,
+                rejected: 1,
+                last_reject: Some("a replay".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        let text = render(&status);
+        assert!(
+            text.contains("cluster: 10.0.0.11:4790, learning timed out")
+                && text.contains(
+                    "peer 10.0.0.12: sent 40, received 7, inserted 6, unknown 0, rejected 1 \
+                     (last: a replay), last contact never"
+                ),
+            "{text}"
+        );
+    }
+
     /// A status as an agent with one VIP and two backends sends it.
     pub fn sample() -> Status {
         let backend = |address: &str| BackendStatus {

@@ -1721,3 +1721,74 @@ fn the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate() {
         );
     }
 }
+
+#[test]
+fn with_cluster_each_new_entry_is_exported_once_and_learned_entries_become_local() {
+    if !can_run("with_cluster_each_new_entry_is_exported_once_and_learned_entries_become_local") {
+        return;
+    }
+    let text = sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0)
+        + "[cluster]\npeers = [\"10.0.0.12\"]\nkey_file = \"/etc/lb/cluster.key\"\n";
+    let mut fixture = fixture(&text);
+    let (mut ring, _writer) = fixture.dataplane.take_export().expect("export ring");
+    let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+    let key = |port: u16| explain::flow_key(&vip, format!("10.0.0.1:{port}").parse().unwrap());
+    let records = |ring: &mut aya::maps::RingBuf<aya::maps::MapData>| {
+        let mut out = Vec::new();
+        while let Some(item) = ring.next() {
+            out.push(*bytemuck::from_bytes::<lb_common::ExportRecord>(&item));
+        }
+        out
+    };
+
+    // A new flow's entry goes to the ring, with this node's backend id.
+    let result = run(&mut fixture, &tcp(44000, TCP_SYN));
+    assert_eq!(counted(&result, "cluster_exported"), 1);
+    let exported = records(&mut ring);
+    assert_eq!(exported.len(), 1);
+    assert_eq!(exported[0].key, key(44000));
+    assert_eq!(
+        exported[0].backend_id,
+        backend_named(&fixture, "tcp", backend_of(&result))
+    );
+    // Its next packets, and a SYN on the same tuple (refreshed in place), make none.
+    run(&mut fixture, &tcp(44000, TCP_ACK));
+    let result = run(&mut fixture, &tcp(44000, TCP_SYN));
+    assert_eq!(counted(&result, "cluster_exported"), 0);
+    assert!(records(&mut ring).is_empty());
+    // A lone ACK of a flow this node never saw creates an entry: exported too.
+    let result = run(&mut fixture, &tcp(44001, TCP_ACK));
+    assert_eq!(counted(&result, "cluster_exported"), 1);
+    assert_eq!(records(&mut ring).len(), 1);
+
+    // An entry learned from a peer (old enough to be refreshed, on the other backend):
+    // followed, made this node's own by its first packet, and not exported.
+    let other = if backend_of(&run(&mut fixture, &tcp(44002, TCP_SYN))) == 41 {
+        42
+    } else {
+        41
+    };
+    records(&mut ring);
+    let learned = lb_common::FlowEntry {
+        backend_id: backend_named(&fixture, "tcp", other),
+        flags: lb_common::FLOW_F_LEARNED,
+        last_seen_ns: 0,
+    };
+    fixture
+        .dataplane
+        .insert_flow(&key(44003), &learned)
+        .unwrap();
+    let result = run(&mut fixture, &tcp(44003, TCP_ACK));
+    assert_eq!(backend_of(&result), other, "the learned backend");
+    assert_eq!(counted(&result, "ct_hit"), 1);
+    assert_eq!(counted(&result, "cluster_exported"), 0);
+    assert!(records(&mut ring).is_empty());
+    let entry = fixture.dataplane.flow(&key(44003)).unwrap().unwrap();
+    assert_eq!(entry.flags & lb_common::FLOW_F_LEARNED, 0);
+
+    // Without [cluster] nothing is exported.
+    let mut plain = fixture_with(&sticky_config(&[("10.0.0.41", 1)], 0), |_| {});
+    let result = run(&mut plain, &tcp(44000, TCP_SYN));
+    assert_eq!(counted(&result, "ct_created"), 1);
+    assert_eq!(counted(&result, "cluster_exported"), 0);
+}

@@ -372,6 +372,7 @@ pub fn start<H: Host>(
         queue: VecDeque::new(),
         dumps: VecDeque::new(),
         guards: HashMap::new(),
+        dumped: HashMap::new(),
         learning: None,
     };
     if learn {
@@ -411,6 +412,8 @@ struct Task<H> {
     queue: VecDeque<Entry>,
     dumps: VecDeque<Dump>,
     guards: HashMap<IpAddr, ReplayGuard>,
+    /// The run of each peer that was sent a dump.
+    dumped: HashMap<IpAddr, u64>,
     learning: Option<LearnState>,
 }
 
@@ -637,7 +640,7 @@ impl<H: Host> Task<H> {
         }
         match message.kind {
             Kind::Entries => self.learn_entries(peer, &message.entries),
-            Kind::DumpRequest => self.start_dump(peer).await,
+            Kind::DumpRequest => self.start_dump(peer, message.boot).await,
             Kind::DumpDone => {
                 if let Some(learning) = &mut self.learning {
                     learning.pending.retain(|p| *p != peer);
@@ -685,12 +688,18 @@ impl<H: Host> Task<H> {
     }
 
     /// Reads this node's live entries for a peer that asked (a scan of the table, off
-    /// the async workers), and queues them.
-    async fn start_dump(&mut self, peer: IpAddr) {
+    /// the async workers), and queues them. A peer asks again until it has the
+    /// `DumpDone`: a run of it that had its dump gets the `DumpDone` alone.
+    async fn start_dump(&mut self, peer: IpAddr, boot: u64) {
         if self.dumps.iter().any(|d| d.peer == peer) {
             // Asked again while its dump is under way.
             return;
         }
+        if self.dumped.get(&peer) == Some(&boot) {
+            self.send(Kind::DumpDone, Vec::new(), &[peer]).await;
+            return;
+        }
+        self.dumped.insert(peer, boot);
         let (directory, udp_idle) = {
             let host = self.host.lock().expect("agent state poisoned");
             (host.directory(), host.udp_idle())
