@@ -97,6 +97,12 @@ pub fn xdp<'a>(ebpf: &'a mut aya::Ebpf, name: &str) -> Result<&'a mut Xdp> {
 /// only the program's global and its ring).
 const CLUSTER: &str = "\n[cluster]\npeers = [\"10.0.0.12\"]\nkey_file = \"/etc/lb/cluster.key\"\n";
 
+/// How often the reader drains the ring. The agent drains it every 50 ms, so the program
+/// writes records while the reader sleeps (the ring's consumer position then stays in
+/// the producer's cache); the loop here creates some 300,000 entries a second, which
+/// would overflow the 256 KiB ring in 50 ms, so the reader wakes ten times as often.
+const EXPORT_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// Drains the export ring on a thread of its own, as the agent does.
 struct ExportReader {
     stop: Arc<AtomicBool>,
@@ -114,7 +120,7 @@ impl ExportReader {
                     while ring.next().is_some() {
                         records += 1;
                     }
-                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    std::thread::sleep(EXPORT_POLL);
                 }
                 records
             })
