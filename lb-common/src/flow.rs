@@ -7,8 +7,8 @@
 //! more (one `LB_BACKENDS` element for a followed entry, none for an idle UDP one).
 
 use crate::{
-    BACKEND_F_SERVES_FLOWS, BackendInfo, FLOW_F_CLOSING, FlowEntry, LAST_SEEN_GRANULARITY_NS,
-    PROTO_UDP, stat,
+    BACKEND_F_SERVES_FLOWS, BackendInfo, EMBRYONIC_SLOTS, Embryo, FLOW_F_CLOSING, FlowEntry,
+    FlowKey, LAST_SEEN_GRANULARITY_NS, PROTO_UDP, stat,
 };
 
 /// What a decision reads besides the entry: in the kernel, its maps and load-time
@@ -45,7 +45,16 @@ pub fn serves(backend: &BackendInfo, vip_id: u32) -> bool {
 /// The backend an entry holds its flow to, if the flow may stay there (`serves`).
 #[inline(always)]
 pub fn serving(lookup: &impl Lookup, entry: &FlowEntry, vip_id: u32) -> Option<(u32, BackendInfo)> {
-    let backend_id = entry.backend_id;
+    backend_serving(lookup, entry.backend_id, vip_id)
+}
+
+/// Backend `backend_id`, if it may keep (or take) a flow of VIP `vip_id` (`serves`).
+#[inline(always)]
+fn backend_serving(
+    lookup: &impl Lookup,
+    backend_id: u32,
+    vip_id: u32,
+) -> Option<(u32, BackendInfo)> {
     match lookup.backend(backend_id) {
         Some(backend) if serves(backend, vip_id) => Some((backend_id, *backend)),
         _ => None,
@@ -116,6 +125,52 @@ pub fn entry_for(backend_id: u32, closing: bool, now: u64) -> FlowEntry {
         flags: if closing { FLOW_F_CLOSING } else { 0 },
         last_seen_ns: now,
     }
+}
+
+/// Where a flow's `Embryo` lives in `LB_EMBRYONIC` (the index), and what tells it from
+/// another flow's on the same slot (the tag, never 0: an empty slot is all zeroes). Two
+/// independent folds of the key, not the Maglev hash: a VIP hashed by source would give
+/// every flow of a client one slot, and the tag would repeat the index's bits.
+#[inline(always)]
+pub fn embryo_place(key: &FlowKey) -> (u32, u32) {
+    let word = |bytes: &[u8; 16], i: usize| {
+        u32::from_ne_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]])
+    };
+    let ports = (key.src_port as u32) << 16 | key.dst_port as u32;
+    let mut tag = ports ^ key.proto as u32;
+    let mut index = ports.rotate_left(16) ^ key.proto as u32;
+    for i in [0, 4, 8, 12] {
+        for (n, w) in [word(&key.src, i), word(&key.dst, i)]
+            .into_iter()
+            .enumerate()
+        {
+            tag ^= w.rotate_left(n as u32 * 11);
+            index = (index ^ w).wrapping_mul(0x9e37_79b1);
+        }
+    }
+    ((index >> 16) & (EMBRYONIC_SLOTS - 1), tag | 1)
+}
+
+/// The backend a flow's first packet took, if `embryo` is that flow's (`tag`) and the
+/// backend may still take it (`serves`): where its second packet goes, and the entry it
+/// makes in the connection table.
+#[inline(always)]
+pub fn remembered(
+    lookup: &impl Lookup,
+    embryo: &Embryo,
+    tag: u32,
+    vip_id: u32,
+) -> Option<(u32, BackendInfo)> {
+    if embryo.tag != tag {
+        return None;
+    }
+    backend_serving(lookup, embryo.backend_id, vip_id)
+}
+
+/// What the embryonic table remembers of a flow whose first packet went to `backend_id`.
+#[inline(always)]
+pub fn embryo_for(tag: u32, backend_id: u32) -> Embryo {
+    Embryo { tag, backend_id }
 }
 
 #[cfg(test)]
@@ -302,5 +357,70 @@ mod tests {
         };
         assert_eq!(age(&future, NOW), 0);
         assert_eq!(age(&entry(0, 5), NOW), 5);
+    }
+
+    fn key(src_port: u16) -> FlowKey {
+        FlowKey {
+            src: [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            dst: [10, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            src_port: src_port.to_be(),
+            dst_port: 80u16.to_be(),
+            proto: PROTO_TCP,
+            family: crate::ADDR_FAMILY_V4,
+            _pad: [0; 2],
+        }
+    }
+
+    #[test]
+    fn embryo_places_spread_and_their_tags_tell_flows_apart() {
+        let mut slots = std::collections::HashSet::new();
+        let mut tags = std::collections::HashSet::new();
+        for port in 0..4096u16 {
+            let (index, tag) = embryo_place(&key(port));
+            assert!(index < EMBRYONIC_SLOTS);
+            assert_ne!(tag, 0, "an empty slot's tag");
+            slots.insert(index);
+            tags.insert(tag);
+        }
+        // One client's flows (a VIP hashed by source gives them one Maglev slot) spread
+        // over the embryonic table, and no two share a tag.
+        assert!(slots.len() > 3900, "{} slots for 4096 flows", slots.len());
+        assert_eq!(tags.len(), 4096);
+        let mut other_vip = key(1000);
+        other_vip.dst[3] = 101;
+        assert_ne!(embryo_place(&other_vip).1, embryo_place(&key(1000)).1);
+    }
+
+    #[test]
+    fn a_remembered_backend_is_taken_only_by_its_own_flow_while_it_serves() {
+        let maps = Maps::default();
+        let tag = embryo_place(&key(7)).1;
+        let embryo = embryo_for(tag, 0);
+        assert_eq!(remembered(&maps, &embryo, tag, VIP), Some((0, BACKENDS[0])));
+        assert_eq!(
+            remembered(&maps, &embryo, tag ^ 2, VIP),
+            None,
+            "another flow's"
+        );
+        assert_eq!(
+            remembered(&maps, &embryo_for(tag, 1), tag, VIP),
+            None,
+            "failed"
+        );
+        assert_eq!(
+            remembered(&maps, &embryo_for(tag, 2), tag, VIP),
+            None,
+            "other VIP's"
+        );
+        assert_eq!(
+            remembered(&maps, &embryo_for(tag, 3), tag, VIP),
+            None,
+            "gone"
+        );
+        assert_eq!(
+            remembered(&maps, &Embryo::default(), tag, VIP),
+            None,
+            "empty"
+        );
     }
 }

@@ -38,6 +38,10 @@ pub const MAP_STATS: &str = "LB_STATS";
 pub const MAP_VIP_STATS: &str = "LB_VIP_STATS";
 pub const MAP_BACKEND_STATS: &str = "LB_BE_STATS";
 pub const MAP_CONNTRACK: &str = "LB_CONNTRACK";
+pub const MAP_EMBRYONIC: &str = "LB_EMBRYONIC";
+/// Slots of `LB_EMBRYONIC` (a power of two): first packets of flows the connection table
+/// does not hold yet. 512 KiB.
+pub const EMBRYONIC_SLOTS: u32 = 1 << 16;
 pub const MAP_FLOOD: &str = "LB_FLOOD";
 pub const MAP_SOURCES: &str = "LB_SOURCES";
 pub const MAP_CAPTURE: &str = "LB_CAPTURE";
@@ -57,7 +61,7 @@ pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 6;
+pub const LAYOUT_VERSION: u64 = 7;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -303,6 +307,21 @@ pub struct FlowEntry {
 }
 const _: () = assert!(size_of::<FlowEntry>() == 16);
 
+/// Value of `LB_EMBRYONIC`, indexed by `flow::embryo_place`: the backend the first
+/// packet of a flow took (a SYN, a UDP flow's first datagram, an ACK the connection table
+/// did not know), so the flow's second packet, which enters it into the connection table,
+/// goes there too even if the Maglev table changed in between. Direct-mapped: a newer
+/// flow on the same slot overwrites it, and the older flow's next packet then takes the
+/// Maglev table, as it would have anyway.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct Embryo {
+    /// `flow::embryo_place`'s tag of the flow (never 0: an empty slot is all zeroes).
+    pub tag: u32,
+    pub backend_id: u32,
+}
+const _: () = assert!(size_of::<Embryo>() == 8);
+
 /// A per-CPU rate limit's window: events counted in the second that began at
 /// `start_ns`. The value of `LB_FLOOD` (connection-table inserts) and of
 /// `LB_CAPTURE_WIN` (frames copied to the debug capture).
@@ -366,19 +385,22 @@ pub mod stat {
     pub const SEEN_IPV4_OPTIONS: u32 = 14;
     /// Forwarded, noted: a packet with an 802.1Q tag.
     pub const SEEN_VLAN: u32 = 15;
-    /// A TCP SYN: always balanced by the Maglev table, (re)creating its entry.
+    /// A TCP SYN: always balanced by the Maglev table, and remembered in the embryonic
+    /// table, not the connection table (a spoofed SYN never takes an entry).
     pub const CT_MISS_SYN: u32 = 16;
-    /// A TCP packet other than SYN with no entry: a flow the table did not know. Steady
+    /// A TCP packet other than SYN with no entry whose flow's first packet the embryonic
+    /// table does not remember: a flow lb did not know (or a spoofed ACK). Steady
     /// non-zero growth means flows are being broken.
     pub const CT_MISS_NON_SYN: u32 = 17;
-    /// A UDP packet with no live entry: a new (or idle-expired) UDP flow.
+    /// A UDP packet with no live entry, not its flow's second: a new (or idle-expired)
+    /// UDP flow.
     pub const CT_MISS_UDP: u32 = 18;
     /// A packet that followed its entry.
     pub const CT_HIT: u32 = 19;
     /// An entry whose backend no longer serves flows (failed, maint, removed): re-hashed.
     pub const CT_REHASH: u32 = 20;
-    /// Entries written for a new choice of backend: created, or an existing entry
-    /// re-written in place (a SYN on a reused tuple, a re-hash, an idle UDP flow).
+    /// Entries written: created by a flow's second packet (`CT_PROMOTED`), or an
+    /// existing entry re-written (a SYN on a reused tuple, a re-hash, an idle UDP flow).
     pub const CT_CREATED: u32 = 21;
     /// Inserts skipped by the flood guard (`CT_INSERT_LIMIT`).
     pub const CT_INSERT_SKIPPED: u32 = 22;
@@ -388,7 +410,14 @@ pub mod stat {
     /// a VIP flow, sent to that flow's backend (whose replies bypass the balancer, so
     /// only it can lower its path MTU).
     pub const SEEN_ICMP_TOO_BIG: u32 = 24;
-    pub const COUNT: u32 = 25;
+    /// First packets of flows remembered in the embryonic table (`LB_EMBRYONIC`) instead
+    /// of the connection table: SYNs, UDP flows' first datagrams, ACKs of flows the
+    /// connection table did not hold. A flood of random tuples ends here.
+    pub const CT_EMBRYONIC: u32 = 25;
+    /// Flows entered into the connection table by their second packet (a handshake's
+    /// ACK, a UDP flow's second datagram), to the backend their first packet took.
+    pub const CT_PROMOTED: u32 = 26;
+    pub const COUNT: u32 = 27;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -417,6 +446,8 @@ pub mod stat {
         "ct_insert_skipped",
         "captured",
         "seen_icmp_too_big",
+        "ct_embryonic",
+        "ct_promoted",
     ];
 }
 
@@ -433,6 +464,7 @@ mod aya_pod {
     unsafe impl aya::Pod for super::TrafficCounters {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}
+    unsafe impl aya::Pod for super::Embryo {}
     unsafe impl aya::Pod for super::RateWindow {}
 }
 

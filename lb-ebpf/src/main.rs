@@ -28,8 +28,9 @@ mod program {
     };
 
     use crate::maps::{
-        Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_FLOOD,
-        LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source, count_traffic,
+        Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_EMBRYONIC,
+        LB_FLOOD, LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source,
+        count_traffic,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -77,9 +78,12 @@ mod program {
     /// `Ok` when forwarded (XDP_TX); `Err` for everything else, with its reason.
     ///
     /// A packet that is not a SYN follows its connection-table entry while the entry's
-    /// backend still serves flows (and, for UDP, while the entry is not idle-expired);
-    /// otherwise, and always for a SYN, the VIP's Maglev table chooses, and the entry is
-    /// written (a RST never creates one).
+    /// backend still serves flows (and, for UDP, while the entry is not idle-expired).
+    /// State is made only for flows seen twice: a flow's first packet (always a SYN)
+    /// takes the VIP's Maglev table and is remembered in the embryonic table; its second
+    /// packet goes where the first went and enters the flow into the connection table
+    /// (a RST never creates an entry). An entry whose backend no longer serves it is
+    /// re-written to the table's choice.
     #[inline(always)]
     // Keys go to the maps by reference: by value, each call copies them again on the stack.
     #[allow(clippy::needless_borrows_for_generic_args)]
@@ -162,6 +166,30 @@ mod program {
                 Err(reason) => miss = reason,
             }
         }
+        let (embryo_index, tag) = flow::embryo_place(&flow_key);
+        let embryo = LB_EMBRYONIC.get_ptr_mut(embryo_index);
+        // The second packet of a flow the connection table does not hold, whose first
+        // packet the embryonic table remembers (a handshake's ACK, a UDP flow's second
+        // datagram): the flow is real, and enters the connection table with the backend
+        // its first packet took. A flood of random tuples never gets here.
+        if !packet.syn && entry.is_none() {
+            let remembered = embryo
+                .and_then(|embryo| flow::remembered(&Maps, unsafe { &*embryo }, tag, vip.vip_id));
+            if let Some((backend_id, backend)) = remembered {
+                stats.count(stat::CT_PROMOTED);
+                if !udp {
+                    sample_source(&cpu, vip.vip_id, &packet);
+                }
+                // A RST ends the flow: it goes where the SYN went, and makes no entry.
+                if !packet.rst && may_insert(stats, now) {
+                    let fresh = flow::entry_for(backend_id, packet.closing(), now);
+                    if LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok() {
+                        stats.count(stat::CT_CREATED);
+                    }
+                }
+                return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
+            }
+        }
         stats.count(miss);
         if miss == stat::CT_MISS_NON_SYN {
             capture(ctx, stats, now);
@@ -169,42 +197,65 @@ mod program {
         let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
         let (backend_id, backend) = table_choice(&packet, &vip)?;
-        let fresh = flow::entry_for(backend_id, packet.closing(), now);
-        let written = match entry {
+        // Whether the flow is left without an entry, so its first packet is remembered.
+        let unheld = match entry {
+            None => true,
             // The backend it already names (a SYN on a reused tuple while the table
             // stands): refreshed in place.
             Some(entry) if unsafe { (*entry).backend_id } == backend_id => {
-                unsafe { *entry = fresh };
-                true
-            }
-            // A RST ends a flow: it never creates an entry.
-            None if packet.rst => false,
-            // A new entry, or another backend for an existing one, goes through the map:
-            // a pointer into the LRU may meanwhile name a node recycled for another flow.
-            _ if may_insert(stats, now) => LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok(),
-            // No room this second: a SYN must not leave an older connection's entry
-            // (another backend) for the packets that follow it.
-            Some(_) if packet.syn => {
-                let _ = LB_CONNTRACK.remove(&flow_key);
+                unsafe { *entry = flow::entry_for(backend_id, packet.closing(), now) };
+                stats.count(stat::CT_CREATED);
                 false
             }
-            _ => false,
-        };
-        if written {
-            stats.count(stat::CT_CREATED);
-        }
-        // Heavy hitters are sampled: one new flow in SOURCE_SAMPLE is counted, with that
-        // weight, so most new flows skip the map.
-        if new_flow {
-            let sample = read(&SOURCE_SAMPLE).max(1);
-            if cpu.one_in(sample) {
-                let weight = sample as u64;
-                count_source(vip.vip_id, packet.src_addr, packet.family, weight);
+            // A SYN on a reused tuple whose old connection went elsewhere: the entry
+            // goes, and the new connection enters the table with its ACK, as any other.
+            Some(_) if packet.syn => {
+                let _ = LB_CONNTRACK.remove(&flow_key);
+                true
             }
+            // A flow the table holds, whose backend no longer serves it (or an idle UDP
+            // flow): a real flow, re-written to its new backend through the map (a
+            // pointer into the LRU may meanwhile name a node recycled for another flow).
+            Some(_) => {
+                let fresh = flow::entry_for(backend_id, packet.closing(), now);
+                if may_insert(stats, now) && LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok() {
+                    stats.count(stat::CT_CREATED);
+                }
+                false
+            }
+        };
+        // A first packet (a SYN, a new UDP flow, an ACK of a flow the connection table
+        // lost) is remembered for the flow's second packet, and makes no entry: a flood of
+        // spoofed first packets costs no established flow its entry. A RST ends a flow:
+        // it is never remembered.
+        if unheld
+            && !packet.rst
+            && let Some(embryo) = embryo
+        {
+            unsafe { *embryo = flow::embryo_for(tag, backend_id) };
+            stats.count(stat::CT_EMBRYONIC);
+        }
+        // A UDP flow counts for its source at its first datagram (many send only one);
+        // a TCP flow at its handshake's ACK, above.
+        if udp && new_flow {
+            sample_source(&cpu, vip.vip_id, &packet);
         }
         forward(
             ctx, stats, &packet, vip.vip_id, backend_id, &backend, new_flow,
         )
+    }
+
+    /// Counts a new flow for its client source (heavy hitters), sampled: one new flow in
+    /// SOURCE_SAMPLE is counted, with that weight, so most new flows skip the map. A TCP
+    /// flow counts once its handshake completes, so spoofed SYNs, which would each insert a
+    /// new source into the map, neither cost that nor crowd the real sources out.
+    #[inline(always)]
+    fn sample_source(cpu: &Cpu, vip_id: u32, packet: &Packet) {
+        let sample = read(&SOURCE_SAMPLE).max(1);
+        if cpu.one_in(sample) {
+            let weight = sample as u64;
+            count_source(vip_id, packet.src_addr, packet.family, weight);
+        }
     }
 
     /// A copy of the VIP slot `key` hashes to, if it may be `key`'s: used, and either
@@ -370,8 +421,9 @@ mod program {
         true
     }
 
-    /// The flood guard: at most `CT_INSERT_LIMIT` inserts per second on this CPU, so a
-    /// SYN flood cannot evict every established flow from the LRU.
+    /// The flood guard: at most `CT_INSERT_LIMIT` inserts per second on this CPU, so even
+    /// a flood of complete handshakes (or of each spoofed tuple sent twice) turns the LRU
+    /// over slowly.
     #[inline(always)]
     fn may_insert(stats: &Stats, now: u64) -> bool {
         let limit = read(&CT_INSERT_LIMIT);

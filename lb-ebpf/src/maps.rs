@@ -13,8 +13,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, MAX_BACKENDS, MAX_VIPS, Outcomes, RateWindow,
-    SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, VipSlot, stat,
+    BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, FlowEntry, FlowKey, MAX_BACKENDS,
+    MAX_VIPS, Outcomes, RateWindow, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey,
+    VipSlot, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -60,6 +61,12 @@ pub static LB_BACKEND_STATS: PerCpuArray<TrafficCounters> =
 #[map(name = "LB_CONNTRACK")]
 pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
     LruHashMap::with_max_entries(lb_common::DEFAULT_CONNTRACK_ENTRIES, BPF_F_NO_COMMON_LRU);
+
+/// `flow::embryo_place` -> Embryo: the backend each new flow's first packet took, until
+/// its second packet enters it into `LB_CONNTRACK`. Shared by all CPUs (a flow's SYN and
+/// ACK may arrive on different ones); written by the program only.
+#[map(name = "LB_EMBRYONIC")]
+pub static LB_EMBRYONIC: Array<Embryo> = Array::with_max_entries(EMBRYONIC_SLOTS, 0);
 
 /// SourceKey (VIP, client address) -> new flows it opened, per CPU: the heavy hitters.
 /// Written by the program on each new flow; read (and diffed) by the agent. LRU, so

@@ -386,6 +386,9 @@ fn print_explanation(request: &ExplainRequest, e: crate::explain::Explanation) {
         }
         _ => println!("  connection table: no entry"),
     }
+    if let Some(b) = e.embryonic_backend {
+        println!("  embryonic table:  {b} (its first packet; the next one enters it)");
+    }
     println!(
         "  next packet goes to: {}",
         e.next_packet_backend.unwrap_or_else(none)

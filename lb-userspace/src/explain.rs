@@ -148,6 +148,10 @@ pub struct Explanation {
     pub conntrack_backend: Option<String>,
     /// Seconds since the entry last saw a packet.
     pub conntrack_idle_seconds: Option<f64>,
+    /// Without an entry: the backend the embryonic table remembers for the flow's first
+    /// packet, where its second packet goes (and enters the connection table).
+    #[serde(default)]
+    pub embryonic_backend: Option<String>,
     /// Where the flow's next non-SYN packet goes.
     pub next_packet_backend: Option<String>,
 }
@@ -239,7 +243,8 @@ pub fn explain(
     } else {
         table_choice(vip, table, request.source)
     };
-    let entry = view.dataplane.flow(&flow_key(&target, request.source))?;
+    let key = flow_key(&target, request.source);
+    let entry = view.dataplane.flow(&key)?;
     let idle_ns = entry.map(|e| flow::age(&e, now_ns));
     // What the program does with the next non-SYN packet (neither FIN nor RST): follow
     // the entry, decided by the program's own code, else the table. On a copy: explain
@@ -248,8 +253,18 @@ pub fn explain(
         let proto = target.protocol.number();
         flow::follow(view, &mut e, proto, false, vip.id, now_ns).ok()
     });
-    let next = match followed {
-        Some((backend_id, _)) => name(backend_id),
+    // No entry: the backend the flow's first packet took, if the embryonic table still
+    // remembers it, as the program decides.
+    let remembered = match entry {
+        Some(_) => None,
+        None => {
+            let (index, tag) = flow::embryo_place(&key);
+            let embryo = view.dataplane.embryo(index)?;
+            flow::remembered(view, &embryo, tag, vip.id).map(|(id, _)| id)
+        }
+    };
+    let next = match followed.map(|(id, _)| id).or(remembered) {
+        Some(backend_id) => name(backend_id),
         None => name(table_id),
     };
     Ok(Explanation {
@@ -261,6 +276,7 @@ pub fn explain(
             name(e.backend_id).or(Some(format!("backend id {} (gone)", e.backend_id)))
         }),
         conntrack_idle_seconds: idle_ns.map(|ns| ns as f64 / 1e9),
+        embryonic_backend: remembered.and_then(name),
         next_packet_backend: next,
     })
 }
@@ -354,13 +370,23 @@ mod tests {
                 .flows
                 .insert(flow_key(&request.vip, request.source), entry);
         }
+        explain_in(model, desired, &dataplane, &request, now_ns)
+    }
+
+    fn explain_in(
+        model: &Model,
+        desired: &Desired,
+        dataplane: &MemoryDataplane,
+        request: &ExplainRequest,
+        now_ns: u64,
+    ) -> Explanation {
         let view = View {
             model,
             desired,
-            dataplane: &dataplane,
+            dataplane,
             flow_idle: Duration::from_secs(30),
         };
-        explain(&view, &request, now_ns).unwrap()
+        explain(&view, request, now_ns).unwrap()
     }
 
     /// The id and address of the backend the table does not give CLIENT's flow.
@@ -371,6 +397,17 @@ mod tests {
             .find(|b| b.config.address.to_string() != table_choice)
             .unwrap();
         (other.id, other.config.address.to_string())
+    }
+
+    /// Backend `id` of the first VIP fails its checks: the tables that gives.
+    fn fail(model: &mut Model, id: u32) -> Desired {
+        let failed = model.vips[0]
+            .backends
+            .iter_mut()
+            .find(|b| b.id == id)
+            .unwrap();
+        failed.health = Health::Down;
+        model.desired()
     }
 
     fn entry(backend_id: u32, last_seen_ns: u64) -> FlowEntry {
@@ -413,16 +450,67 @@ mod tests {
         assert_eq!(idle.next_packet_backend.as_deref(), Some(other.as_str()));
 
         // Its backend failed: it no longer serves flows, and the table decides.
-        let failed = model.vips[0]
-            .backends
-            .iter_mut()
-            .find(|b| b.id == other_id)
-            .unwrap();
-        failed.health = Health::Down;
-        let desired = model.desired();
+        let desired = fail(&mut model, other_id);
         let moved = explain_with(&model, &desired, vip, Some(entry(other_id, now)), now);
         assert_eq!(moved.conntrack_backend.as_deref(), Some(other.as_str()));
         assert_eq!(moved.next_packet_backend.as_deref(), Some(table.as_str()));
+    }
+
+    #[test]
+    fn without_an_entry_the_next_packet_goes_where_the_first_one_went() {
+        let (mut model, desired) = model_of(&two_backends("tcp", 80));
+        let request = ExplainRequest {
+            vip: "10.0.0.100:80/tcp".parse().unwrap(),
+            source: CLIENT.parse().unwrap(),
+        };
+        let now = 100 * SECOND;
+        let mut dataplane = MemoryDataplane::default();
+        let table = explain_in(&model, &desired, &dataplane, &request, now)
+            .table_backend
+            .unwrap();
+        let (other_id, other) = other_backend(&model, &table);
+        // The SYN went to the other backend (the table changed since): its ACK follows.
+        let key = flow_key(&request.vip, request.source);
+        let (index, tag) = flow::embryo_place(&key);
+        let remembered = lb_common::Embryo {
+            tag,
+            backend_id: other_id,
+        };
+        dataplane.embryos.insert(index, remembered);
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.embryonic_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(e.next_packet_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(e.conntrack_backend, None);
+
+        // Another flow's first packet on the same slot: the table decides.
+        let stranger = lb_common::Embryo {
+            tag: tag ^ 2,
+            ..remembered
+        };
+        dataplane.embryos.insert(index, stranger);
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.embryonic_backend, None);
+        assert_eq!(e.next_packet_backend.as_deref(), Some(table.as_str()));
+
+        // An entry decides over what the embryonic table remembers.
+        dataplane.embryos.insert(index, remembered);
+        let table_id = model.vips[0]
+            .backends
+            .iter()
+            .find(|b| b.config.address.to_string() == table)
+            .unwrap()
+            .id;
+        dataplane.flows.insert(key, entry(table_id, now));
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.embryonic_backend, None);
+        assert_eq!(e.next_packet_backend.as_deref(), Some(table.as_str()));
+
+        // The remembered backend failed meanwhile: the table decides.
+        dataplane.flows.clear();
+        let desired = fail(&mut model, other_id);
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.embryonic_backend, None);
+        assert_eq!(e.next_packet_backend.as_deref(), Some(table.as_str()));
     }
 
     #[test]

@@ -345,6 +345,9 @@ fn register_outcomes(registry: &mut Registry, outcomes: &[u64]) {
         ("rehash", stat::CT_REHASH),
         ("created", stat::CT_CREATED),
         ("insert_skipped", stat::CT_INSERT_SKIPPED),
+        // First packets kept out of the table, and flows entered by their second packet.
+        ("embryonic", stat::CT_EMBRYONIC),
+        ("promoted", stat::CT_PROMOTED),
     ] {
         conntrack
             .get_or_create(&KindLabels { kind: kind.into() })

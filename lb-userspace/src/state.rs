@@ -1831,9 +1831,16 @@ mod tests {
         );
         assert_eq!(
             kinds("lb_conntrack_events_total"),
-            ["created", "hit", "insert_skipped", "rehash"]
-                .map(String::from)
-                .into()
+            [
+                "created",
+                "embryonic",
+                "hit",
+                "insert_skipped",
+                "promoted",
+                "rehash"
+            ]
+            .map(String::from)
+            .into()
         );
     }
 }

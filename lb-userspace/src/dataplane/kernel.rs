@@ -12,11 +12,11 @@ use aya::{
     programs::{Xdp, XdpMode, xdp::XdpLinkId},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE, GLOBAL_CT_INSERT_LIMIT,
-    GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, MAP_BACKEND_IDS, MAP_BACKEND_STATS,
-    MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS,
-    MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS,
-    TrafficCounters, VipInfo, VipKey, stat,
+    BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE,
+    GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS,
+    MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_EMBRYONIC,
+    MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS,
+    MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters, VipInfo, VipKey, stat,
 };
 
 use super::{
@@ -43,6 +43,7 @@ pub struct AyaDataplane {
     vip_stats: PerCpuArray<MapData, TrafficCounters>,
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
     conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    embryonic: Array<MapData, Embryo>,
     sources: PerCpuHashMap<MapData, SourceKey, u64>,
     identities: Array<MapData, BackendIdentity>,
     meta: Array<MapData, u64>,
@@ -133,6 +134,7 @@ impl AyaDataplane {
             vip_stats: take_map(&mut ebpf, MAP_VIP_STATS)?,
             backend_stats: take_map(&mut ebpf, MAP_BACKEND_STATS)?,
             conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
+            embryonic: take_map(&mut ebpf, MAP_EMBRYONIC)?,
             sources: take_map(&mut ebpf, MAP_SOURCES)?,
             identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
             meta: take_map(&mut ebpf, MAP_META)?,
@@ -631,6 +633,10 @@ impl Dataplane for AyaDataplane {
             Err(aya::maps::MapError::KeyNotFound) => Ok(None),
             Err(source) => Err(in_map(MAP_CONNTRACK)(source)),
         }
+    }
+
+    fn embryo(&self, index: u32) -> Result<Embryo, DataplaneError> {
+        self.embryonic.get(&index, 0).map_err(in_map(MAP_EMBRYONIC))
     }
 
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, SourceKey, VipInfo, VipKey, stat,
+    BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, SourceKey, VipInfo, VipKey, stat,
 };
 
 use super::{Counters, Dataplane, DataplaneError, FlowReader};
@@ -26,6 +26,7 @@ pub struct MemoryDataplane {
     pub maglev: HashMap<u32, u32>,
     pub backends: HashMap<u32, BackendInfo>,
     pub flows: HashMap<FlowKey, FlowEntry>,
+    pub embryos: HashMap<u32, Embryo>,
     pub sources: HashMap<SourceKey, u64>,
     pub log: Vec<Write>,
 }
@@ -79,6 +80,10 @@ impl Dataplane for MemoryDataplane {
 
     fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError> {
         Ok(self.flows.get(key).copied())
+    }
+
+    fn embryo(&self, index: u32) -> Result<Embryo, DataplaneError> {
+        Ok(self.embryos.get(&index).copied().unwrap_or_default())
     }
 
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {

@@ -26,7 +26,7 @@ mod slots;
 use std::{collections::HashMap, path::PathBuf, time::Duration};
 
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, MAX_VIPS, SourceKey, TrafficCounters,
+    BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, MAX_VIPS, SourceKey, TrafficCounters,
     VipInfo, VipKey,
 };
 
@@ -119,6 +119,8 @@ pub trait Dataplane {
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError>;
     /// The connection-table entry of one flow.
     fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError>;
+    /// Slot `index` of the embryonic table (`lb_common::flow::embryo_place`).
+    fn embryo(&self, index: u32) -> Result<Embryo, DataplaneError>;
     /// A handle that reads the connection table on its own, so a long scan need not
     /// hold the agent's lock.
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError>;

@@ -4,9 +4,11 @@
 //! Two ways: `repeat = N` in one call (the kernel's average per run), and a loop of
 //! calls with `repeat = 1` (wall time per call, and the kernel's time per run). Under
 //! `repeat > 1` the program sees its own output again; `lb_xdp` only rewrites MACs, so
-//! the flow stays the same. A SYN always takes the Maglev table and writes its
-//! connection-table entry: under `repeat` it re-writes the same key each time, while the
-//! loop gives every call a new source address and port, so every SYN inserts a new key.
+//! the flow stays the same. A SYN takes the Maglev table and is remembered in the
+//! embryonic table, without a connection-table entry; the flow's next packet makes the
+//! entry. The new-flow cases give every call of the loop a new source address and port:
+//! a spoofed SYN, a handshake (SYN and the ACK that makes the entry), and the client's
+//! packets of a whole short connection.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Instant;
@@ -18,7 +20,9 @@ use lb_tests::program::{IFACE_MAC, Instance, load_test_program};
 use lb_userspace::dataplane::Dataplane;
 use serde_json::{Value, json};
 
-use crate::frames::{Frame, L4, TCP_ACK, TCP_SYN, V4_SRC_ADDR_AT, V4_SRC_PORT_AT};
+use crate::frames::{
+    Frame, L4, TCP_ACK, TCP_FIN, TCP_PSH, TCP_SYN, V4_SRC_ADDR_AT, V4_SRC_PORT_AT,
+};
 use crate::report::{Table, median, num, range};
 
 const XDP_PASS: u32 = 2;
@@ -30,13 +34,6 @@ const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x100);
 const CLIENT4: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1);
 
-/// Katran's figures on this kernel, measured the same way (issue 8), net of the empty
-/// program: established flow, new flow, new flow when every SYN inserts, passed packet.
-pub const KATRAN_ESTABLISHED_NS: f64 = 145.0;
-pub const KATRAN_NEW_FLOW_NS: f64 = 196.0;
-pub const KATRAN_NEW_FLOW_INSERT_NS: f64 = 358.0;
-pub const KATRAN_PASS_NS: f64 = 56.0;
-
 pub struct Options {
     pub rounds: usize,
     pub repeat: u32,
@@ -46,8 +43,8 @@ pub struct Options {
 
 /// A config with three VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80), each with
 /// `backends` backends whose MACs are given; no health checks; no insert limit (the
-/// SYN case measures the insert, which the default flood guard would skip above 100k
-/// inserts per second per CPU).
+/// handshake cases measure the insert, which the default flood guard would skip above
+/// 100k inserts per second per CPU).
 pub fn config_text(backends: usize) -> String {
     let mut t = String::from(
         "[dataplane]\ninterface = \"lo\"\nconntrack_insert_limit = 0\n\
@@ -103,6 +100,10 @@ struct Case {
     name: &'static str,
     what: &'static str,
     frame: Vec<u8>,
+    /// Sent after `frame` in each call of the loop, from the same source: the rest of a
+    /// new flow's packets. The loop's figures are per call (the whole sequence); under
+    /// `repeat`, only `frame` is sent, and the figures are not shown.
+    then: Vec<Vec<u8>>,
     /// Sent once before measuring (creates the flow's entry).
     prime: Option<Vec<u8>>,
     /// The loop gives every call a new source (IPv4 only).
@@ -111,6 +112,16 @@ struct Case {
     /// (IPv4 only); 1: one flow. Under `repeat` only the first flow is sent.
     flows: u32,
     action: u32,
+}
+
+impl Case {
+    /// Every frame of one call of the loop.
+    fn frames(&self) -> Vec<Vec<u8>> {
+        std::iter::once(&self.frame)
+            .chain(&self.then)
+            .cloned()
+            .collect()
+    }
 }
 
 fn frame(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, l4: L4) -> Vec<u8> {
@@ -138,8 +149,31 @@ fn cases() -> Vec<Case> {
     vec![
         Case {
             name: "tcp_syn",
-            what: "TCP SYN to the VIP (new flow: Maglev + connection-table write)",
+            what: "spoofed TCP SYN: a new tuple every call (Maglev, remembered, no entry)",
             frame: frame(c4, v4, 40000, 80, syn),
+            then: vec![],
+            prime: None,
+            new_source_per_call: true,
+            flows: 1,
+            action: XDP_TX,
+        },
+        Case {
+            name: "tcp_handshake",
+            what: "a handshake's SYN and ACK, a new tuple every call (the ACK makes the entry)",
+            frame: frame(c4, v4, 40005, 80, syn),
+            then: vec![frame(c4, v4, 40005, 80, ack)],
+            prime: None,
+            new_source_per_call: true,
+            flows: 1,
+            action: XDP_TX,
+        },
+        Case {
+            name: "tcp_short_connection",
+            what: "a short connection's client packets: SYN, ACK, request, FIN, last ACK",
+            frame: frame(c4, v4, 40006, 80, syn),
+            then: [TCP_ACK, TCP_ACK | TCP_PSH, TCP_ACK | TCP_FIN, TCP_ACK]
+                .map(|flags| frame(c4, v4, 40006, 80, L4::Tcp { flags }))
+                .into(),
             prime: None,
             new_source_per_call: true,
             flows: 1,
@@ -149,6 +183,7 @@ fn cases() -> Vec<Case> {
             name: "tcp_established",
             what: "TCP ACK of an established flow (connection-table hit)",
             frame: frame(c4, v4, 40001, 80, ack),
+            then: vec![],
             prime: Some(frame(c4, v4, 40001, 80, syn)),
             new_source_per_call: false,
             flows: 1,
@@ -158,6 +193,7 @@ fn cases() -> Vec<Case> {
             name: "tcp_established_16k_flows",
             what: "TCP ACKs cycling over 16384 established flows (table hits, colder cache)",
             frame: frame(c4, v4, FLOWS_BASE_PORT, 80, ack),
+            then: vec![],
             prime: Some(frame(c4, v4, FLOWS_BASE_PORT, 80, syn)),
             new_source_per_call: false,
             flows: MANY_FLOWS,
@@ -167,6 +203,7 @@ fn cases() -> Vec<Case> {
             name: "udp",
             what: "UDP to the VIP, flow known (connection-table hit)",
             frame: frame(c4, v4, 40002, 53, L4::Udp),
+            then: vec![],
             prime: Some(frame(c4, v4, 40002, 53, L4::Udp)),
             new_source_per_call: false,
             flows: 1,
@@ -176,6 +213,7 @@ fn cases() -> Vec<Case> {
             name: "ipv6_tcp_established",
             what: "IPv6 TCP ACK of an established flow",
             frame: frame(c6, v6, 40003, 80, ack),
+            then: vec![],
             prime: Some(frame(c6, v6, 40003, 80, syn)),
             new_source_per_call: false,
             flows: 1,
@@ -185,6 +223,7 @@ fn cases() -> Vec<Case> {
             name: "pass_not_vip",
             what: "TCP to a non-VIP address (XDP_PASS)",
             frame: frame(c4, IpAddr::from(Ipv4Addr::new(10, 0, 0, 2)), 40004, 80, ack),
+            then: vec![],
             prime: None,
             new_source_per_call: false,
             flows: 1,
@@ -207,11 +246,12 @@ fn run_repeat(program: &Xdp, frame: &[u8], n: u32) -> Result<(u32, f64, f64)> {
     Ok((r.return_value, r.duration.as_nanos() as f64, wall))
 }
 
-/// `calls` calls with `repeat = 1`: (wall ns per call, kernel ns per run). With
-/// `next_source`, every call gets a new IPv4 source address and port first.
+/// `calls` calls with `repeat = 1` of each of `frames` in turn: (wall ns per call, kernel
+/// ns per run of the whole sequence). With `next_source`, every call gets a new IPv4
+/// source address and port first.
 fn run_loop(
     program: &Xdp,
-    frame: &mut [u8],
+    frames: &mut [Vec<u8>],
     calls: u32,
     mut next_source: Option<&mut u64>,
     flows: u32,
@@ -219,24 +259,29 @@ fn run_loop(
     let mut kernel_ns = 0u128;
     let start = Instant::now();
     for call in 0..calls {
-        if flows > 1 {
-            set_src_port(frame, FLOWS_BASE_PORT + (call % flows) as u16);
-        }
-        if let Some(k) = next_source.as_deref_mut() {
+        let source = next_source.as_deref_mut().map(|k| {
             *k += 1;
             let port = 1024 + (*k % 64000) as u16;
             let host = 0x0a02_0000u32 + (*k / 64000) as u32; // 10.2.0.0 and up
-            frame[V4_SRC_PORT_AT..V4_SRC_PORT_AT + 2].copy_from_slice(&port.to_be_bytes());
-            frame[V4_SRC_ADDR_AT..V4_SRC_ADDR_AT + 4].copy_from_slice(&host.to_be_bytes());
+            (port, host)
+        });
+        for frame in frames.iter_mut() {
+            if flows > 1 {
+                set_src_port(frame, FLOWS_BASE_PORT + (call % flows) as u16);
+            }
+            if let Some((port, host)) = source {
+                frame[V4_SRC_PORT_AT..V4_SRC_PORT_AT + 2].copy_from_slice(&port.to_be_bytes());
+                frame[V4_SRC_ADDR_AT..V4_SRC_ADDR_AT + 4].copy_from_slice(&host.to_be_bytes());
+            }
+            let r = program
+                .test_run(TestRunOptions {
+                    data_in: Some(frame),
+                    repeat: 1,
+                    ..TestRunOptions::default()
+                })
+                .context("BPF_PROG_TEST_RUN")?;
+            kernel_ns += r.duration.as_nanos();
         }
-        let r = program
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                repeat: 1,
-                ..TestRunOptions::default()
-            })
-            .context("BPF_PROG_TEST_RUN")?;
-        kernel_ns += r.duration.as_nanos();
     }
     let wall = start.elapsed().as_nanos() as f64 / calls as f64;
     Ok((wall, kernel_ns as f64 / calls as f64))
@@ -337,8 +382,8 @@ pub fn run(opts: &Options) -> Result<Results> {
                     }));
                 }
 
-                // The same frame changes (for the SYN) in both programs' loops alike.
-                let mut f = case.frame.clone();
+                // The same frames change (for new flows) in both programs' loops alike.
+                let mut f = case.frames();
                 let mut pass_source = source_counter;
                 let pass_prog = xdp(&mut pass_ebpf, "xdp_pass")?;
                 let (w, k) = run_loop(
@@ -351,7 +396,7 @@ pub fn run(opts: &Options) -> Result<Results> {
                 pass[ci].loop_wall.push(w);
                 pass[ci].loop_kernel.push(k);
 
-                let mut f = case.frame.clone();
+                let mut f = case.frames();
                 let before = inst.dataplane.counters(&[], &[])?.outcomes;
                 let program = inst.dataplane.program_mut()?;
                 let (w, k) = run_loop(
@@ -381,8 +426,15 @@ pub fn run(opts: &Options) -> Result<Results> {
             let rk_net = net(&l.repeat_kernel, &p.repeat_kernel);
             let lk_net = net(&l.loop_kernel, &p.loop_kernel);
             let lw_net = net(&l.loop_wall, &p.loop_wall);
-            // Under repeat the many-flows case is one flow: shown in the JSON only.
-            let one_flow = |x: f64| if case.flows > 1 { f64::NAN } else { x };
+            // Under repeat the many-flows case is one flow, and a sequence its first
+            // frame: shown in the JSON only.
+            let one_flow = |x: f64| {
+                if case.flows > 1 || !case.then.is_empty() {
+                    f64::NAN
+                } else {
+                    x
+                }
+            };
             table.row(vec![
                 case.name.into(),
                 backends.to_string(),
@@ -437,8 +489,9 @@ pub fn run(opts: &Options) -> Result<Results> {
         opts.rounds, opts.repeat, opts.loop_calls
     ));
     table.note(
-        "tcp_syn: under repeat the same SYN re-writes its own entry each run; in the loop \
-         every call has a new source address and port, so every SYN inserts a new key.",
+        "tcp_syn, tcp_handshake, tcp_short_connection: in the loop every call has a new \
+         source address and port (a new flow); the handshake and the short connection are \
+         per call, 2 and 5 packets. Under repeat the same SYN runs again (no entry either).",
     );
     table.note(
         "tcp_established_16k_flows: the loop cycles over 16384 established flows (as the \
