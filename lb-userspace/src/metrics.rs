@@ -208,10 +208,18 @@ fn register_vips(registry: &mut Registry, status: &Status) {
         "vip_busiest_over_average",
         "New flows of the busiest in-table backend over the average, last interval (0: none)",
     );
+    let hot_sources = family::<VipLabels, Gauge>(
+        registry,
+        "vip_hot_sources",
+        "Sources balanced per connection now (hot_source_share)",
+    );
     for vip in &status.vips {
         let labels = VipLabels {
             vip: vip.name.clone(),
         };
+        hot_sources
+            .get_or_create(&labels)
+            .set(vip.hot_sources.len() as i64);
         vip_packets.get_or_create(&labels).inc_by(vip.packets);
         vip_bytes.get_or_create(&labels).inc_by(vip.bytes);
         vip_new_flows.get_or_create(&labels).inc_by(vip.new_flows);
@@ -350,13 +358,22 @@ fn register_outcomes(registry: &mut Registry, outcomes: &[u64]) {
             .get_or_create(&KindLabels { kind: kind.into() })
             .inc_by(counter(index));
     }
-    let icmp_too_big = Counter::<u64>::default();
-    icmp_too_big.inc_by(counter(stat::SEEN_ICMP_TOO_BIG));
-    registry.register(
-        "icmp_too_big",
-        "ICMP fragmentation-needed / ICMPv6 packet-too-big errors about VIP flows, sent to the flows' backends",
-        icmp_too_big,
-    );
+    for (name, help, index) in [
+        (
+            "icmp_too_big",
+            "ICMP fragmentation-needed / ICMPv6 packet-too-big errors about VIP flows, sent to the flows' backends",
+            stat::SEEN_ICMP_TOO_BIG,
+        ),
+        (
+            "hot_source_spread",
+            "New flows of hot sources of src-ip VIPs hashed per connection (hot_source_share)",
+            stat::HOT_SOURCE_SPREAD,
+        ),
+    ] {
+        let total = Counter::<u64>::default();
+        total.inc_by(counter(index));
+        registry.register(name, help, total);
+    }
 }
 
 /// Takes one scrape of the agent's state (briefly under its lock); rendering happens

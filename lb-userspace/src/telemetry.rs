@@ -12,6 +12,8 @@ use std::{
 use lb_common::{FLOW_F_CLOSING, FlowEntry, FlowKey, SourceKey};
 
 use crate::{
+    config::HashMode,
+    hot::HotSources,
     model::Model,
     status::{SourceRate, TOP_SOURCES},
 };
@@ -35,6 +37,9 @@ pub struct Telemetry {
     pub busiest_over_average: HashMap<u32, f64>,
     /// Per VIP id: the heavy hitters of the last interval.
     pub top_sources: HashMap<u32, Vec<SourceRate>>,
+    /// The hot sources of VIPs with `hot_source_share`, as of the last sample: what
+    /// `LB_HOT_SRC` is to hold.
+    pub hot: HotSources,
     /// The previous sample: when, and each backend's new-flow counter then.
     last_sample: Option<(Instant, HashMap<u32, u64>)>,
     /// Each source's new-flow count at the previous sample.
@@ -113,20 +118,27 @@ impl Telemetry {
                     (vip.id, busiest_over_average(&deltas))
                 })
                 .collect();
-            self.top_sources = heavy_hitters(&sources, &self.last_sources, seconds);
+            let deltas = source_deltas(&sources, &self.last_sources);
+            self.top_sources = heavy_hitters(&deltas, seconds);
+            let shares = model
+                .vips
+                .iter()
+                .filter(|vip| vip.config.hash == HashMode::SrcIp)
+                .filter_map(|vip| Some((vip.id, vip.config.hot_source_share?)))
+                .collect();
+            self.hot.update(&shares, &deltas);
         }
         self.last_sources = sources.into_iter().collect();
         self.last_sample = Some((now, new_flows));
     }
 }
 
-/// Per VIP id, the sources with the most new flows since `previous`, busiest first.
-pub fn heavy_hitters(
+/// Per VIP id, each source's new flows since `previous` (sources without any left out).
+pub fn source_deltas(
     sources: &[(SourceKey, u64)],
     previous: &HashMap<SourceKey, u64>,
-    seconds: f64,
-) -> HashMap<u32, Vec<SourceRate>> {
-    let mut by_vip: HashMap<u32, Vec<(u64, &SourceKey)>> = HashMap::new();
+) -> HashMap<u32, Vec<(SourceKey, u64)>> {
+    let mut by_vip: HashMap<u32, Vec<(SourceKey, u64)>> = HashMap::new();
     for (key, count) in sources {
         // A source the LRU evicted and re-inserted restarts from 0: count what it has.
         let before = previous
@@ -138,27 +150,37 @@ pub fn heavy_hitters(
             by_vip
                 .entry(key.vip_id)
                 .or_default()
-                .push((count - before, key));
+                .push((*key, count - before));
         }
     }
     by_vip
-        .into_iter()
-        .map(|(vip, mut counts)| {
-            counts.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.addr.cmp(&b.1.addr)));
+}
+
+/// Per VIP id, the sources with the most new flows in `deltas` (over `seconds`), busiest
+/// first.
+pub fn heavy_hitters(
+    deltas: &HashMap<u32, Vec<(SourceKey, u64)>>,
+    seconds: f64,
+) -> HashMap<u32, Vec<SourceRate>> {
+    deltas
+        .iter()
+        .map(|(vip, counts)| {
+            let mut counts: Vec<&(SourceKey, u64)> = counts.iter().collect();
+            counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.addr.cmp(&b.0.addr)));
             let top = counts
                 .into_iter()
                 .take(TOP_SOURCES)
-                .map(|(delta, key)| SourceRate {
+                .map(|(key, delta)| SourceRate {
                     address: source_address(key).to_string(),
-                    new_flows_per_second: delta as f64 / seconds,
+                    new_flows_per_second: *delta as f64 / seconds,
                 })
                 .collect();
-            (vip, top)
+            (*vip, top)
         })
         .collect()
 }
 
-fn source_address(key: &SourceKey) -> IpAddr {
+pub fn source_address(key: &SourceKey) -> IpAddr {
     lb_common::addr::from_map(&key.addr, key.family)
 }
 
@@ -246,7 +268,7 @@ mod tests {
             (key(3, 0), 2),
             (key(9, 1), 7),
         ];
-        let top = heavy_hitters(&now, &previous, 2.0);
+        let top = heavy_hitters(&source_deltas(&now, &previous), 2.0);
         let vip0: Vec<(&str, f64)> = top[&0]
             .iter()
             .map(|s| (s.address.as_str(), s.new_flows_per_second))
