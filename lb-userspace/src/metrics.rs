@@ -519,6 +519,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn hot_sources_are_a_gauge_per_vip_and_their_spread_a_counter() {
+        let mut status = crate::status::tests::sample();
+        status.vips[0].hot_sources = vec![crate::status::HotSource {
+            address: "10.0.0.1".into(),
+            share: 0.6,
+        }];
+        let mut outcomes = vec![0; stat::COUNT as usize];
+        outcomes[stat::HOT_SOURCE_SPREAD as usize] = 7;
+        let scrape = Scrape {
+            status,
+            outcomes,
+            observed: Observed::default(),
+        };
+        let text = prometheus_text(&render(&scrape).unwrap());
+        assert!(
+            text.contains("lb_vip_hot_sources{vip=\"web\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("lb_hot_source_spread_total 7\n"), "{text}");
+    }
+
+    #[test]
     fn openmetrics_only_when_asked_for() {
         // What Prometheus sends.
         assert!(accepts_openmetrics(

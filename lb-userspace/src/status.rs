@@ -158,7 +158,7 @@ pub struct VipStatus {
     pub top_sources: Vec<SourceRate>,
     /// With `hot_source_share`: the sources balanced per connection now, the busiest
     /// first, with their share of the VIP's new flows over the last sample.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub hot_sources: Vec<HotSource>,
     pub backends: Vec<BackendStatus>,
 }
