@@ -281,6 +281,53 @@ mod tests {
     }
 
     #[test]
+    fn hot_sources_come_only_from_vips_with_the_share() {
+        // Two src-ip VIPs, one with hot_source_share, and a 5-tuple one.
+        let mut text = String::from("[dataplane]\ninterface = \"eth0\"\n");
+        for (name, port, lines) in [
+            ("hot", 80, "hash = \"src-ip\"\nhot_source_share = 0.3\n"),
+            ("sticky", 81, "hash = \"src-ip\"\n"),
+            ("spread", 82, ""),
+        ] {
+            text += &format!(
+                "[[vip]]\nname = \"{name}\"\naddress = \"10.0.0.100\"\nport = {port}\n\
+                 protocol = \"tcp\"\n{lines}[vip.health]\nkind = \"none\"\n\
+                 [[vip.backend]]\naddress = \"10.0.0.11\"\n"
+            );
+        }
+        let config = crate::config::Config::from_toml(&text).unwrap();
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        model.update(&config).unwrap();
+        let ids: Vec<u32> = model.vips.iter().map(|v| v.id).collect();
+        let key = |vip_id: u32| {
+            SourceKey::new(
+                vip_id,
+                [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                lb_common::ADDR_FAMILY_V4,
+            )
+        };
+        let mut telemetry = Telemetry::default();
+        let start = Instant::now();
+        let counts = |n: u64| ids.iter().map(|&id| (key(id), n)).collect::<Vec<_>>();
+        telemetry.sample(start, &model, HashMap::new(), counts(0));
+        assert!(
+            telemetry.hot.hot.is_empty(),
+            "the first sample has no interval"
+        );
+        // The one source of each VIP opened all of its 100 new flows.
+        telemetry.sample(
+            start + Duration::from_secs(2),
+            &model,
+            HashMap::new(),
+            counts(100),
+        );
+        assert_eq!(telemetry.hot.of_vip(ids[0]), [(key(ids[0]), 1.0)]);
+        assert!(telemetry.hot.of_vip(ids[1]).is_empty());
+        assert!(telemetry.hot.of_vip(ids[2]).is_empty());
+        assert_eq!(telemetry.hot.hot.len(), 1);
+    }
+
+    #[test]
     fn busiest_over_average_is_max_over_mean() {
         assert_eq!(busiest_over_average(&[0, 0, 0]), 0.0);
         assert_eq!(busiest_over_average(&[10, 10, 10]), 1.0);
