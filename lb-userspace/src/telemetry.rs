@@ -1,7 +1,8 @@
 //! What the agent learns by watching the data path: live flows per backend (from scans of
-//! the connection table), new-flow rates, each VIP's busiest-over-average ratio and its
-//! heavy hitters (from counter samples). Pure bookkeeping: the agent's loop feeds it
-//! scans and counter reads; status, draining and metrics read it.
+//! the connection table), new-flow rates, each VIP's busiest-over-average ratio, its
+//! heavy hitters and, with `hot_source_share`, its hot sources (`hot`) (from counter
+//! samples). Pure bookkeeping: the agent's loop feeds it scans and counter reads;
+//! status, draining, metrics and `LB_HOT_SRC` read it.
 
 use std::{
     collections::HashMap,
