@@ -12,7 +12,7 @@ pub mod maglev;
 pub mod addr;
 pub mod flow;
 mod hash;
-pub use hash::{FlowTuple, flow_hash, stable_hash64};
+pub use hash::{FlowTuple, flow_hash, stable_hash64, table_hash};
 
 use bytemuck::{Pod, Zeroable};
 use core::mem::size_of;
@@ -44,6 +44,7 @@ pub const MAP_EMBRYONIC: &str = "LB_EMBRYONIC";
 pub const EMBRYONIC_SLOTS: u32 = 1 << 16;
 pub const MAP_FLOOD: &str = "LB_FLOOD";
 pub const MAP_SOURCES: &str = "LB_SOURCES";
+pub const MAP_HOT_SOURCES: &str = "LB_HOT_SRC";
 pub const MAP_CAPTURE: &str = "LB_CAPTURE";
 /// Bytes of each captured frame kept (the rest is cut, as tcpdump's snaplen).
 pub const CAPTURE_BYTES: usize = 128;
@@ -56,6 +57,8 @@ pub const DEFAULT_SOURCE_SAMPLE: u32 = 8;
 pub const GLOBAL_CAPTURE_RATE: &str = "CAPTURE_RATE";
 /// Client sources tracked for heavy-hitter reports (LRU: the busiest stay).
 pub const SOURCE_ENTRIES: u32 = 16384;
+/// Most hot sources (`LB_HOT_SRC`) over all VIPs at once.
+pub const HOT_SOURCE_ENTRIES: u32 = 1024;
 /// Written by the agent only, read back by a restarted agent: what the pinned maps hold.
 pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
@@ -114,6 +117,10 @@ const _: () = assert!(size_of::<VipKey>() == 20);
 
 /// `VipInfo::flags`: hash on the source address only (client affinity).
 pub const VIP_F_HASH_SRC_IP: u32 = 1;
+/// `VipInfo::flags`, with `VIP_F_HASH_SRC_IP`: the VIP has `hot_source_share`, so a new
+/// flow from a source in `LB_HOT_SRC` is hashed on its 5-tuple. Without it the program
+/// never looks there: other VIPs pay nothing.
+pub const VIP_F_HOT_SOURCES: u32 = 2;
 
 /// Value of `LB_VIPS`.
 #[repr(C)]
@@ -225,6 +232,19 @@ pub struct SourceKey {
     pub _pad: [u8; 3],
 }
 const _: () = assert!(size_of::<SourceKey>() == 24);
+
+impl SourceKey {
+    /// The key of client `addr` (map form, `addr::to_map`) of VIP `vip_id`.
+    #[inline(always)]
+    pub const fn new(vip_id: u32, addr: [u8; 16], family: u8) -> Self {
+        Self {
+            addr,
+            vip_id,
+            family,
+            _pad: [0; 3],
+        }
+    }
+}
 
 /// One frame sent to userspace by the debug capture (`LB_CAPTURE` ring buffer).
 #[repr(C)]
@@ -417,7 +437,10 @@ pub mod stat {
     /// Flows entered into the connection table by their second packet (a handshake's
     /// ACK, a UDP flow's second datagram), to the backend their first packet took.
     pub const CT_PROMOTED: u32 = 26;
-    pub const COUNT: u32 = 27;
+    /// A new flow of a hot source (`LB_HOT_SRC`) of a src-ip VIP, hashed on its 5-tuple
+    /// instead of its source.
+    pub const HOT_SOURCE_SPREAD: u32 = 27;
+    pub const COUNT: u32 = 28;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -448,6 +471,7 @@ pub mod stat {
         "seen_icmp_too_big",
         "ct_embryonic",
         "ct_promoted",
+        "hot_source_spread",
     ];
 }
 

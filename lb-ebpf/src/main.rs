@@ -22,15 +22,15 @@ mod program {
     };
     use lb_common::{
         BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FlowKey, PROTO_UDP, RateWindow,
-        VIP_F_HASH_SRC_IP, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
+        VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
         flow::{self, Lookup},
-        flow_hash, maglev_slot, stat,
+        maglev_slot, stat, table_hash,
     };
 
     use crate::maps::{
         Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_EMBRYONIC,
         LB_FLOOD, LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source,
-        count_traffic,
+        count_traffic, hot_source,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
 
@@ -303,11 +303,19 @@ mod program {
         unsafe { LB_VIPS.get(key) }.copied()
     }
 
-    /// The backend the VIP's Maglev table gives the packet's flow.
+    /// The backend the VIP's Maglev table gives the packet's flow. A hot source of a
+    /// src-ip VIP with hot sources is hashed per connection (`lb_common::table_hash`).
     #[inline(always)]
     fn table_choice(packet: &Packet, vip: &VipInfo) -> Result<(u32, BackendInfo), Verdict> {
         let table_size = read(&MAGLEV_SIZE);
-        let hash = flow_hash(&packet.flow_tuple(), vip.flags & VIP_F_HASH_SRC_IP != 0);
+        let (hash, spread) = table_hash(&packet.flow_tuple(), vip.flags, || {
+            hot_source(vip.vip_id, packet.src_addr, packet.family)
+        });
+        if spread {
+            // Rare (hot sources only): the counters are looked up again rather than
+            // passed through every caller.
+            Stats::get().count(stat::HOT_SOURCE_SPREAD);
+        }
         let table_slot = vip.table_base(table_size) + maglev_slot(hash, table_size);
         let backend_id = match LB_MAGLEV.get(table_slot) {
             Some(&id) if id != BACKEND_NONE => id,

@@ -13,9 +13,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, FlowEntry, FlowKey, MAX_BACKENDS,
-    MAX_VIPS, Outcomes, RateWindow, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey,
-    VipSlot, stat,
+    BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, FlowEntry, FlowKey, HOT_SOURCE_ENTRIES,
+    MAX_BACKENDS, MAX_VIPS, Outcomes, RateWindow, SOURCE_ENTRIES, SourceKey, TrafficCounters,
+    VipInfo, VipKey, VipSlot, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -80,18 +80,29 @@ pub static LB_SOURCES: LruPerCpuHashMap<SourceKey, u64> =
 // The key goes by reference: by value, each call copies it again on the stack.
 #[allow(clippy::needless_borrows_for_generic_args)]
 pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8, weight: u64) {
-    let key = SourceKey {
-        addr,
-        vip_id,
-        family,
-        _pad: [0; 3],
-    };
+    let key = SourceKey::new(vip_id, addr, family);
     match LB_SOURCES.get_ptr_mut(&key) {
         Some(count) => unsafe { *count += weight },
         None => {
             let _ = LB_SOURCES.insert(&key, &weight, 0);
         }
     }
+}
+
+/// SourceKey (VIP, client address) -> 1: the hot sources of VIPs with
+/// `hot_source_share`, whose new flows are hashed on the 5-tuple. Written by the agent
+/// every sample; read by the program only for a VIP with `VIP_F_HOT_SOURCES`.
+#[map(name = "LB_HOT_SRC")]
+pub static LB_HOT_SOURCES: HashMap<SourceKey, u32> =
+    HashMap::with_max_entries(HOT_SOURCE_ENTRIES, 0);
+
+/// Whether `addr` is a hot source of VIP `vip_id`.
+#[inline(always)]
+// The key goes by reference: by value, each call copies it again on the stack.
+#[allow(clippy::needless_borrows_for_generic_args)]
+pub fn hot_source(vip_id: u32, addr: [u8; 16], family: u8) -> bool {
+    let key = SourceKey::new(vip_id, addr, family);
+    unsafe { LB_HOT_SOURCES.get(&key) }.is_some()
 }
 
 /// Frames (`CaptureRecord`) of TCP packets that missed the connection table without a

@@ -380,6 +380,9 @@ fn print_explanation(request: &ExplainRequest, e: crate::explain::Explanation) {
         "  maglev table:     {}",
         e.table_backend.unwrap_or_else(none)
     );
+    if e.hot_source {
+        println!("  hot source: balanced per connection");
+    }
     match (e.conntrack_backend, e.conntrack_idle_seconds) {
         (Some(b), Some(idle)) => {
             println!("  connection table: {b} (last packet {idle:.1}s ago)")

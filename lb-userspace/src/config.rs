@@ -1142,14 +1142,21 @@ impl VipConfig {
                 "must be between 1s and 1 day",
             ));
         }
-        if self.hot_source_share.is_some() {
-            // The agent finds hot sources (telemetry), but the data path cannot yet
-            // balance one source per connection: refused rather than ignored.
-            return Err(invalid(
-                format!("{at}.hot_source_share"),
-                "is not supported yet by this version (hot sources show in lb status as \
-                 top sources; balance them with hash = \"5-tuple\")",
-            ));
+        if let Some(share) = self.hot_source_share {
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(invalid(
+                    format!("{at}.hot_source_share"),
+                    "must be above 0 and at most 1 (a share of the VIP's new flows)",
+                ));
+            }
+            // A 5-tuple VIP already balances every connection on its own.
+            if self.hash != HashMode::SrcIp {
+                return Err(invalid(
+                    format!("{at}.hot_source_share"),
+                    "needs hash = \"src-ip\" (a 5-tuple VIP balances every connection \
+                     already)",
+                ));
+            }
         }
         if let Some(agent) = &self.agent {
             if agent.port == 0 {
@@ -1355,12 +1362,24 @@ mod tests {
             let error = Config::from_toml(&text).unwrap_err().to_string();
             assert!(error.contains(field), "{change}: {error}");
         }
-        let text = MINIMAL.replace(
-            "protocol = \"tcp\"",
-            "protocol = \"tcp\"\nhash = \"src-ip\"\nhot_source_share = 0.1",
-        );
-        let error = Config::from_toml(&text).unwrap_err().to_string();
-        assert!(error.contains("not supported yet"), "{error}");
+        let with = |lines: &str| {
+            MINIMAL.replace(
+                "protocol = \"tcp\"",
+                &format!("protocol = \"tcp\"\n{lines}"),
+            )
+        };
+        let hot = Config::from_toml(&with("hash = \"src-ip\"\nhot_source_share = 0.1")).unwrap();
+        assert_eq!(hot.vips[0].hot_source_share, Some(0.1));
+        assert!(Config::from_toml(&with("hash = \"src-ip\"\nhot_source_share = 1.0")).is_ok());
+        for bad in ["0.0", "-0.1", "1.5", "nan"] {
+            let text = with(&format!("hash = \"src-ip\"\nhot_source_share = {bad}"));
+            let error = Config::from_toml(&text).unwrap_err().to_string();
+            assert!(error.contains("above 0 and at most 1"), "{bad}: {error}");
+        }
+        let error = Config::from_toml(&with("hot_source_share = 0.1"))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("needs hash = \"src-ip\""), "{error}");
     }
 
     #[test]

@@ -7,14 +7,14 @@ use std::{
 };
 
 use lb_common::{
-    BACKEND_NONE, BackendInfo, FlowKey, FlowTuple,
+    BACKEND_NONE, BackendInfo, FlowKey, FlowTuple, SourceKey, VIP_F_HOT_SOURCES,
     flow::{self, Lookup},
-    flow_hash, maglev_slot,
+    maglev_slot, table_hash,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::{HashMode, Protocol},
+    config::Protocol,
     dataplane::Dataplane,
     model::{Model, VipState},
     tables::Desired,
@@ -154,6 +154,10 @@ pub struct Explanation {
     pub embryonic_backend: Option<String>,
     /// Where the flow's next non-SYN packet goes.
     pub next_packet_backend: Option<String>,
+    /// The source is a hot source of the VIP (`hot_source_share`): its new flows are
+    /// hashed on the 5-tuple, not the source.
+    #[serde(default)]
+    pub hot_source: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -177,12 +181,19 @@ pub fn flow_key(vip: &VipTarget, source: SocketAddr) -> FlowKey {
     FlowKey::between(source, vip_socket, vip.protocol.number())
 }
 
-/// The backend id the table gives a flow (`BACKEND_NONE` when none).
-pub fn table_choice(vip: &VipState, table: &[u32], source: SocketAddr) -> (u32, u32, u32) {
+/// Where the table puts a flow from `source`: (hash, slot, backend id, whether it was
+/// spread as a hot source's). `is_hot` says whether the source is in `LB_HOT_SRC`; it is
+/// asked only where the program would look (`lb_common::table_hash`).
+pub fn table_choice(
+    vip: &VipState,
+    table: &[u32],
+    source: SocketAddr,
+    is_hot: impl FnOnce() -> bool,
+) -> (u32, u32, u32, bool) {
     let tuple = flow_tuple(&VipTarget::of(&vip.config), source);
-    let hash = flow_hash(&tuple, vip.config.hash == HashMode::SrcIp);
+    let (hash, spread) = table_hash(&tuple, vip.flags(), is_hot);
     let slot = maglev_slot(hash, table.len() as u32);
-    (hash, slot, table[slot as usize])
+    (hash, slot, table[slot as usize], spread)
 }
 
 /// The state `explain` reads: the agent's model and tables, and the data path's
@@ -238,10 +249,18 @@ pub fn explain(
             .find(|b| b.id == id)
             .map(|b| b.config.address.to_string())
     };
-    let (hash, slot, table_id) = if table.is_empty() {
-        (0, 0, BACKEND_NONE)
+    // The program's hot-source set, read only for a VIP whose program looks at it.
+    let hot_source = if vip.flags() & VIP_F_HOT_SOURCES != 0 {
+        let (addr, family) = lb_common::addr::to_map(request.source.ip());
+        view.dataplane
+            .is_hot_source(&SourceKey::new(vip.id, addr, family))?
     } else {
-        table_choice(vip, table, request.source)
+        false
+    };
+    let (hash, slot, table_id, _) = if table.is_empty() {
+        (0, 0, BACKEND_NONE, hot_source)
+    } else {
+        table_choice(vip, table, request.source, || hot_source)
     };
     let key = flow_key(&target, request.source);
     let entry = view.dataplane.flow(&key)?;
@@ -278,6 +297,7 @@ pub fn explain(
         conntrack_idle_seconds: idle_ns.map(|ns| ns as f64 / 1e9),
         embryonic_backend: remembered.and_then(name),
         next_packet_backend: next,
+        hot_source,
     })
 }
 
@@ -547,6 +567,60 @@ mod tests {
             Some("backend id 999 (gone)")
         );
         assert_eq!(gone.next_packet_backend.as_deref(), Some(table.as_str()));
+    }
+
+    #[test]
+    fn a_hot_source_is_explained_as_balanced_per_connection() {
+        let text = two_backends("tcp", 80).replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nhash = \"src-ip\"\nhot_source_share = 0.2",
+        );
+        let (model, desired) = model_of(&text);
+        let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+        let mut dataplane = MemoryDataplane::default();
+        let ask = |dataplane: &MemoryDataplane, port: u16| {
+            let view = View {
+                model: &model,
+                desired: &desired,
+                dataplane,
+                flow_idle: Duration::from_secs(30),
+            };
+            let source = SocketAddr::from(([10, 0, 0, 1], port));
+            explain(&view, &ExplainRequest { vip, source }, SECOND).unwrap()
+        };
+        let tuple = |port| flow_tuple(&vip, SocketAddr::from(([10, 0, 0, 1], port)));
+        // Cold: by source, every port alike.
+        let cold = ask(&dataplane, 40000);
+        assert!(!cold.hot_source);
+        assert_eq!(cold.hash, lb_common::flow_hash(&tuple(40000), true));
+        assert_eq!(ask(&dataplane, 40001).hash, cold.hash);
+        // Hot: by 5-tuple, as the program hashes it.
+        let (addr, family) = lb_common::addr::to_map("10.0.0.1".parse().unwrap());
+        dataplane
+            .hot_sources
+            .insert(SourceKey::new(model.vips[0].id, addr, family));
+        let hot = ask(&dataplane, 40000);
+        assert!(hot.hot_source);
+        assert_eq!(hot.hash, lb_common::flow_hash(&tuple(40000), false));
+        assert_eq!(
+            ask(&dataplane, 40001).hash,
+            lb_common::flow_hash(&tuple(40001), false)
+        );
+        // A source hot for this VIP says nothing of another VIP (without the option).
+        let (plain, plain_desired) = model_of(&two_backends("tcp", 80).replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nhash = \"src-ip\"",
+        ));
+        let view = View {
+            model: &plain,
+            desired: &plain_desired,
+            dataplane: &dataplane,
+            flow_idle: Duration::from_secs(30),
+        };
+        let source = SocketAddr::from(([10, 0, 0, 1], 40000));
+        let e = explain(&view, &ExplainRequest { vip, source }, SECOND).unwrap();
+        assert!(!e.hot_source);
+        assert_eq!(e.hash, cold.hash);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The `lb` agent: configuration, the data-plane loader, health checks and control.
 //!
 //! Modules, each of which uses only those listed before it (no import cycles):
-//! `config`, `listen`, `lock`; `dataplane`; `doctor`; `model`, `tables`, `weights`;
+//! `config`, `listen`, `lock`; `dataplane`; `doctor`; `model`, `tables`, `weights`, `hot`;
 //! `writer`; `neighbor`, `capture`; `status`, `api`, `explain`, `telemetry`, `metrics`,
 //! `probe`, `vipprobe`, `agentcheck`, `health`, `announce`; `state`; `control`, `client`,
 //! `top`; `agent`; `cli`. The README's Layout section says what each is for.
@@ -19,6 +19,7 @@ pub mod dataplane;
 pub mod doctor;
 pub mod explain;
 pub mod health;
+pub mod hot;
 pub mod listen;
 pub mod lock;
 pub mod metrics;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use lb_common::{
     BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo, MAX_BACKENDS, MAX_VIPS,
-    VIP_F_HASH_SRC_IP, VipKey, maglev::MaglevBackend,
+    VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES, VipKey, maglev::MaglevBackend,
 };
 use serde::{Deserialize, Serialize};
 
@@ -276,6 +276,17 @@ pub struct VipState {
 }
 
 impl VipState {
+    /// The VIP's `VIP_F_*` bits: how the program hashes its new flows.
+    pub fn flags(&self) -> u32 {
+        match self.config.hash {
+            HashMode::FiveTuple => 0,
+            HashMode::SrcIp if self.config.hot_source_share.is_some() => {
+                VIP_F_HASH_SRC_IP | VIP_F_HOT_SOURCES
+            }
+            HashMode::SrcIp => VIP_F_HASH_SRC_IP,
+        }
+    }
+
     pub fn key(&self) -> VipKey {
         vip_key(
             self.config.address,
@@ -649,10 +660,7 @@ impl Model {
             inputs.vips.push(VipInputs {
                 key: vip.key(),
                 vip_id: vip.id,
-                flags: match vip.config.hash {
-                    HashMode::FiveTuple => 0,
-                    HashMode::SrcIp => VIP_F_HASH_SRC_IP,
-                },
+                flags: vip.flags(),
                 members,
             });
         }

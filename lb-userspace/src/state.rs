@@ -16,7 +16,7 @@ use std::{
     time::Instant,
 };
 
-use lb_common::stat;
+use lb_common::{SourceKey, stat};
 
 use crate::{
     agentcheck::{self, AgentHost},
@@ -28,9 +28,9 @@ use crate::{
     metrics::{Observed, Scrape},
     model::{CheckRecord, Health, Model, ModelError, VipState},
     neighbor::Interface,
-    status::{BackendStatus, DataplaneStatus, Start, Status, VipStatus},
+    status::{BackendStatus, DataplaneStatus, HotSource, Start, Status, VipStatus},
     tables::TableInputs,
-    telemetry::Telemetry,
+    telemetry::{Telemetry, source_address},
     weights::AgentReport,
     writer::{Requested, Writer},
 };
@@ -472,6 +472,48 @@ impl State {
             .map(|(id, c)| (*id, c.new_flows))
             .collect();
         self.telemetry.sample(now, &self.model, new_flows, sources);
+        self.write_hot_sources()
+    }
+
+    /// Makes `LB_HOT_SRC` hold the telemetry's hot sources: what it holds and should
+    /// not is removed, what it lacks added (read back each time, so a failed write is
+    /// mended at the next sample).
+    fn write_hot_sources(&mut self) -> anyhow::Result<()> {
+        let hot = &self.telemetry.hot;
+        if hot.skipped > 0 {
+            tracing::warn!(
+                "{} hot source(s) skipped: {} hot sources at most",
+                hot.skipped,
+                lb_common::HOT_SOURCE_ENTRIES
+            );
+        }
+        let vip_name = |key: &SourceKey| {
+            self.model
+                .vips
+                .iter()
+                .find(|v| v.id == key.vip_id)
+                .map_or_else(|| format!("id {}", key.vip_id), |v| v.config.name.clone())
+        };
+        let mut dataplane = self.tables.dataplane();
+        let held: HashSet<SourceKey> = dataplane.hot_sources()?.into_iter().collect();
+        for key in held.iter().filter(|key| !hot.hot.contains_key(key)) {
+            dataplane.set_hot_source(key, false)?;
+            tracing::info!(
+                "source {} of vip {} is no longer hot: balanced by source again",
+                source_address(key),
+                vip_name(key)
+            );
+        }
+        for (key, state) in hot.hot.iter().filter(|(key, _)| !held.contains(key)) {
+            dataplane.set_hot_source(key, true)?;
+            tracing::info!(
+                "source {} of vip {} is hot ({:.0}% of its new flows): its new flows are \
+                 balanced per connection",
+                source_address(key),
+                vip_name(key),
+                state.share * 100.0
+            );
+        }
         Ok(())
     }
 
@@ -633,6 +675,16 @@ impl State {
                 .get(&vip.id)
                 .cloned()
                 .unwrap_or_default(),
+            hot_sources: self
+                .telemetry
+                .hot
+                .of_vip(vip.id)
+                .into_iter()
+                .map(|(key, share)| HotSource {
+                    address: source_address(&key).to_string(),
+                    share,
+                })
+                .collect(),
             busiest_over_average: self
                 .telemetry
                 .busiest_over_average
@@ -1563,6 +1615,60 @@ mod tests {
         assert_eq!(member_weights(&shared), [100, 100], "the full weight");
         assert!(shared.model.vips[0].backends[0].load.ramp_started.is_none());
         drop(ticket);
+    }
+
+    #[test]
+    fn hot_sources_are_written_to_the_data_path_and_shown() {
+        let mut file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        file.vips[0].hash = crate::config::HashMode::SrcIp;
+        file.vips[0].hot_source_share = Some(0.3);
+        let mut shared = shared(file);
+        let vip_id = shared.model.vips[0].id;
+        let source = |last: u8| {
+            let (addr, family) = lb_common::addr::to_map(IpAddr::from([10, 0, 0, last]));
+            SourceKey::new(vip_id, addr, family)
+        };
+        let sample = |shared: &mut State, deltas: Vec<(SourceKey, u64)>| {
+            let shares = [(vip_id, 0.3)].into();
+            shared
+                .telemetry
+                .hot
+                .update(&shares, &[(vip_id, deltas)].into());
+            shared.write_hot_sources().unwrap();
+            let mut held = shared.tables.dataplane().hot_sources().unwrap();
+            held.sort_by_key(|k| k.addr);
+            held
+        };
+        // 10.0.0.1 has 80% of the new flows, 10.0.0.2 20%.
+        let held = sample(&mut shared, vec![(source(1), 80), (source(2), 20)]);
+        assert_eq!(held, [source(1)]);
+        let status = shared.status().unwrap();
+        assert_eq!(
+            status.vips[0].hot_sources,
+            [HotSource {
+                address: "10.0.0.1".into(),
+                share: 0.8
+            }]
+        );
+        assert!(
+            crate::status::render(&status)
+                .contains("hot sources (balanced per connection): 10.0.0.1 (80%)"),
+            "{}",
+            crate::status::render(&status)
+        );
+        // The other turns hot as well; then the first cools down and leaves.
+        assert_eq!(
+            sample(&mut shared, vec![(source(1), 50), (source(2), 50)]),
+            [source(1), source(2)]
+        );
+        for _ in 0..crate::hot::COLD_SAMPLES {
+            sample(&mut shared, vec![(source(2), 100)]);
+        }
+        assert_eq!(sample(&mut shared, vec![(source(2), 100)]), [source(2)]);
+        assert_eq!(
+            shared.model.vips[0].flags(),
+            lb_common::VIP_F_HASH_SRC_IP | lb_common::VIP_F_HOT_SOURCES
+        );
     }
 
     #[test]

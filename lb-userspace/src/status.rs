@@ -156,6 +156,10 @@ pub struct VipStatus {
     /// The client sources that opened the most new flows over the last sample interval
     /// (heavy hitters), busiest first, at most `TOP_SOURCES`.
     pub top_sources: Vec<SourceRate>,
+    /// With `hot_source_share`: the sources balanced per connection now, the busiest
+    /// first, with their share of the VIP's new flows over the last sample.
+    #[serde(default)]
+    pub hot_sources: Vec<HotSource>,
     pub backends: Vec<BackendStatus>,
 }
 
@@ -171,6 +175,25 @@ impl VipStatus {
             .to_string(),
             Err(_) => format!("{}:{}/{}", self.address, self.port, self.protocol),
         }
+    }
+}
+
+/// A hot source of a VIP (`hot_source_share`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HotSource {
+    pub address: String,
+    /// Its share (0..=1) of the VIP's new flows over the last sample.
+    pub share: f64,
+}
+
+impl HotSource {
+    /// `10.0.0.1 (62%)`, as status and top print them.
+    pub fn list(sources: &[HotSource]) -> String {
+        sources
+            .iter()
+            .map(|s| format!("{} ({:.0}%)", s.address, s.share * 100.0))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -332,6 +355,13 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
                 .join(", ")
         }
     );
+    if !vip.hot_sources.is_empty() {
+        let _ = writeln!(
+            out,
+            "  hot sources (balanced per connection): {}",
+            HotSource::list(&vip.hot_sources)
+        );
+    }
     let _ = writeln!(
         out,
         "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  last check",
@@ -445,6 +475,7 @@ pub mod tests {
                 unhealthy_backends: 0,
                 busiest_over_average: 0.0,
                 top_sources: Vec::new(),
+                hot_sources: Vec::new(),
                 backends: vec![backend("10.0.0.11"), backend("10.0.0.12")],
             }],
             counters: BTreeMap::new(),

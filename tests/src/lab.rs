@@ -230,6 +230,22 @@ impl Lab {
         }
     }
 
+    /// Gives the client the further IPv4 address `10.99.0.{host}` (a second source for
+    /// the balancer; `Conn::open_from` uses it). Gone with the lab's namespaces.
+    pub fn add_client_addr(&self, host: u8) -> Result<IpAddr> {
+        let address = host_v4(host);
+        ip(&[
+            "-n",
+            self.client.name(),
+            "addr",
+            "add",
+            &format!("{address}/24"),
+            "dev",
+            IFACE,
+        ])?;
+        Ok(address.into())
+    }
+
     pub fn lb_addr(&self, v6: bool) -> IpAddr {
         if v6 {
             host_v6(2).into()

@@ -1870,3 +1870,102 @@ fn the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate() {
         );
     }
 }
+
+// ---- hot sources --------------------------------------------------------------------
+
+/// `sticky_config`'s TCP VIP as a src-ip VIP with `hot_source_share`, three backends
+/// (.51, .52, .53).
+fn hot_config() -> String {
+    let backends = [("10.0.0.51", 1), ("10.0.0.52", 1), ("10.0.0.53", 1)];
+    sticky_config(&backends, 0).replacen(
+        "protocol = \"tcp\"\n",
+        "protocol = \"tcp\"\nhash = \"src-ip\"\nhot_source_share = 0.2\n",
+        1,
+    )
+}
+
+/// A TCP packet from `src`:`port` to the VIP's port 80.
+fn tcp_from(src: [u8; 4], port: u16, flags: u8) -> Vec<u8> {
+    let mut frame = tcp(port, flags);
+    frame[14 + 12..14 + 16].copy_from_slice(&src);
+    frame
+}
+
+/// A source in `LB_HOT_SRC` has its new flows hashed per connection (over every
+/// backend, counted as `hot_source_spread`) while a cold source's stay on one backend;
+/// the hot source's connection made before it turned hot keeps its backend; `lb
+/// explain` says the same as the kernel for both.
+#[test]
+fn a_hot_sources_new_flows_are_hashed_per_connection_and_a_cold_ones_by_source() {
+    let test = "a_hot_sources_new_flows_are_hashed_per_connection_and_a_cold_ones_by_source";
+    if !can_run(test) {
+        return;
+    }
+    let mut fixture = fixture(&hot_config());
+    let (hot, cold) = ([10, 0, 0, 1], [10, 0, 0, 7]);
+    let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+    // Before it is hot, one of its connections: on its source's backend.
+    let early = backend_of(&run(&mut fixture, &tcp_from(hot, 41000, TCP_SYN)));
+    let vip_id = fixture.model.vips[0].id;
+    assert_eq!(fixture.model.vips[0].config.hot_source_share, Some(0.2));
+    let (addr, family) = lb_common::addr::to_map(IpAddr::from(hot));
+    let key = lb_common::SourceKey::new(vip_id, addr, family);
+    fixture
+        .dataplane
+        .set_hot_source(&key, true)
+        .expect("write LB_HOT_SRC");
+    assert_eq!(fixture.dataplane.hot_sources().unwrap(), [key]);
+
+    let mut spread = std::collections::BTreeMap::<u8, u32>::new();
+    let mut sticky = std::collections::BTreeSet::new();
+    for port in 42000..42060u16 {
+        let result = run(&mut fixture, &tcp_from(hot, port, TCP_SYN));
+        assert_eq!(
+            counted(&result, "hot_source_spread"),
+            1,
+            "{:?}",
+            result.counted
+        );
+        let backend = backend_of(&result);
+        *spread.entry(backend).or_default() += 1;
+        let source = std::net::SocketAddr::from((hot, port));
+        let e = explain_flow(&fixture, &ExplainRequest { vip, source });
+        assert!(e.hot_source, "{source}: explain knows it is hot");
+        let predicted: std::net::IpAddr = e.table_backend.unwrap().parse().unwrap();
+        assert_eq!(
+            predicted,
+            IpAddr::from([10, 0, 0, backend - 0x33 + 51]),
+            "{source}: kernel and explain disagree"
+        );
+
+        let result = run(&mut fixture, &tcp_from(cold, port, TCP_SYN));
+        assert_eq!(counted(&result, "hot_source_spread"), 0);
+        sticky.insert(backend_of(&result));
+        let source = std::net::SocketAddr::from((cold, port));
+        assert!(!explain_flow(&fixture, &ExplainRequest { vip, source }).hot_source);
+    }
+    eprintln!("hot source's 60 new flows by backend MAC: {spread:?}; cold source's: {sticky:?}");
+    assert_eq!(
+        spread.len(),
+        3,
+        "the hot source reaches every backend: {spread:?}"
+    );
+    assert!(spread.values().all(|&n| n >= 10), "{spread:?}");
+    assert_eq!(
+        sticky.len(),
+        1,
+        "the cold source stays on one backend: {sticky:?}"
+    );
+    // The connection from before stays where it was (its entry), hot or not.
+    for _ in 0..3 {
+        let result = run(&mut fixture, &tcp_from(hot, 41000, TCP_ACK));
+        assert_eq!(backend_of(&result), early);
+        assert_eq!(counted(&result, "hot_source_spread"), 0);
+    }
+    // Cold again: by source.
+    fixture.dataplane.set_hot_source(&key, false).unwrap();
+    let again: std::collections::BTreeSet<u8> = (43000..43020u16)
+        .map(|port| backend_of(&run(&mut fixture, &tcp_from(hot, port, TCP_SYN))))
+        .collect();
+    assert_eq!(again.len(), 1, "{again:?}");
+}

@@ -15,8 +15,9 @@ use lb_common::{
     BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE,
     GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS,
     MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_EMBRYONIC,
-    MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS,
-    MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters, VipInfo, VipKey, stat,
+    MAP_HOT_SOURCES, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS, MAP_VIP_SLOTS, MAP_VIP_STATS,
+    MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters, VipInfo,
+    VipKey, stat,
 };
 
 use super::{
@@ -45,6 +46,9 @@ pub struct AyaDataplane {
     conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
     embryonic: Array<MapData, Embryo>,
     sources: PerCpuHashMap<MapData, SourceKey, u64>,
+    /// Not pinned: the agent writes it afresh every sample, so a restarted agent's
+    /// program starts without hot sources and has them again within a few samples.
+    hot_sources: BpfHashMap<MapData, SourceKey, u32>,
     identities: Array<MapData, BackendIdentity>,
     meta: Array<MapData, u64>,
     /// Where the maps and the link are pinned, if they are.
@@ -136,6 +140,7 @@ impl AyaDataplane {
             conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
             embryonic: take_map(&mut ebpf, MAP_EMBRYONIC)?,
             sources: take_map(&mut ebpf, MAP_SOURCES)?,
+            hot_sources: take_map(&mut ebpf, MAP_HOT_SOURCES)?,
             identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
             meta: take_map(&mut ebpf, MAP_META)?,
             pin_dir: pins.map(Path::to_path_buf),
@@ -466,6 +471,7 @@ impl AyaDataplane {
         // Taken out of `ebpf` at load (and by `take_capture`).
         let taken = [
             (MAP_SOURCES, Some(IterableMap::map(&self.sources))),
+            (MAP_HOT_SOURCES, Some(IterableMap::map(&self.hot_sources))),
             (MAP_CAPTURE, self.capture.as_ref()),
         ];
         for (name, map) in taken {
@@ -651,6 +657,34 @@ impl Dataplane for AyaDataplane {
             }
         }
         Ok(sources)
+    }
+
+    fn hot_sources(&self) -> Result<Vec<SourceKey>, DataplaneError> {
+        self.hot_sources
+            .keys()
+            .filter(|key| !matches!(key, Err(aya::maps::MapError::KeyNotFound)))
+            .collect::<Result<_, _>>()
+            .map_err(in_map(MAP_HOT_SOURCES))
+    }
+
+    fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError> {
+        match self.hot_sources.get(key, 0) {
+            Ok(_) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(source) => Err(in_map(MAP_HOT_SOURCES)(source)),
+        }
+    }
+
+    fn set_hot_source(&mut self, key: &SourceKey, hot: bool) -> Result<(), DataplaneError> {
+        let written = if hot {
+            self.hot_sources.insert(key, 1, 0)
+        } else {
+            match self.hot_sources.remove(key) {
+                Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                other => other,
+            }
+        };
+        written.map_err(in_map(MAP_HOT_SOURCES))
     }
 
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {

@@ -1,6 +1,6 @@
 //! An in-memory data path for unit tests of what is written and in which order.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use lb_common::{
     BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, SourceKey, VipInfo, VipKey, stat,
@@ -28,6 +28,7 @@ pub struct MemoryDataplane {
     pub flows: HashMap<FlowKey, FlowEntry>,
     pub embryos: HashMap<u32, Embryo>,
     pub sources: HashMap<SourceKey, u64>,
+    pub hot_sources: HashSet<SourceKey>,
     pub log: Vec<Write>,
 }
 
@@ -94,5 +95,22 @@ impl Dataplane for MemoryDataplane {
 
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
         Ok(self.sources.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn hot_sources(&self) -> Result<Vec<SourceKey>, DataplaneError> {
+        Ok(self.hot_sources.iter().copied().collect())
+    }
+
+    fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError> {
+        Ok(self.hot_sources.contains(key))
+    }
+
+    fn set_hot_source(&mut self, key: &SourceKey, hot: bool) -> Result<(), DataplaneError> {
+        if hot {
+            self.hot_sources.insert(*key);
+        } else {
+            self.hot_sources.remove(key);
+        }
+        Ok(())
     }
 }

@@ -126,6 +126,12 @@ pub trait Dataplane {
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError>;
     /// New flows per client source and VIP (summed over CPUs) since the program loaded.
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError>;
+    /// The hot sources in `LB_HOT_SRC`: their new flows are hashed per connection.
+    fn hot_sources(&self) -> Result<Vec<SourceKey>, DataplaneError>;
+    /// Whether `key` is in `LB_HOT_SRC`.
+    fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError>;
+    /// Adds `key` to `LB_HOT_SRC` (`hot`) or removes it.
+    fn set_hot_source(&mut self, key: &SourceKey, hot: bool) -> Result<(), DataplaneError>;
     /// Follows the interface to `target` (it came back under its name, or its MAC
     /// changed): the program again, built for its MAC, on the same maps, attached in
     /// place of the running one, or afresh by the mode rules of the start. A data path
