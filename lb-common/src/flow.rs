@@ -7,8 +7,8 @@
 //! more (one `LB_BACKENDS` element for a followed entry, none for an idle UDP one).
 
 use crate::{
-    BACKEND_F_SERVES_FLOWS, BackendInfo, EMBRYONIC_SLOTS, Embryo, FLOW_F_CLOSING, FlowEntry,
-    FlowKey, LAST_SEEN_GRANULARITY_NS, PROTO_UDP, stat,
+    BACKEND_F_SERVES_FLOWS, BackendInfo, EMBRYO_F_SYN, EMBRYONIC_SLOTS, Embryo, FLOW_F_CLOSING,
+    FlowEntry, FlowKey, LAST_SEEN_GRANULARITY_NS, PROTO_UDP, stat,
 };
 
 /// What a decision reads besides the entry: in the kernel, its maps and load-time
@@ -94,7 +94,10 @@ pub fn held(
 /// and the entry refreshed (its time, at most once per `LAST_SEEN_GRANULARITY_NS`; the
 /// closing flag once the client sent a FIN or RST); or why the flow is balanced afresh:
 /// `stat::CT_MISS_UDP` (an idle UDP entry), `stat::CT_REHASH` (the backend is gone, no
-/// longer serves flows, or serves another VIP).
+/// longer serves flows, or serves another VIP), `stat::CT_REUSED` (a TCP entry of an
+/// earlier connection whose tuple a new SYN took: `syn_since` says so; it is asked only
+/// of an entry idle past the granularity or closing, as a reused tuple's is, so a busy
+/// flow's packets never read the embryonic table).
 #[inline(always)]
 pub fn follow(
     lookup: &impl Lookup,
@@ -103,9 +106,16 @@ pub fn follow(
     closing: bool,
     vip_id: u32,
     now: u64,
+    syn_since: impl FnOnce() -> bool,
 ) -> Result<(u32, BackendInfo), u32> {
     let age = age(entry, now);
     let held = decide(lookup, entry, proto, vip_id, age)?;
+    if proto != PROTO_UDP
+        && (age > LAST_SEEN_GRANULARITY_NS || entry.flags & FLOW_F_CLOSING != 0)
+        && syn_since()
+    {
+        return Err(stat::CT_REUSED);
+    }
     // Writes only when something changed: entries are shared by every CPU's packets.
     if age > LAST_SEEN_GRANULARITY_NS {
         entry.last_seen_ns = now;
@@ -164,13 +174,25 @@ pub fn remembered(
     if embryo.tag != tag {
         return None;
     }
-    backend_serving(lookup, embryo.backend_id, vip_id)
+    backend_serving(lookup, embryo.backend_id as u32, vip_id)
 }
 
-/// What the embryonic table remembers of a flow whose first packet went to `backend_id`.
+/// What the embryonic table remembers of a flow whose first packet (a SYN if `syn`) went
+/// to `backend_id`.
 #[inline(always)]
-pub fn embryo_for(tag: u32, backend_id: u32) -> Embryo {
-    Embryo { tag, backend_id }
+pub fn embryo_for(tag: u32, backend_id: u32, syn: bool) -> Embryo {
+    Embryo {
+        tag,
+        backend_id: backend_id as u16,
+        flags: if syn { EMBRYO_F_SYN } else { 0 },
+    }
+}
+
+/// Whether `embryo` says a SYN on the flow of `tag` came after its connection-table entry
+/// was last written: the tuple was reused by a new connection.
+#[inline(always)]
+pub fn syn_since(embryo: &Embryo, tag: u32) -> bool {
+    embryo.tag == tag && embryo.flags & EMBRYO_F_SYN != 0
 }
 
 #[cfg(test)]
@@ -234,7 +256,7 @@ mod tests {
         let maps = Maps::default();
         for proto in [PROTO_TCP, PROTO_UDP] {
             let mut recent = entry(0, SECOND / 2);
-            let followed = follow(&maps, &mut recent, proto, false, VIP, NOW);
+            let followed = follow(&maps, &mut recent, proto, false, VIP, NOW, || false);
             assert_eq!(followed, Ok((0, BACKENDS[0])));
             assert_eq!(
                 recent,
@@ -244,7 +266,7 @@ mod tests {
 
             let mut older = entry(0, 5 * SECOND);
             assert_eq!(
-                follow(&maps, &mut older, proto, false, VIP, NOW),
+                follow(&maps, &mut older, proto, false, VIP, NOW, || false),
                 Ok((0, BACKENDS[0]))
             );
             assert_eq!(older.last_seen_ns, NOW);
@@ -258,7 +280,7 @@ mod tests {
         let mut idle_udp = entry(0, IDLE + 1);
         let before = idle_udp;
         assert_eq!(
-            follow(&maps, &mut idle_udp, PROTO_UDP, false, VIP, NOW),
+            follow(&maps, &mut idle_udp, PROTO_UDP, false, VIP, NOW, || false),
             Err(stat::CT_MISS_UDP)
         );
         assert_eq!(
@@ -271,11 +293,11 @@ mod tests {
             "no backend read for an expired entry"
         );
         let mut just_live = entry(0, IDLE);
-        assert!(follow(&maps, &mut just_live, PROTO_UDP, false, VIP, NOW).is_ok());
+        assert!(follow(&maps, &mut just_live, PROTO_UDP, false, VIP, NOW, || false).is_ok());
 
         let mut idle_tcp = entry(0, 100 * IDLE);
         let reads = maps.idle_reads.get();
-        assert!(follow(&maps, &mut idle_tcp, PROTO_TCP, false, VIP, NOW).is_ok());
+        assert!(follow(&maps, &mut idle_tcp, PROTO_TCP, false, VIP, NOW, || false).is_ok());
         assert_eq!(
             maps.idle_reads.get(),
             reads,
@@ -291,7 +313,7 @@ mod tests {
             let mut stale = entry(backend_id, 5 * SECOND);
             let before = stale;
             assert_eq!(
-                follow(&maps, &mut stale, PROTO_TCP, true, VIP, NOW),
+                follow(&maps, &mut stale, PROTO_TCP, true, VIP, NOW, || false),
                 Err(stat::CT_REHASH),
                 "{what}"
             );
@@ -312,11 +334,11 @@ mod tests {
     fn a_fin_or_rst_marks_the_entry_closing_and_it_stays_closing() {
         let maps = Maps::default();
         let mut open = entry(0, 0);
-        assert!(follow(&maps, &mut open, PROTO_TCP, true, VIP, NOW).is_ok());
+        assert!(follow(&maps, &mut open, PROTO_TCP, true, VIP, NOW, || false).is_ok());
         assert_eq!(open.flags, FLOW_F_CLOSING);
         // A late packet after the FIN still follows, and does not reopen the flow.
         assert_eq!(
-            follow(&maps, &mut open, PROTO_TCP, false, VIP, NOW),
+            follow(&maps, &mut open, PROTO_TCP, false, VIP, NOW, || false),
             Ok((0, BACKENDS[0]))
         );
         assert_eq!(open.flags, FLOW_F_CLOSING);
@@ -395,7 +417,7 @@ mod tests {
     fn a_remembered_backend_is_taken_only_by_its_own_flow_while_it_serves() {
         let maps = Maps::default();
         let tag = embryo_place(&key(7)).1;
-        let embryo = embryo_for(tag, 0);
+        let embryo = embryo_for(tag, 0, false);
         assert_eq!(remembered(&maps, &embryo, tag, VIP), Some((0, BACKENDS[0])));
         assert_eq!(
             remembered(&maps, &embryo, tag ^ 2, VIP),
@@ -403,17 +425,17 @@ mod tests {
             "another flow's"
         );
         assert_eq!(
-            remembered(&maps, &embryo_for(tag, 1), tag, VIP),
+            remembered(&maps, &embryo_for(tag, 1, false), tag, VIP),
             None,
             "failed"
         );
         assert_eq!(
-            remembered(&maps, &embryo_for(tag, 2), tag, VIP),
+            remembered(&maps, &embryo_for(tag, 2, false), tag, VIP),
             None,
             "other VIP's"
         );
         assert_eq!(
-            remembered(&maps, &embryo_for(tag, 3), tag, VIP),
+            remembered(&maps, &embryo_for(tag, 3, false), tag, VIP),
             None,
             "gone"
         );
@@ -422,5 +444,46 @@ mod tests {
             None,
             "empty"
         );
+    }
+
+    #[test]
+    fn a_syn_since_the_entry_gives_an_idle_or_closing_tcp_entry_way() {
+        let maps = Maps::default();
+        let tag = embryo_place(&key(9)).1;
+        assert!(syn_since(&embryo_for(tag, 0, true), tag));
+        assert!(
+            !syn_since(&embryo_for(tag, 0, false), tag),
+            "promoted since"
+        );
+        assert!(
+            !syn_since(&embryo_for(tag ^ 2, 0, true), tag),
+            "another flow's"
+        );
+        // Idle past the granularity, or closing: asked, and a SYN since wins.
+        let mut idle = entry(0, 2 * SECOND);
+        let asked = Cell::new(0);
+        let reused = || {
+            asked.set(asked.get() + 1);
+            true
+        };
+        assert_eq!(
+            follow(&maps, &mut idle, PROTO_TCP, false, VIP, NOW, reused),
+            Err(stat::CT_REUSED)
+        );
+        let mut closing = FlowEntry {
+            flags: FLOW_F_CLOSING,
+            ..entry(0, SECOND / 2)
+        };
+        assert_eq!(
+            follow(&maps, &mut closing, PROTO_TCP, false, VIP, NOW, reused),
+            Err(stat::CT_REUSED)
+        );
+        assert_eq!(asked.get(), 2);
+        // A busy flow's packet (within the granularity) and a UDP flow never ask.
+        let mut busy = entry(0, SECOND / 2);
+        let never = || -> bool { panic!("asked for a busy flow") };
+        assert!(follow(&maps, &mut busy, PROTO_TCP, false, VIP, NOW, never).is_ok());
+        let mut udp = entry(0, 2 * SECOND);
+        assert!(follow(&maps, &mut udp, PROTO_UDP, false, VIP, NOW, never).is_ok());
     }
 }

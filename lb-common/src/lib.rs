@@ -327,6 +327,13 @@ pub struct FlowEntry {
 }
 const _: () = assert!(size_of::<FlowEntry>() == 16);
 
+/// `Embryo::flags`: the first packet was a SYN, and no later packet of the flow has
+/// entered (or re-written) its connection-table entry since. A SYN does not look the
+/// connection table up (that lookup is most of what a spoofed SYN would cost); an entry
+/// left by an earlier connection on the same tuple meets this flag at its next packet and
+/// gives way to the new connection.
+pub const EMBRYO_F_SYN: u16 = 1;
+
 /// Value of `LB_EMBRYONIC`, indexed by `flow::embryo_place`: the backend the first
 /// packet of a flow took (a SYN, a UDP flow's first datagram, an ACK the connection table
 /// did not know), so the flow's second packet, which enters it into the connection table,
@@ -338,7 +345,10 @@ const _: () = assert!(size_of::<FlowEntry>() == 16);
 pub struct Embryo {
     /// `flow::embryo_place`'s tag of the flow (never 0: an empty slot is all zeroes).
     pub tag: u32,
-    pub backend_id: u32,
+    /// Below `MAX_BACKENDS`.
+    pub backend_id: u16,
+    /// `EMBRYO_F_*` bits.
+    pub flags: u16,
 }
 const _: () = assert!(size_of::<Embryo>() == 8);
 
@@ -406,7 +416,8 @@ pub mod stat {
     /// Forwarded, noted: a packet with an 802.1Q tag.
     pub const SEEN_VLAN: u32 = 15;
     /// A TCP SYN: always balanced by the Maglev table, and remembered in the embryonic
-    /// table, not the connection table (a spoofed SYN never takes an entry).
+    /// table; it neither reads nor writes the connection table (a spoofed SYN costs no
+    /// entry and no lookup).
     pub const CT_MISS_SYN: u32 = 16;
     /// A TCP packet other than SYN with no entry whose flow's first packet the embryonic
     /// table does not remember: a flow lb did not know (or a spoofed ACK). Steady
@@ -440,7 +451,10 @@ pub mod stat {
     /// A new flow of a hot source (`LB_HOT_SRC`) of a src-ip VIP, hashed on its 5-tuple
     /// instead of its source.
     pub const HOT_SOURCE_SPREAD: u32 = 27;
-    pub const COUNT: u32 = 28;
+    /// Entries of an earlier connection on a tuple a new SYN reused: re-written to the
+    /// SYN's backend at the new connection's next packet.
+    pub const CT_REUSED: u32 = 28;
+    pub const COUNT: u32 = 29;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -472,6 +486,7 @@ pub mod stat {
         "ct_embryonic",
         "ct_promoted",
         "hot_source_spread",
+        "ct_reused",
     ];
 }
 

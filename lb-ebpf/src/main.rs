@@ -78,7 +78,8 @@ mod program {
     /// `Ok` when forwarded (XDP_TX); `Err` for everything else, with its reason.
     ///
     /// A packet that is not a SYN follows its connection-table entry while the entry's
-    /// backend still serves flows (and, for UDP, while the entry is not idle-expired).
+    /// backend still serves flows (and, for UDP, while the entry is not idle-expired, for
+    /// TCP while no SYN reused its tuple).
     /// State is made only for flows seen twice: a flow's first packet (always a SYN)
     /// takes the VIP's Maglev table and is remembered in the embryonic table; its second
     /// packet goes where the first went and enters the flow into the connection table
@@ -117,9 +118,14 @@ mod program {
             family: packet.family,
             _pad: [0; 2],
         };
-        // Looked up for a SYN too: a reused tuple's entry is then refreshed in place,
-        // which costs far less than an insert.
-        let entry = LB_CONNTRACK.get_ptr_mut(&flow_key);
+        // A SYN reads no entry (the lookup would be most of what a spoofed SYN costs): it
+        // takes the table, and an entry an earlier connection left on its tuple gives way
+        // at the new connection's next packet (`flow::follow`'s `CT_REUSED`).
+        let entry = if packet.syn {
+            None
+        } else {
+            LB_CONNTRACK.get_ptr_mut(&flow_key)
+        };
         if packet.icmp_too_big {
             // To where the flow's packets go, without touching its entry: an error is
             // not a packet of the flow. TCP: the entry's backend, else the table's; the
@@ -147,10 +153,15 @@ mod program {
         } else {
             stat::CT_MISS_NON_SYN
         };
-        if !packet.syn
-            && let Some(entry) = entry
-        {
+        if let Some(entry) = entry {
             let entry = unsafe { &mut *entry };
+            // Asked only of an entry idle past a second or closing.
+            let syn_since = || {
+                let (index, tag) = flow::embryo_place(&flow_key);
+                LB_EMBRYONIC
+                    .get(index)
+                    .is_some_and(|embryo| flow::syn_since(embryo, tag))
+            };
             match flow::follow(
                 &Maps,
                 entry,
@@ -158,6 +169,7 @@ mod program {
                 packet.closing(),
                 vip.vip_id,
                 now,
+                syn_since,
             ) {
                 Ok((backend_id, backend)) => {
                     stats.count(stat::CT_HIT);
@@ -186,6 +198,10 @@ mod program {
                     if LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok() {
                         stats.count(stat::CT_CREATED);
                     }
+                    // The entry is newer than the SYN now.
+                    if let Some(embryo) = embryo {
+                        unsafe { (*embryo).flags = 0 };
+                    }
                 }
                 return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
             }
@@ -196,44 +212,53 @@ mod program {
         }
         let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
-        let (backend_id, backend) = table_choice(&packet, &vip)?;
-        // Whether the flow is left without an entry, so its first packet is remembered.
-        let unheld = match entry {
-            None => true,
-            // The backend it already names (a SYN on a reused tuple while the table
-            // stands): refreshed in place.
-            Some(entry) if unsafe { (*entry).backend_id } == backend_id => {
-                unsafe { *entry = flow::entry_for(backend_id, packet.closing(), now) };
-                stats.count(stat::CT_CREATED);
-                false
+        // An entry that gives way (reused, or its backend gone) to a connection whose SYN
+        // came since: that connection goes where its SYN went.
+        let syn_since = entry.is_some()
+            && embryo.is_some_and(|embryo| flow::syn_since(unsafe { &*embryo }, tag));
+        let reused_to = match embryo {
+            Some(embryo) if syn_since => {
+                flow::remembered(&Maps, unsafe { &*embryo }, tag, vip.vip_id)
             }
-            // A SYN on a reused tuple whose old connection went elsewhere: the entry
-            // goes, and the new connection enters the table with its ACK, as any other.
-            Some(_) if packet.syn => {
-                let _ = LB_CONNTRACK.remove(&flow_key);
-                true
+            _ => None,
+        };
+        let (backend_id, backend) = match reused_to {
+            Some(choice) => choice,
+            None => table_choice(&packet, &vip)?,
+        };
+        match entry {
+            // A first packet (a SYN, a new UDP flow, an ACK of a flow the connection table
+            // lost) is remembered for the flow's second packet, and makes no entry: a flood
+            // of spoofed first packets costs no established flow its entry. A RST ends a
+            // flow: it is never remembered.
+            None => {
+                if !packet.rst
+                    && let Some(embryo) = embryo
+                {
+                    unsafe { *embryo = flow::embryo_for(tag, backend_id, packet.syn) };
+                    stats.count(stat::CT_EMBRYONIC);
+                }
             }
-            // A flow the table holds, whose backend no longer serves it (or an idle UDP
-            // flow): a real flow, re-written to its new backend through the map (a
-            // pointer into the LRU may meanwhile name a node recycled for another flow).
-            Some(_) => {
+            // A flow the table holds, whose backend no longer serves it, an idle UDP flow,
+            // or a reused tuple's new connection: a real flow, re-written to its backend,
+            // in place when the backend is the entry's, else through the map (a pointer
+            // into the LRU may meanwhile name a node recycled for another flow).
+            Some(entry) => {
                 let fresh = flow::entry_for(backend_id, packet.closing(), now);
-                if may_insert(stats, now) && LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok() {
+                if unsafe { (*entry).backend_id } == backend_id {
+                    unsafe { *entry = fresh };
+                    stats.count(stat::CT_CREATED);
+                } else if may_insert(stats, now)
+                    && LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok()
+                {
                     stats.count(stat::CT_CREATED);
                 }
-                false
+                if let Some(embryo) = embryo
+                    && syn_since
+                {
+                    unsafe { (*embryo).flags = 0 };
+                }
             }
-        };
-        // A first packet (a SYN, a new UDP flow, an ACK of a flow the connection table
-        // lost) is remembered for the flow's second packet, and makes no entry: a flood of
-        // spoofed first packets costs no established flow its entry. A RST ends a flow:
-        // it is never remembered.
-        if unheld
-            && !packet.rst
-            && let Some(embryo) = embryo
-        {
-            unsafe { *embryo = flow::embryo_for(tag, backend_id) };
-            stats.count(stat::CT_EMBRYONIC);
         }
         // A UDP flow counts for its source at its first datagram (many send only one);
         // a TCP flow at its handshake's ACK, above.

@@ -268,20 +268,26 @@ pub fn explain(
     // What the program does with the next non-SYN packet (neither FIN nor RST): follow
     // the entry, decided by the program's own code, else the table. On a copy: explain
     // writes nothing.
-    let followed = entry.and_then(|mut e| {
+    let (index, tag) = flow::embryo_place(&key);
+    let embryo = view.dataplane.embryo(index)?;
+    let followed = entry.map(|mut e| {
         let proto = target.protocol.number();
-        flow::follow(view, &mut e, proto, false, vip.id, now_ns).ok()
+        flow::follow(view, &mut e, proto, false, vip.id, now_ns, || {
+            flow::syn_since(&embryo, tag)
+        })
     });
-    // No entry: the backend the flow's first packet took, if the embryonic table still
-    // remembers it, as the program decides.
-    let remembered = match entry {
-        Some(_) => None,
-        None => {
-            let (index, tag) = flow::embryo_place(&key);
-            let embryo = view.dataplane.embryo(index)?;
-            flow::remembered(view, &embryo, tag, vip.id).map(|(id, _)| id)
+    // No entry, or one that gives way to a connection whose SYN came since: the backend
+    // the flow's first packet took, if the embryonic table still remembers it, as the
+    // program decides.
+    let remembered = match followed {
+        None => flow::remembered(view, &embryo, tag, vip.id),
+        Some(Err(_)) if flow::syn_since(&embryo, tag) => {
+            flow::remembered(view, &embryo, tag, vip.id)
         }
-    };
+        Some(_) => None,
+    }
+    .map(|(id, _)| id);
+    let followed = followed.and_then(Result::ok);
     let next = match followed.map(|(id, _)| id).or(remembered) {
         Some(backend_id) => name(backend_id),
         None => name(table_id),
@@ -492,10 +498,7 @@ mod tests {
         // The SYN went to the other backend (the table changed since): its ACK follows.
         let key = flow_key(&request.vip, request.source);
         let (index, tag) = flow::embryo_place(&key);
-        let remembered = lb_common::Embryo {
-            tag,
-            backend_id: other_id,
-        };
+        let remembered = flow::embryo_for(tag, other_id, true);
         dataplane.embryos.insert(index, remembered);
         let e = explain_in(&model, &desired, &dataplane, &request, now);
         assert_eq!(e.embryonic_backend.as_deref(), Some(other.as_str()));
@@ -524,6 +527,22 @@ mod tests {
         let e = explain_in(&model, &desired, &dataplane, &request, now);
         assert_eq!(e.embryonic_backend, None);
         assert_eq!(e.next_packet_backend.as_deref(), Some(table.as_str()));
+
+        // An entry idle for two seconds that a SYN came after (an earlier connection
+        // on the reused tuple): the new connection goes where its SYN went.
+        dataplane
+            .flows
+            .insert(key, entry(table_id, now - 2 * SECOND));
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.conntrack_backend.as_deref(), Some(table.as_str()));
+        assert_eq!(e.embryonic_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(e.next_packet_backend.as_deref(), Some(other.as_str()));
+        // Without the SYN mark (its ACK entered the entry since), the entry holds.
+        let promoted = flow::embryo_for(tag, other_id, false);
+        dataplane.embryos.insert(index, promoted);
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.next_packet_backend.as_deref(), Some(table.as_str()));
+        dataplane.embryos.insert(index, remembered);
 
         // The remembered backend failed meanwhile: the table decides.
         dataplane.flows.clear();

@@ -356,6 +356,7 @@ fn register_outcomes(registry: &mut Registry, outcomes: &[u64]) {
         // First packets kept out of the table, and flows entered by their second packet.
         ("embryonic", stat::CT_EMBRYONIC),
         ("promoted", stat::CT_PROMOTED),
+        ("reused", stat::CT_REUSED),
     ] {
         conntrack
             .get_or_create(&KindLabels { kind: kind.into() })

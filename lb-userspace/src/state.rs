@@ -1943,7 +1943,8 @@ mod tests {
                 "hit",
                 "insert_skipped",
                 "promoted",
-                "rehash"
+                "rehash",
+                "reused"
             ]
             .map(String::from)
             .into()
