@@ -838,6 +838,38 @@ impl Config {
         Ok(())
     }
 
+    /// An `l2` backend must be a neighbour on `interface` (its frames go to its own MAC):
+    /// unless its MAC is configured, its route must be on-link there. `on_link` says
+    /// whether an address is, or else the route found (or why there is none).
+    pub fn validate_routes(
+        &self,
+        on_link: impl Fn(IpAddr) -> Result<(), String>,
+    ) -> Result<(), ConfigError> {
+        let interface = &self.dataplane.interface;
+        for (i, vip) in self.vips.iter().enumerate() {
+            if vip.forward.is_tunnel() {
+                continue;
+            }
+            for (j, backend) in vip.backends.iter().enumerate() {
+                if backend.mac.is_some() {
+                    continue;
+                }
+                if let Err(route) = on_link(backend.address) {
+                    return Err(invalid(
+                        format!("vip[{i}].backend[{j}].address"),
+                        format!(
+                            "{} is not on-link on {interface} ({route}): forward = \"l2\" \
+                             reaches only backends on the balancer's segment; a backend \
+                             behind a router needs forward = \"ipip\" or \"gue\"",
+                            backend.address
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The outer source address of tunnel packets to `backend`: the configured
     /// `tunnel_source` (IPv4 backends) or `tunnel_source6`, else the interface's first
     /// address of that family (for IPv6 not a link-local one, which routers drop). Never

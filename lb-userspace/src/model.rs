@@ -93,8 +93,13 @@ pub struct CheckRecord {
 pub struct BackendState {
     pub id: u32,
     pub config: BackendConfig,
-    /// From the config, else from the neighbour table.
+    /// The MAC frames to this backend carry: its own (`forward = "l2"`: from the config,
+    /// else from the neighbour table) or, tunnelled, its next hop's.
     pub mac: Option<MacAddr>,
+    /// The neighbour `mac` belongs to: the backend itself (`l2`, or a tunnelled backend
+    /// on-link) or the gateway of its route. None while a tunnelled backend has no route
+    /// out of the interface (then it has no MAC either).
+    pub next_hop: Option<IpAddr>,
     pub health: Health,
     /// Consecutive results agreeing with each other (rise/fall progress).
     pub streak: u32,
@@ -484,6 +489,11 @@ impl Model {
             b.streak = 0;
             b.last_check = None;
         }
+        // A VIP that now forwards by l2 reaches the backend itself; a tunnel's next hop
+        // is the route's (`state::follow_routes` looks it up).
+        if !vip_config.forward.is_tunnel() {
+            b.next_hop = Some(backend_config.address);
+        }
         let before = b.admin_state();
         b.config = backend_config.clone();
         b.admin_changed(before, now);
@@ -523,10 +533,13 @@ impl Model {
                 initial_health(vip_config, backend_config),
             ),
         };
+        // Tunnelled: the next hop is not known before its route is looked up.
+        let next_hop = (!vip_config.forward.is_tunnel()).then_some(backend_config.address);
         Ok(BackendState {
             id: backend_id,
             config: backend_config.clone(),
             mac,
+            next_hop,
             health,
             streak: 0,
             last_check: None,

@@ -27,7 +27,7 @@ use crate::{
     health::{self, CheckHost, HealthTasks},
     metrics::{Observed, Scrape},
     model::{CheckRecord, Health, Model, ModelError, VipState},
-    neighbor::Interface,
+    neighbor::{self, Interface, RouteLookup},
     status::{BackendStatus, DataplaneStatus, Start, Status, VipStatus},
     tables::TableInputs,
     telemetry::Telemetry,
@@ -66,6 +66,8 @@ pub struct State {
     pub announce: announce::State,
     /// What the table writer was last asked for.
     last_inputs: TableInputs,
+    /// How routes are looked up (`neighbor::route_to`; a fake in unit tests).
+    pub route_of: RouteLookup,
 }
 
 /// Why a reload was refused; nothing changed.
@@ -129,7 +131,22 @@ impl State {
             observed: Observed::default(),
             announce: Default::default(),
             last_inputs: TableInputs::default(),
+            route_of: neighbor::route_to,
         }
+    }
+
+    /// What `config` needs of this host (`Config::validate_host`, and `l2` backends
+    /// on-link): checked at every reload and runtime change, as at start.
+    fn validate_on_host(&self, config: &Config) -> Result<(), ConfigError> {
+        config.validate_host(&self.interface.addresses)?;
+        let (route_of, interface) = (self.route_of, &self.interface);
+        config.validate_routes(|a| neighbor::on_link(route_of, interface.index, a))
+    }
+
+    /// Looks up the next hop of every tunnelled backend (`follow_routes`). Returns
+    /// whether any changed.
+    pub fn follow_routes(&mut self) -> bool {
+        follow_routes(&mut self.model, self.interface.index, self.route_of)
     }
 
     /// Hands the table writer what the model asks for now (it coalesces bursts), and
@@ -174,10 +191,18 @@ impl State {
             if b.config.mac.is_some() {
                 continue;
             }
-            if let Some(mac) = table.get(&b.config.address)
+            if let Some(next_hop) = b.next_hop
+                && let Some(mac) = table.get(&next_hop)
                 && b.mac != Some(*mac)
             {
-                tracing::info!("backend {} is at {mac}", b.config.address);
+                if next_hop == b.config.address {
+                    tracing::info!("backend {} is at {mac}", b.config.address);
+                } else {
+                    tracing::info!(
+                        "backend {}: its next hop {next_hop} is at {mac}",
+                        b.config.address
+                    );
+                }
                 b.mac = Some(*mac);
                 changed = true;
             }
@@ -192,9 +217,12 @@ impl State {
         if let Some(field) = self.config.restart_only_change(&new) {
             return Err(ReloadError::NeedsRestart(field));
         }
-        new.validate_host(&self.interface.addresses)?;
+        self.validate_on_host(&new)?;
         let mut model = self.model.clone();
         model.update(&new).map_err(ReloadError::Model)?;
+        // A VIP that changed `forward` takes its new next hops now: the same backend ids
+        // (its flows stay on them), written the new way.
+        follow_routes(&mut model, self.interface.index, self.route_of);
         let mut changes: Vec<String> = self
             .runtime_differences()
             .into_iter()
@@ -306,9 +334,10 @@ impl State {
         let mut config = self.config.clone();
         edit(&mut config)?;
         config.validate()?;
-        config.validate_host(&self.interface.addresses)?;
+        self.validate_on_host(&config)?;
         let mut model = self.model.clone();
         model.update(&config)?;
+        follow_routes(&mut model, self.interface.index, self.route_of);
         self.replace_model(model);
         self.config = config;
         self.sync();
@@ -866,6 +895,58 @@ pub fn reload(
     Ok((changes, written))
 }
 
+/// Follows the routes of tunnelled backends (`forward = "ipip"|"gue"`): each one's next
+/// hop is its route's out of interface `ifindex` (the gateway, or the backend itself
+/// on-link), and its MAC then that neighbour's (`State::learn_macs`). A backend whose
+/// route no longer leaves there loses its MAC, and with it its traffic, until a route
+/// does again; one whose next hop changed keeps the old MAC until the new one is known.
+/// `l2` backends are their own next hop. Returns whether any next hop changed.
+pub fn follow_routes(model: &mut Model, ifindex: u32, route_of: RouteLookup) -> bool {
+    let mut changed = false;
+    for vip in &mut model.vips {
+        let tunnel = vip.config.forward.is_tunnel();
+        for b in &mut vip.backends {
+            let address = b.config.address;
+            let (next_hop, why) = if !tunnel {
+                (Some(address), None)
+            } else {
+                match route_of(address) {
+                    Ok(route) => match route.next_hop(ifindex) {
+                        Some(hop) => (Some(hop), None),
+                        None => (
+                            None,
+                            Some(format!("its route `{route}` does not leave the interface")),
+                        ),
+                    },
+                    Err(error) => (None, Some(error.to_string())),
+                }
+            };
+            if next_hop == b.next_hop {
+                continue;
+            }
+            match (next_hop, why) {
+                (Some(hop), _) if hop != address => tracing::info!(
+                    "backend {address} of vip {}: next hop {hop}",
+                    vip.config.name
+                ),
+                (Some(_), _) => {}
+                (None, why) => {
+                    tracing::warn!(
+                        "backend {address} of vip {}: no next hop ({}); out of service until \
+                         a route leads there",
+                        vip.config.name,
+                        why.unwrap_or_default()
+                    );
+                    b.mac = None;
+                }
+            }
+            b.next_hop = next_hop;
+            changed = true;
+        }
+    }
+    changed
+}
+
 /// An error and its sources, as one line.
 fn with_sources(error: &dyn std::error::Error) -> String {
     let mut line = error.to_string();
@@ -1240,7 +1321,8 @@ mod tests {
         assert!(matches!(family, ControlError::Invalid(_)));
         assert_eq!(
             family.to_string(),
-            "address: fd00::12 is not of the same address family as the VIP 10.0.0.100"
+            "address: fd00::12 is not of the same address family as the VIP 10.0.0.100 \
+             (only a tunnel, forward = \"ipip\" or \"gue\", mixes the families)"
         );
         assert!(
             shared.runtime_differences().is_empty(),
@@ -1842,7 +1924,12 @@ mod tests {
 #[cfg(test)]
 pub(crate) mod test_support {
     use super::*;
-    use crate::{config::MacAddr, dataplane::MemoryDataplane, tables::TableWriter};
+    use crate::{
+        config::MacAddr,
+        dataplane::MemoryDataplane,
+        neighbor::{NeighborError, Route},
+        tables::TableWriter,
+    };
     use std::time::Duration;
 
     /// One VIP "web" 10.0.0.100:80/tcp, unchecked, with these backends (MACs given).
@@ -1858,6 +1945,16 @@ pub(crate) mod test_support {
             );
         }
         Config::from_toml(&text).unwrap()
+    }
+
+    /// Every address on-link out of interface 1 (the fake interface's index).
+    pub fn on_link_route(destination: IpAddr) -> Result<Route, NeighborError> {
+        Ok(Route {
+            destination,
+            oif: Some(1),
+            gateway: None,
+            unicast: true,
+        })
     }
 
     pub fn shared(config: Config) -> State {
@@ -1878,6 +1975,7 @@ pub(crate) mod test_support {
             interface,
             AttachedMode::Generic,
         );
+        shared.route_of = on_link_route;
         shared.sync();
         shared
     }
