@@ -138,21 +138,9 @@ mod tests {
     }
 
     const BACKENDS: [BackendInfo; 3] = [
-        BackendInfo {
-            mac: [2, 0, 0, 0, 0, 0],
-            flags: BACKEND_F_SERVES_FLOWS,
-            vip_id: VIP,
-        },
-        BackendInfo {
-            mac: [2, 0, 0, 0, 0, 1],
-            flags: 0,
-            vip_id: VIP,
-        },
-        BackendInfo {
-            mac: [2, 0, 0, 0, 0, 2],
-            flags: BACKEND_F_SERVES_FLOWS,
-            vip_id: VIP + 1,
-        },
+        BackendInfo::l2([2, 0, 0, 0, 0, 0], BACKEND_F_SERVES_FLOWS, VIP),
+        BackendInfo::l2([2, 0, 0, 0, 0, 1], 0, VIP),
+        BackendInfo::l2([2, 0, 0, 0, 0, 2], BACKEND_F_SERVES_FLOWS, VIP + 1),
     ];
 
     impl Lookup for Maps {

@@ -14,7 +14,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, MAX_BACKENDS, MAX_VIPS, Outcomes, RateWindow,
-    SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, VipSlot, stat,
+    SOURCE_ENTRIES, SourceKey, TrafficCounters, TunnelConfig, VipInfo, VipKey, VipSlot, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -36,9 +36,14 @@ pub static LB_VIP_SLOTS: Array<VipSlot> = Array::with_max_entries(lb_common::VIP
 #[map(name = "LB_MAGLEV")]
 pub static LB_MAGLEV: Array<u32> = Array::with_max_entries(1, 0);
 
-/// backend id -> BackendInfo (its MAC). Written by the agent; MAX_BACKENDS entries.
+/// backend id -> BackendInfo (its MAC, and how it is reached: L2 or a tunnel). Written by the agent; MAX_BACKENDS entries.
 #[map(name = "LB_BACKENDS")]
 pub static LB_BACKENDS: Array<BackendInfo> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// 0 -> TunnelConfig: outer source addresses and the interface MTU, for tunnelled
+/// backends. Written by the agent (start, reload).
+#[map(name = "LB_TUNNEL")]
+pub static LB_TUNNEL: Array<TunnelConfig> = Array::with_max_entries(1, 0);
 
 /// 0 -> Outcomes, per CPU: every outcome of the program (`lb_common::stat`). Read by
 /// the agent.

@@ -648,11 +648,7 @@ impl Model {
                     } else {
                         0
                     };
-                    let info = BackendInfo {
-                        mac: mac.0,
-                        flags,
-                        vip_id: vip.id,
-                    };
+                    let info = BackendInfo::l2(mac.0, flags, vip.id);
                     let identity = identity(b.config.address, vip.id);
                     inputs
                         .backends

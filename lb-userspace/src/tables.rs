@@ -306,11 +306,11 @@ mod tests {
     fn desired(table: [u32; 7]) -> Desired {
         let mut backends = BTreeMap::new();
         for id in table.iter().filter(|&&id| id != BACKEND_NONE) {
-            let info = BackendInfo {
-                mac: [2, 0, 0, 0, 0, *id as u8],
-                flags: lb_common::BACKEND_F_SERVES_FLOWS,
-                vip_id: 3,
-            };
+            let info = BackendInfo::l2(
+                [2, 0, 0, 0, 0, *id as u8],
+                lb_common::BACKEND_F_SERVES_FLOWS,
+                3,
+            );
             let identity = crate::model::identity([10, 0, 0, *id as u8].into(), 3);
             backends.insert(*id, DesiredBackend { info, identity });
         }

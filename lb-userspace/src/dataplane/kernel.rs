@@ -15,8 +15,8 @@ use lb_common::{
     BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE, GLOBAL_CT_INSERT_LIMIT,
     GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, MAP_BACKEND_IDS, MAP_BACKEND_STATS,
     MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS,
-    MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS,
-    TrafficCounters, VipInfo, VipKey, stat,
+    MAP_TUNNEL, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey,
+    TABLE_GENERATIONS, TrafficCounters, TunnelConfig, VipInfo, VipKey, stat,
 };
 
 use super::{
@@ -45,6 +45,7 @@ pub struct AyaDataplane {
     conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
     sources: PerCpuHashMap<MapData, SourceKey, u64>,
     identities: Array<MapData, BackendIdentity>,
+    tunnel: Array<MapData, TunnelConfig>,
     meta: Array<MapData, u64>,
     /// Where the maps and the link are pinned, if they are.
     pin_dir: Option<PathBuf>,
@@ -135,6 +136,7 @@ impl AyaDataplane {
             conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
             sources: take_map(&mut ebpf, MAP_SOURCES)?,
             identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
+            tunnel: take_map(&mut ebpf, MAP_TUNNEL)?,
             meta: take_map(&mut ebpf, MAP_META)?,
             pin_dir: pins.map(Path::to_path_buf),
             options,
@@ -596,6 +598,10 @@ impl Dataplane for AyaDataplane {
             .set(id, identity, 0)
             .map_err(in_map(MAP_BACKEND_IDS))?;
         self.backends.set(id, info, 0).map_err(in_map(MAP_BACKENDS))
+    }
+
+    fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError> {
+        self.tunnel.set(0, tunnel, 0).map_err(in_map(MAP_TUNNEL))
     }
 
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError> {

@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, SourceKey, VipInfo, VipKey, stat,
+    BackendIdentity, BackendInfo, FlowEntry, FlowKey, SourceKey, TunnelConfig, VipInfo, VipKey,
+    stat,
 };
 
 use super::{Counters, Dataplane, DataplaneError, FlowReader};
@@ -15,6 +16,7 @@ pub enum Write {
     Vip(VipKey, VipInfo),
     RemoveVip(VipKey),
     Backend(u32, BackendInfo, BackendIdentity),
+    Tunnel(TunnelConfig),
     ResetVip(u32),
     ResetBackend(u32),
 }
@@ -27,6 +29,7 @@ pub struct MemoryDataplane {
     pub backends: HashMap<u32, BackendInfo>,
     pub flows: HashMap<FlowKey, FlowEntry>,
     pub sources: HashMap<SourceKey, u64>,
+    pub tunnel: TunnelConfig,
     pub log: Vec<Write>,
 }
 
@@ -57,6 +60,12 @@ impl Dataplane for MemoryDataplane {
     ) -> Result<(), DataplaneError> {
         self.backends.insert(id, *info);
         self.log.push(Write::Backend(id, *info, *identity));
+        Ok(())
+    }
+
+    fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError> {
+        self.tunnel = *tunnel;
+        self.log.push(Write::Tunnel(*tunnel));
         Ok(())
     }
 
