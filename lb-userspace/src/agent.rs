@@ -206,7 +206,8 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     model.update(config)?;
     state::follow_routes(&mut model, interface.index, neighbor::route_to);
     resolve_first_macs(&neighbors, &mut model).await;
-    let desired = model.desired();
+    let mut desired = model.desired();
+    desired.tunnel = state::tunnel_config(config, &interface);
     let report = writer.apply(&mut dataplane, &desired)?;
     tracing::info!(
         "tables written: {} slots, {} table switches, {} backends",

@@ -390,6 +390,15 @@ fn print_explanation(request: &ExplainRequest, e: crate::explain::Explanation) {
         "  next packet goes to: {}",
         e.next_packet_backend.unwrap_or_else(none)
     );
+    let via = match &e.next_hop {
+        Some(hop) => format!(
+            "next hop {} ({})",
+            hop.address,
+            hop.mac.as_deref().unwrap_or("unresolved")
+        ),
+        None => "no next hop".into(),
+    };
+    println!("  forwarded by:     {}, {via}", e.forward);
 }
 
 async fn change_state(args: BackendArgs, state: AdminState) -> anyhow::Result<()> {

@@ -196,7 +196,7 @@ pub struct DataplaneConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pin_path: Option<PathBuf>,
     /// Outer source address of IPv4 tunnel packets (`forward = "ipip"|"gue"` to an IPv4
-    /// backend). Default: an IPv4 address of the interface (see `tunnel_sources`).
+    /// backend). Default: an IPv4 address of the interface (see `Config::tunnel_source_for`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tunnel_source: Option<IpAddr>,
     /// The same for IPv6 backends.
@@ -341,8 +341,8 @@ impl Forward {
     }
 }
 
-/// `gue_port` when not given: the port product.md and the README use for `lb decap`.
-pub const DEFAULT_GUE_PORT: u16 = 6080;
+/// `gue_port` when not given: `lb decap attach`'s default port too.
+pub const DEFAULT_GUE_PORT: u16 = lb_common::decap::DEFAULT_GUE_PORT;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
 pub enum Balance {
@@ -928,15 +928,6 @@ impl Config {
                 d.conntrack_insert_limit != n.conntrack_insert_limit,
             ),
             ("dataplane.pin_path", d.pin_path != n.pin_path),
-            // Load-time globals of the program, as the interface's MAC is.
-            (
-                "dataplane.tunnel_source",
-                d.tunnel_source != n.tunnel_source,
-            ),
-            (
-                "dataplane.tunnel_source6",
-                d.tunnel_source6 != n.tunnel_source6,
-            ),
             ("debug", old.debug != new.debug),
             ("control.socket", old.control.socket != new.control.socket),
             // The endpoint is bound once, at start.
@@ -2445,17 +2436,13 @@ weight = 3
     }
 
     #[test]
-    fn a_reload_cannot_change_the_tunnel_sources() {
+    fn a_reload_may_change_forward_and_the_tunnel_sources() {
         let old = minimal();
         let mut new = minimal();
         new.dataplane.tunnel_source = Some("10.0.0.3".parse().unwrap());
-        assert_eq!(
-            old.restart_only_change(&new),
-            Some("dataplane.tunnel_source")
-        );
-        let mut new = minimal();
         new.vips[0].forward = Forward::Gue;
-        assert_eq!(old.restart_only_change(&new), None, "forward is per VIP");
+        // Both are map contents (`LB_TUNNEL`, `LB_BACKENDS`), written at every reload.
+        assert_eq!(old.restart_only_change(&new), None);
     }
 
     // --- VIPs ---

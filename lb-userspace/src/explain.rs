@@ -14,7 +14,7 @@ use lb_common::{
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::{HashMode, Protocol},
+    config::{Forward, HashMode, Protocol},
     dataplane::Dataplane,
     model::{Model, VipState},
     tables::Desired,
@@ -150,6 +150,22 @@ pub struct Explanation {
     pub conntrack_idle_seconds: Option<f64>,
     /// Where the flow's next non-SYN packet goes.
     pub next_packet_backend: Option<String>,
+    /// How it gets there: "l2", "ipip" or "gue" (the VIP's `forward`).
+    #[serde(default)]
+    pub forward: Forward,
+    /// The next packet's backend's next hop: itself on-link, else its route's gateway
+    /// (with the MAC used); None without a backend or a route.
+    #[serde(default)]
+    pub next_hop: Option<NextHop>,
+}
+
+/// A backend's next hop (in `lb status` and `lb explain`): the neighbour its frames go
+/// to, and the MAC used.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NextHop {
+    pub address: String,
+    /// None until the neighbour is resolved.
+    pub mac: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -248,10 +264,16 @@ pub fn explain(
         let proto = target.protocol.number();
         flow::follow(view, &mut e, proto, false, vip.id, now_ns).ok()
     });
-    let next = match followed {
-        Some((backend_id, _)) => name(backend_id),
-        None => name(table_id),
+    let next_id = match followed {
+        Some((backend_id, _)) => backend_id,
+        None => table_id,
     };
+    let next_hop = vip.backends.iter().find(|b| b.id == next_id).and_then(|b| {
+        Some(NextHop {
+            address: b.next_hop?.to_string(),
+            mac: b.mac.map(|m| m.to_string()),
+        })
+    });
     Ok(Explanation {
         vip: vip.config.name.clone(),
         hash,
@@ -261,7 +283,9 @@ pub fn explain(
             name(e.backend_id).or(Some(format!("backend id {} (gone)", e.backend_id)))
         }),
         conntrack_idle_seconds: idle_ns.map(|ns| ns as f64 / 1e9),
-        next_packet_backend: next,
+        next_packet_backend: name(next_id),
+        forward: vip.config.forward,
+        next_hop,
     })
 }
 

@@ -6,13 +6,13 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use lb_common::{
-    BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo, MAX_BACKENDS, MAX_VIPS,
-    VIP_F_HASH_SRC_IP, VipKey, maglev::MaglevBackend,
+    BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo, FORWARD_GUE, FORWARD_IPIP, MAX_BACKENDS,
+    MAX_VIPS, VIP_F_HASH_SRC_IP, VipKey, maglev::MaglevBackend,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::config::{
-    AdminState, BackendConfig, Balance, Config, HashMode, HealthKind, MacAddr, VipConfig,
+    AdminState, BackendConfig, Balance, Config, Forward, HashMode, HealthKind, MacAddr, VipConfig,
 };
 use crate::dataplane::Adopted;
 use crate::tables::{Desired, DesiredBackend, TableInputs, VipInputs};
@@ -648,7 +648,7 @@ impl Model {
                     } else {
                         0
                     };
-                    let info = BackendInfo::l2(mac.0, flags, vip.id);
+                    let info = backend_info(&vip.config, b.config.address, mac, flags, vip.id);
                     let identity = identity(b.config.address, vip.id);
                     inputs
                         .backends
@@ -668,6 +668,11 @@ impl Model {
         inputs
     }
 
+    /// Every backend, VIP after VIP.
+    pub fn backends(&self) -> impl Iterator<Item = &BackendState> {
+        self.vips.iter().flat_map(|v| v.backends.iter())
+    }
+
     /// Every backend, for iteration with its VIP.
     pub fn backends_mut(&mut self) -> impl Iterator<Item = &mut BackendState> {
         self.vips.iter_mut().flat_map(|v| v.backends.iter_mut())
@@ -682,6 +687,36 @@ impl Model {
             }
         }
         counts
+    }
+}
+
+/// What `LB_BACKENDS` holds for a backend at `address` of VIP `vip` (id `vip_id`),
+/// reached through `mac` (its own, or its next hop's when tunnelled).
+pub fn backend_info(
+    vip: &VipConfig,
+    address: IpAddr,
+    mac: MacAddr,
+    flags: u16,
+    vip_id: u32,
+) -> BackendInfo {
+    let forward = match vip.forward {
+        Forward::L2 => return BackendInfo::l2(mac.0, flags, vip_id),
+        Forward::Ipip => FORWARD_IPIP,
+        Forward::Gue => FORWARD_GUE,
+    };
+    let (addr, family) = lb_common::addr::to_map(address);
+    BackendInfo {
+        mac: mac.0,
+        flags,
+        vip_id,
+        forward,
+        family,
+        gue_port_be: if vip.forward == Forward::Gue {
+            vip.gue_port().to_be()
+        } else {
+            0
+        },
+        addr,
     }
 }
 

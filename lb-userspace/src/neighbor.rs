@@ -183,6 +183,8 @@ pub struct Interface {
     pub mac: MacAddr,
     /// Its own addresses (no backend may be one of them).
     pub addresses: Vec<IpAddr>,
+    /// Its MTU: the largest IP packet it sends (tunnelled packets included).
+    pub mtu: u32,
 }
 
 /// Reads the neighbour table of one interface.
@@ -321,6 +323,14 @@ async fn lookup(handle: &Handle, name: &str) -> Result<Option<Interface>, Neighb
             _ => None,
         })
         .ok_or_else(|| NeighborError::NoMac(name.to_string()))?;
+    let mtu = link
+        .attributes
+        .iter()
+        .find_map(|attribute| match attribute {
+            LinkAttribute::Mtu(mtu) => Some(*mtu),
+            _ => None,
+        })
+        .unwrap_or(0);
     let index = link.header.index;
     let mut addresses = Vec::new();
     let mut dump = handle
@@ -342,6 +352,7 @@ async fn lookup(handle: &Handle, name: &str) -> Result<Option<Interface>, Neighb
         index,
         mac,
         addresses,
+        mtu,
     }))
 }
 
