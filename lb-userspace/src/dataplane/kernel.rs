@@ -294,65 +294,14 @@ impl AyaDataplane {
         Ok(attachment)
     }
 
-    /// Attaches to `interface`. `Auto` tries native (driver) mode, then generic, and
-    /// keeps why native was refused; it goes to generic at once when `hints` know native
-    /// cannot serve.
+    /// Attaches to `interface` (`attach_xdp`).
     fn attach_link(
         &mut self,
         interface: &str,
         mode: XdpModeSetting,
         hints: &AttachHints,
     ) -> Result<(Attachment, XdpLinkId), DataplaneError> {
-        let program = program(&mut self.ebpf)?;
-        let mut try_attach = |attached: AttachedMode| {
-            let (xdp_mode, name) = match attached {
-                AttachedMode::Native => (XdpMode::Driver, "native"),
-                AttachedMode::Generic => (XdpMode::Skb, "generic"),
-            };
-            program
-                .attach(interface, xdp_mode)
-                .map(|id| (attached, id))
-                .map_err(|source| DataplaneError::Attach {
-                    interface: interface.to_string(),
-                    mode: name,
-                    meaning: attach::meaning(attach::errno(&source), name, interface, hints),
-                    source: Box::new(source),
-                })
-        };
-        let (mode, native_refused, id) = match mode {
-            XdpModeSetting::Native => {
-                let (mode, id) = try_attach(AttachedMode::Native)?;
-                (mode, None, id)
-            }
-            XdpModeSetting::Generic => {
-                let (mode, id) = try_attach(AttachedMode::Generic)?;
-                (mode, None, id)
-            }
-            XdpModeSetting::Auto => match &hints.native_refused {
-                Some(why) => {
-                    let (mode, id) = try_attach(AttachedMode::Generic)?;
-                    (mode, Some(why.clone()), id)
-                }
-                None => match try_attach(AttachedMode::Native) {
-                    Ok((mode, id)) => (mode, None, id),
-                    Err(native) => {
-                        let why = match &native {
-                            DataplaneError::Attach { meaning, .. } => meaning.clone(),
-                            other => other.to_string(),
-                        };
-                        let (mode, id) = try_attach(AttachedMode::Generic)?;
-                        (mode, Some(why), id)
-                    }
-                },
-            },
-        };
-        Ok((
-            Attachment {
-                mode,
-                native_refused,
-            },
-            id,
-        ))
+        attach_xdp(program(&mut self.ebpf)?, interface, mode, hints)
     }
 
     /// The loaded program, for BPF_PROG_TEST_RUN in tests and benchmarks.
@@ -509,6 +458,66 @@ fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
         .program_mut("lb_xdp")
         .ok_or_else(|| lb_xdp_error(aya::programs::ProgramError::NotLoaded))?;
     program.try_into().map_err(lb_xdp_error)
+}
+
+/// Attaches `program` to `interface`. `Auto` tries native (driver) mode, then generic,
+/// and keeps why native was refused; it goes to generic at once when `hints` know native
+/// cannot serve.
+pub(super) fn attach_xdp(
+    program: &mut Xdp,
+    interface: &str,
+    mode: XdpModeSetting,
+    hints: &AttachHints,
+) -> Result<(Attachment, XdpLinkId), DataplaneError> {
+    let mut try_attach = |attached: AttachedMode| {
+        let (xdp_mode, name) = match attached {
+            AttachedMode::Native => (XdpMode::Driver, "native"),
+            AttachedMode::Generic => (XdpMode::Skb, "generic"),
+        };
+        program
+            .attach(interface, xdp_mode)
+            .map(|id| (attached, id))
+            .map_err(|source| DataplaneError::Attach {
+                interface: interface.to_string(),
+                mode: name,
+                meaning: attach::meaning(attach::errno(&source), name, interface, hints),
+                source: Box::new(source),
+            })
+    };
+    let (mode, native_refused, id) = match mode {
+        XdpModeSetting::Native => {
+            let (mode, id) = try_attach(AttachedMode::Native)?;
+            (mode, None, id)
+        }
+        XdpModeSetting::Generic => {
+            let (mode, id) = try_attach(AttachedMode::Generic)?;
+            (mode, None, id)
+        }
+        XdpModeSetting::Auto => match &hints.native_refused {
+            Some(why) => {
+                let (mode, id) = try_attach(AttachedMode::Generic)?;
+                (mode, Some(why.clone()), id)
+            }
+            None => match try_attach(AttachedMode::Native) {
+                Ok((mode, id)) => (mode, None, id),
+                Err(native) => {
+                    let why = match &native {
+                        DataplaneError::Attach { meaning, .. } => meaning.clone(),
+                        other => other.to_string(),
+                    };
+                    let (mode, id) = try_attach(AttachedMode::Generic)?;
+                    (mode, Some(why), id)
+                }
+            },
+        },
+    };
+    Ok((
+        Attachment {
+            mode,
+            native_refused,
+        },
+        id,
+    ))
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DataplaneError>

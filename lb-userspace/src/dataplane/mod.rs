@@ -13,10 +13,12 @@
 //! - `batch.rs`: the bpf(2) batch commands (by hand: aya 0.14 has none) and
 //!   `FlowReader`, the connection-table scan built on them;
 //! - `attach.rs`: what an attach error from the kernel means for the interface;
+//! - `decap.rs`: the backends' decapsulation program (`lb decap`): attach, detach, status;
 //! - `memory.rs`: `MemoryDataplane`, compiled for unit tests only.
 
 mod attach;
 mod batch;
+pub mod decap;
 mod kernel;
 #[cfg(test)]
 mod memory;
