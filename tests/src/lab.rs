@@ -582,59 +582,19 @@ fn router(switch: &Netns, lb: &Netns) -> Result<Netns> {
     for conf in ["all", "default", "eth0", "eth1"] {
         router.sysctl(&format!("net.ipv4.conf.{conf}.rp_filter"), "0")?;
     }
-    let l = lb.name();
-    ip(&[
-        "-n",
-        l,
-        "route",
-        "add",
-        "10.98.1.0/24",
-        "via",
-        &ROUTER4.to_string(),
-    ])?;
-    ip(&[
-        "-n",
-        l,
-        "-6",
-        "route",
-        "add",
-        "fd00:98:1::/64",
-        "via",
-        &ROUTER6.to_string(),
-    ])?;
+    route_via(lb, "10.98.1.0/24", ROUTER4.into())?;
+    route_via(lb, "fd00:98:1::/64", ROUTER6.into())?;
     Ok(router)
 }
 
 /// A backend behind the router: on `BACKEND_BRIDGE`, its default routes via the router.
 fn routed_backend(switch: &Netns, role: &str, port: &str, h: u8) -> Result<Netns> {
-    let ns = Netns::new(role)?;
-    ns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
-    ns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
-    fabric_port_on(switch, BACKEND_BRIDGE, &ns, port, IFACE)?;
     let (IpAddr::V4(a4), IpAddr::V6(a6)) = (routed_host(h, false), routed_host(h, true)) else {
         unreachable!("routed_host gives the family asked for")
     };
-    host_interface(&ns, a4, a6)?;
-    let n = ns.name();
-    ip(&[
-        "-n",
-        n,
-        "route",
-        "add",
-        "default",
-        "via",
-        &ROUTER_BACKEND4.to_string(),
-    ])?;
-    ip(&[
-        "-n",
-        n,
-        "-6",
-        "route",
-        "add",
-        "default",
-        "via",
-        &ROUTER_BACKEND6.to_string(),
-    ])?;
+    let ns = host_on(switch, BACKEND_BRIDGE, role, port, a4, a6)?;
+    route_via(&ns, "default", ROUTER_BACKEND4.into())?;
+    route_via(&ns, "default", ROUTER_BACKEND6.into())?;
     Ok(ns)
 }
 
@@ -658,13 +618,42 @@ fn set_mtu<'a>(
 
 /// Creates a host namespace whose `eth0` is the peer of bridge port `port`.
 fn host(switch: &Netns, role: &str, port: &str, a4: Ipv4Addr, a6: Ipv6Addr) -> Result<Netns> {
+    host_on(switch, BRIDGE, role, port, a4, a6)
+}
+
+/// `host` on bridge `bridge`.
+fn host_on(
+    switch: &Netns,
+    bridge: &str,
+    role: &str,
+    port: &str,
+    a4: Ipv4Addr,
+    a6: Ipv6Addr,
+) -> Result<Netns> {
     let ns = Netns::new(role)?;
     // Addresses usable at once: no duplicate address detection (link-local included).
     ns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
     ns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
-    fabric_port(switch, &ns, port, IFACE)?;
+    fabric_port_on(switch, bridge, &ns, port, IFACE)?;
     host_interface(&ns, a4, a6)?;
     Ok(ns)
+}
+
+/// `ip -n NS route add PREFIX via GATEWAY` (either family).
+fn route_via(ns: &Netns, prefix: &str, gateway: IpAddr) -> Result<()> {
+    let family = if gateway.is_ipv4() { "-4" } else { "-6" };
+    let gateway = gateway.to_string();
+    ip(&[
+        "-n",
+        ns.name(),
+        family,
+        "route",
+        "add",
+        prefix,
+        "via",
+        &gateway,
+    ])?;
+    Ok(())
 }
 
 /// Gives the host's `eth0` its addresses and brings it up.

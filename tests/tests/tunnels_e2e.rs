@@ -5,7 +5,7 @@
 //! checks reach the backends at their own address, through the router.
 //!
 //! Needs root, bpffs, the eBPF objects and a built `lb`; otherwise each test prints
-//! `SKIPPED`. `cargo test -p lb-tests --test tunnels`.
+//! `SKIPPED`. `cargo test -p lb-tests --test tunnels_e2e`.
 
 use std::net::SocketAddr;
 use std::thread::sleep;
