@@ -12,7 +12,7 @@ pub mod maglev;
 pub mod addr;
 pub mod flow;
 mod hash;
-pub use hash::{FlowTuple, flow_hash, stable_hash64};
+pub use hash::{FlowTuple, finish as fmix32, flow_hash, stable_hash64};
 
 use bytemuck::{Pod, Zeroable};
 use core::mem::size_of;

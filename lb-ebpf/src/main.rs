@@ -7,9 +7,13 @@
 use lb_ebpf as _;
 
 #[cfg(target_arch = "bpf")]
+mod encap;
+#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod parse;
+#[cfg(target_arch = "bpf")]
+mod too_big;
 
 #[cfg(target_arch = "bpf")]
 mod program {
@@ -21,8 +25,8 @@ mod program {
         programs::XdpContext,
     };
     use lb_common::{
-        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FlowKey, PROTO_UDP, RateWindow,
-        VIP_F_HASH_SRC_IP, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
+        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FORWARD_L2, FlowKey, PROTO_UDP,
+        RateWindow, VIP_F_HASH_SRC_IP, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
         flow::{self, Lookup},
         flow_hash, maglev_slot, stat,
     };
@@ -32,6 +36,7 @@ mod program {
         LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source, count_traffic,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
+    use crate::{encap, too_big};
 
     /// Slots per VIP table; set by the agent at load time (`lb_common::GLOBAL_MAGLEV_SIZE`).
     #[unsafe(no_mangle)]
@@ -284,7 +289,8 @@ mod program {
     }
 
     /// Sends the frame to `backend`: its MAC as destination, ours as source, and counts
-    /// it for the VIP and the backend.
+    /// it for the VIP and the backend. A tunnelled backend's frame is first wrapped in
+    /// the outer headers (`encap`), or answered when it would then be too big.
     #[inline(always)]
     fn forward(
         ctx: &XdpContext,
@@ -295,12 +301,31 @@ mod program {
         backend: &BackendInfo,
         new_flow: bool,
     ) -> Result<Verdict, Verdict> {
+        // As the client sent it: the same for every way of forwarding.
+        let bytes = frame_len(ctx);
+        // L2 first and alone: the common case pays one compare.
+        if backend.forward != FORWARD_L2 {
+            let mut outcome = encap::tunnel(XdpContext::new(ctx.ctx), packet, backend);
+            if outcome == stat::TX_ICMP_TOO_BIG {
+                outcome = too_big::answer(XdpContext::new(ctx.ctx), packet, backend);
+            }
+            match outcome {
+                stat::TX_IPIP | stat::TX_GUE => stats.count(outcome),
+                // The frame is the answer now, to the client.
+                stat::TX_ICMP_TOO_BIG => {
+                    return Err(Verdict {
+                        action: xdp_action::XDP_TX,
+                        reason: outcome,
+                    });
+                }
+                _ => return Err(Verdict::drop(outcome)),
+            }
+        }
         let eth = ethernet(ctx)?;
         unsafe {
             (*eth).dst_addr = backend.mac;
             (*eth).src_addr = core::ptr::read_volatile(&IFACE_MAC);
         }
-        let bytes = frame_len(ctx);
         count_traffic(&LB_VIP_STATS, vip_id, bytes, new_flow);
         count_traffic(&LB_BACKEND_STATS, backend_id, bytes, new_flow);
         if packet.vlan {
