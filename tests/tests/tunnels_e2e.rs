@@ -213,8 +213,6 @@ impl Drop for Decap {
 /// fails (its servers stop): its checks fail and the rest takes every request; then a
 /// drain: no new connection reaches the drained backend.
 #[test]
-#[ignore = "needs the data path's encapsulation and decapsulation (branch tunnels); run \
-            with --ignored once merged"]
 fn tcp_and_udp_reach_routed_backends_through_ipip_and_gue() {
     let test = "tcp_and_udp_reach_routed_backends_through_ipip_and_gue";
     let Some(bin) = require_e2e(test) else { return };
