@@ -10,8 +10,8 @@
 //!   its addresses and ports), so a backend's RSS and routers' ECMP spread flows; an
 //!   outer IPv6 header's flow label comes from the same hash. The UDP checksum is 0, for
 //!   IPv6 too (RFC 6935 allows it for tunnels; Katran does the same): the inner packet
-//!   carries its own checksums, and lb's decap program does not require one. The kernel's
-//!   fou over IPv6 must accept zero checksums.
+//!   carries its own checksums, and lb's decap program does not require one (RFC 6936
+//!   lets a receiver refuse it: the kernel's fou over IPv6 was not tried here).
 //! - Outer IPv4: TTL 64, DF set (a tunnel packet fragmented on its way would have to be
 //!   reassembled before decapsulation), ID 0, header checksum computed. Outer IPv6: hop
 //!   limit 64. The inner TOS / traffic class byte (DSCP and ECN) is copied outward.

@@ -1010,3 +1010,129 @@ fn the_decap_program_leaves_everything_else_untouched() {
         .collect();
     assert_all(failures);
 }
+
+// ---- the decap loader, in a namespace -----------------------------------------------
+
+/// `lb decap`'s loader on a real veth: attach pins the program per interface and takes
+/// the namespace's addresses; a 4in4 packet sent into the veth arrives, unwrapped, at a
+/// socket on the VIP on `lo`; status counts it; attach again changes the GUE port in
+/// place; detach removes it all.
+#[test]
+fn the_decap_loader_attaches_counts_and_detaches() {
+    use lb_userspace::{config::XdpModeSetting, dataplane::decap};
+    let test = "the_decap_loader_attaches_counts_and_detaches";
+    if !can_run(test) || !lb_tests::require_root_tools(test) {
+        return;
+    }
+    if let Err(why) = lb_tests::ensure_bpffs() {
+        lb_tests::skip(test, &why);
+        return;
+    }
+    let ns = lb_tests::netns::Netns::new("decap").unwrap();
+    let sh = |args: &[&str]| ns.exec("ip", args).unwrap();
+    sh(&["link", "add", "be0", "type", "veth", "peer", "name", "rt0"]);
+    sh(&["addr", "add", "10.9.0.2/24", "dev", "be0"]);
+    sh(&["addr", "add", "10.9.9.9/32", "dev", "lo"]);
+    sh(&["link", "set", "be0", "up"]);
+    sh(&["link", "set", "rt0", "up"]);
+    let pins =
+        std::path::PathBuf::from(format!("/sys/fs/bpf/lb-test-decap-{}", std::process::id()));
+    // The namespace's own sysfs is seen through `ip netns exec` only.
+    let mac = |name: &str| -> [u8; 6] {
+        let path = format!("/sys/class/net/{name}/address");
+        let text = ns.exec("cat", &[&path]).unwrap();
+        let bytes: Vec<u8> = text
+            .trim()
+            .split(':')
+            .map(|b| u8::from_str_radix(b, 16).unwrap())
+            .collect();
+        bytes.try_into().unwrap()
+    };
+    let (be_mac, rt_mac) = (mac("be0"), mac("rt0"));
+    let result = ns.run(|| {
+        let attached = decap::attach(
+            lb_userspace::DECAP_OBJECT,
+            "be0",
+            GUE_PORT,
+            XdpModeSetting::Auto,
+            &pins,
+        )
+        .expect("attach");
+        assert_eq!(attached.gue_port, GUE_PORT);
+        assert!(
+            attached.addresses.contains(&"10.9.0.2".parse().unwrap()),
+            "{attached:?}"
+        );
+        assert!(attached.mode.is_some());
+
+        let socket = std::net::UdpSocket::bind("10.9.9.9:5000").unwrap();
+        socket
+            .set_read_timeout(Some(std::time::Duration::from_secs(3)))
+            .unwrap();
+        let payload = b"through the tunnel";
+        let inner = {
+            let l4 = udp(40000, 5000, payload);
+            let mut p = ipv4_header([10, 9, 0, 1], [10, 9, 9, 9], 17, l4.len(), 0, true);
+            p.extend(l4);
+            p
+        };
+        let mut outer = ipv4_header([10, 9, 0, 1], [10, 9, 0, 2], 4, inner.len(), 0, true);
+        outer.extend(&inner);
+        send_raw("rt0", &frame(be_mac, rt_mac, None, &outer));
+        let mut buf = [0u8; 64];
+        let (n, from) = socket.recv_from(&mut buf).expect("the inner datagram");
+        assert_eq!(&buf[..n], payload);
+        assert_eq!(from, "10.9.0.1:40000".parse().unwrap());
+
+        let again = decap::attach(
+            lb_userspace::DECAP_OBJECT,
+            "be0",
+            7000,
+            XdpModeSetting::Auto,
+            &pins,
+        )
+        .expect("attach again");
+        let listed = decap::status(&pins).expect("status");
+        let detached = decap::detach("be0", &pins).expect("detach");
+        let after = decap::status(&pins).expect("status after");
+        let detached_again = decap::detach("be0", &pins).expect("detach again");
+        (again, listed, detached, after, detached_again)
+    });
+    let _ = std::fs::remove_dir_all(&pins);
+    let (again, listed, detached, after, detached_again) = result.unwrap();
+    assert_eq!(again.gue_port, 7000);
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].interface, "be0");
+    assert_eq!(
+        listed[0].counters["decap_4in4"], 1,
+        "{:?}",
+        listed[0].counters
+    );
+    assert!(detached && !detached_again);
+    assert!(after.is_empty(), "{after:?}");
+    let links = ns.exec("ip", &["link", "show", "be0"]).unwrap();
+    assert!(!links.contains("xdp"), "{links}");
+}
+
+/// Sends one frame out of `interface` through an AF_PACKET socket.
+fn send_raw(interface: &str, frame: &[u8]) {
+    let index = nix::net::if_::if_nametoindex(interface).unwrap();
+    unsafe {
+        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
+        assert!(fd >= 0, "AF_PACKET socket");
+        let mut address: libc::sockaddr_ll = std::mem::zeroed();
+        address.sll_family = libc::AF_PACKET as u16;
+        address.sll_ifindex = index as i32;
+        address.sll_halen = 6;
+        let sent = libc::sendto(
+            fd,
+            frame.as_ptr() as *const libc::c_void,
+            frame.len(),
+            0,
+            &address as *const libc::sockaddr_ll as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        );
+        libc::close(fd);
+        assert_eq!(sent, frame.len() as isize, "sendto");
+    }
+}

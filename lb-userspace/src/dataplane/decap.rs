@@ -17,7 +17,7 @@ use std::{
 use aya::{
     EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray},
-    programs::Xdp,
+    programs::{Xdp, links::FdLink},
 };
 use lb_common::{
     ADDR_FAMILY_V4, ADDR_FAMILY_V6,
@@ -89,7 +89,14 @@ pub fn attach(
         let link = pins::open_pinned_link(&link_path)?;
         match program.attach_to_link(link) {
             Ok(id) => {
-                std::mem::forget(program.take_link(id).map_err(program_error)?);
+                // Closing our descriptor leaves the pinned link (and the program) in place.
+                let link = program.take_link(id).map_err(program_error)?;
+                drop(
+                    FdLink::try_from(link).map_err(|source| DataplaneError::Link {
+                        path: link_path.clone(),
+                        source,
+                    })?,
+                );
                 false
             }
             // The interface the link was on is gone: attach afresh.
