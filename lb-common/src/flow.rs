@@ -44,19 +44,15 @@ pub fn serves(backend: &BackendInfo, vip_id: u32) -> bool {
 
 /// The backend an entry holds its flow to, if the flow may stay there (`serves`).
 #[inline(always)]
-pub fn serving(lookup: &impl Lookup, entry: &FlowEntry, vip_id: u32) -> Option<(u32, BackendInfo)> {
+pub fn serving(lookup: &impl Lookup, entry: &FlowEntry, vip_id: u32) -> Option<u32> {
     backend_serving(lookup, entry.backend_id, vip_id)
 }
 
 /// Backend `backend_id`, if it may keep (or take) a flow of VIP `vip_id` (`serves`).
 #[inline(always)]
-fn backend_serving(
-    lookup: &impl Lookup,
-    backend_id: u32,
-    vip_id: u32,
-) -> Option<(u32, BackendInfo)> {
+fn backend_serving(lookup: &impl Lookup, backend_id: u32, vip_id: u32) -> Option<u32> {
     match lookup.backend(backend_id) {
-        Some(backend) if serves(backend, vip_id) => Some((backend_id, *backend)),
+        Some(backend) if serves(backend, vip_id) => Some(backend_id),
         _ => None,
     }
 }
@@ -70,7 +66,7 @@ fn decide(
     proto: u8,
     vip_id: u32,
     age: u64,
-) -> Result<(u32, BackendInfo), u32> {
+) -> Result<u32, u32> {
     if udp_expired(lookup, proto, age) {
         return Err(stat::CT_MISS_UDP);
     }
@@ -86,7 +82,7 @@ pub fn held(
     proto: u8,
     vip_id: u32,
     now: u64,
-) -> Option<(u32, BackendInfo)> {
+) -> Option<u32> {
     decide(lookup, entry, proto, vip_id, age(entry, now)).ok()
 }
 
@@ -107,7 +103,7 @@ pub fn follow(
     vip_id: u32,
     now: u64,
     syn_since: impl FnOnce() -> bool,
-) -> Result<(u32, BackendInfo), u32> {
+) -> Result<u32, u32> {
     let age = age(entry, now);
     let held = decide(lookup, entry, proto, vip_id, age)?;
     if proto != PROTO_UDP
@@ -165,12 +161,7 @@ pub fn embryo_place(key: &FlowKey) -> (u32, u32) {
 /// backend may still take it (`serves`): where its second packet goes, and the entry it
 /// makes in the connection table.
 #[inline(always)]
-pub fn remembered(
-    lookup: &impl Lookup,
-    embryo: &Embryo,
-    tag: u32,
-    vip_id: u32,
-) -> Option<(u32, BackendInfo)> {
+pub fn remembered(lookup: &impl Lookup, embryo: &Embryo, tag: u32, vip_id: u32) -> Option<u32> {
     if embryo.tag != tag {
         return None;
     }
@@ -215,21 +206,9 @@ mod tests {
     }
 
     const BACKENDS: [BackendInfo; 3] = [
-        BackendInfo {
-            mac: [2, 0, 0, 0, 0, 0],
-            flags: BACKEND_F_SERVES_FLOWS,
-            vip_id: VIP,
-        },
-        BackendInfo {
-            mac: [2, 0, 0, 0, 0, 1],
-            flags: 0,
-            vip_id: VIP,
-        },
-        BackendInfo {
-            mac: [2, 0, 0, 0, 0, 2],
-            flags: BACKEND_F_SERVES_FLOWS,
-            vip_id: VIP + 1,
-        },
+        BackendInfo::l2([2, 0, 0, 0, 0, 0], BACKEND_F_SERVES_FLOWS, VIP),
+        BackendInfo::l2([2, 0, 0, 0, 0, 1], 0, VIP),
+        BackendInfo::l2([2, 0, 0, 0, 0, 2], BACKEND_F_SERVES_FLOWS, VIP + 1),
     ];
 
     impl Lookup for Maps {
@@ -257,7 +236,7 @@ mod tests {
         for proto in [PROTO_TCP, PROTO_UDP] {
             let mut recent = entry(0, SECOND / 2);
             let followed = follow(&maps, &mut recent, proto, false, VIP, NOW, || false);
-            assert_eq!(followed, Ok((0, BACKENDS[0])));
+            assert_eq!(followed, Ok(0));
             assert_eq!(
                 recent,
                 entry(0, SECOND / 2),
@@ -267,7 +246,7 @@ mod tests {
             let mut older = entry(0, 5 * SECOND);
             assert_eq!(
                 follow(&maps, &mut older, proto, false, VIP, NOW, || false),
-                Ok((0, BACKENDS[0]))
+                Ok(0)
             );
             assert_eq!(older.last_seen_ns, NOW);
             assert_eq!(older.flags, 0);
@@ -324,10 +303,7 @@ mod tests {
             assert_eq!(serving(&maps, &stale, VIP), None, "{what}");
         }
         // Backend 2 is followed by its own VIP's flows.
-        assert_eq!(
-            serving(&maps, &entry(2, 0), VIP + 1),
-            Some((2, BACKENDS[2]))
-        );
+        assert_eq!(serving(&maps, &entry(2, 0), VIP + 1), Some(2));
     }
 
     #[test]
@@ -339,7 +315,7 @@ mod tests {
         // A late packet after the FIN still follows, and does not reopen the flow.
         assert_eq!(
             follow(&maps, &mut open, PROTO_TCP, false, VIP, NOW, || false),
-            Ok((0, BACKENDS[0]))
+            Ok(0)
         );
         assert_eq!(open.flags, FLOW_F_CLOSING);
 
@@ -358,14 +334,11 @@ mod tests {
     fn held_gives_a_live_entrys_backend_without_touching_the_entry() {
         let maps = Maps::default();
         let live = entry(0, 5 * SECOND);
-        assert_eq!(
-            held(&maps, &live, PROTO_UDP, VIP, NOW),
-            Some((0, BACKENDS[0]))
-        );
+        assert_eq!(held(&maps, &live, PROTO_UDP, VIP, NOW), Some(0));
         assert_eq!(held(&maps, &entry(0, IDLE + 1), PROTO_UDP, VIP, NOW), None);
         assert_eq!(
             held(&maps, &entry(0, IDLE + 1), PROTO_TCP, VIP, NOW),
-            Some((0, BACKENDS[0]))
+            Some(0)
         );
         assert_eq!(held(&maps, &entry(1, 0), PROTO_TCP, VIP, NOW), None);
     }
@@ -418,7 +391,7 @@ mod tests {
         let maps = Maps::default();
         let tag = embryo_place(&key(7)).1;
         let embryo = embryo_for(tag, 0, false);
-        assert_eq!(remembered(&maps, &embryo, tag, VIP), Some((0, BACKENDS[0])));
+        assert_eq!(remembered(&maps, &embryo, tag, VIP), Some(0));
         assert_eq!(
             remembered(&maps, &embryo, tag ^ 2, VIP),
             None,

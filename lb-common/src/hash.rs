@@ -35,8 +35,9 @@ const fn mix(h: u32, k: u32) -> u32 {
         .wrapping_add(0xe654_6b64)
 }
 
+/// MurmurHash3's finaliser: every input bit moves every output bit.
 #[inline(always)]
-const fn finish(mut h: u32) -> u32 {
+pub const fn finish(mut h: u32) -> u32 {
     h ^= h >> 16;
     h = h.wrapping_mul(0x85eb_ca6b);
     h ^= h >> 13;

@@ -12,7 +12,7 @@ pub mod maglev;
 pub mod addr;
 pub mod flow;
 mod hash;
-pub use hash::{FlowTuple, flow_hash, stable_hash64, table_hash};
+pub use hash::{FlowTuple, finish as fmix32, flow_hash, stable_hash64, table_hash};
 
 use bytemuck::{Pod, Zeroable};
 use core::mem::size_of;
@@ -46,6 +46,8 @@ pub const MAP_FLOOD: &str = "LB_FLOOD";
 pub const MAP_SOURCES: &str = "LB_SOURCES";
 pub const MAP_HOT_SOURCES: &str = "LB_HOT_SRC";
 pub const MAP_CAPTURE: &str = "LB_CAPTURE";
+/// The tunnel settings (`TunnelConfig`, one entry).
+pub const MAP_TUNNEL: &str = "LB_TUNNEL";
 /// Bytes of each captured frame kept (the rest is cut, as tcpdump's snaplen).
 pub const CAPTURE_BYTES: usize = 128;
 /// Global set at load time: one new flow in this many is counted (with that weight) for
@@ -154,19 +156,77 @@ impl VipInfo {
 /// healthy). Without it, a connection-table entry pointing here is re-hashed.
 pub const BACKEND_F_SERVES_FLOWS: u16 = 1;
 
+/// `BackendInfo::forward`: the frame keeps its packet, only the MACs are rewritten
+/// (the backend shares the balancer's L2 segment).
+pub const FORWARD_L2: u8 = 0;
+/// `BackendInfo::forward`: the packet is encapsulated in an outer IP header to the
+/// backend's address (IPIP: 4in4, 6in6, 4in6, 6in4, by the two families).
+pub const FORWARD_IPIP: u8 = 1;
+/// `BackendInfo::forward`: the packet is encapsulated in outer IP + UDP to
+/// `BackendInfo::gue_port_be`, GUE variant 1 ("direct IP": no GUE header; the inner IP
+/// version nibble tells IPv4 from IPv6), as Linux fou (`encap gue`, `ipproto 4/41`
+/// receive side: `ip fou add port N gue`) and Katran send it.
+pub const FORWARD_GUE: u8 = 2;
+
 /// Value of `LB_BACKENDS`, indexed by backend id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct BackendInfo {
-    /// Destination MAC of frames sent to this backend.
+    /// Destination MAC of frames sent to this backend: the backend's own for an on-link
+    /// backend (always for `FORWARD_L2`), the gateway's for a routed one.
     pub mac: [u8; 6],
     /// `BACKEND_F_*` bits.
     pub flags: u16,
     /// The VIP this backend id belongs to (every id serves one VIP): a packet that
     /// follows its connection-table entry counts for this VIP without looking it up.
     pub vip_id: u32,
+    /// `FORWARD_*`: how frames reach the backend.
+    pub forward: u8,
+    /// `ADDR_FAMILY_V4` or `ADDR_FAMILY_V6` of `addr`: the outer header's family for a
+    /// tunnel (which may differ from the VIP's: 4in6, 6in4).
+    pub family: u8,
+    /// `FORWARD_GUE`: the outer UDP destination port. Network order.
+    pub gue_port_be: u16,
+    /// The backend's own address: the outer destination of a tunnel. IPv4: the first 4
+    /// bytes, the rest zero. Network order.
+    pub addr: [u8; 16],
 }
-const _: () = assert!(size_of::<BackendInfo>() == 12);
+const _: () = assert!(size_of::<BackendInfo>() == 32);
+
+impl BackendInfo {
+    /// A backend reached by MAC rewrite alone (`FORWARD_L2`); no address needed.
+    pub const fn l2(mac: [u8; 6], flags: u16, vip_id: u32) -> Self {
+        Self {
+            mac,
+            flags,
+            vip_id,
+            forward: FORWARD_L2,
+            family: 0,
+            gue_port_be: 0,
+            addr: [0; 16],
+        }
+    }
+}
+
+/// Value of `LB_TUNNEL` (one entry): what every encapsulation needs besides the
+/// backend. Written by the agent at start and on every reload (so a reload can change
+/// the source), read by the program for each tunnelled packet.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TunnelConfig {
+    /// Outer IPv4 source (`dataplane.tunnel_source`, else the interface's address).
+    /// All zero: no IPv4 source; packets to IPv4-addressed tunnel backends are dropped
+    /// (`drop_no_tunnel_source`). Network order.
+    pub src_v4: [u8; 4],
+    /// The interface MTU: an encapsulated packet longer than this (IP packet, without
+    /// the Ethernet header) is answered with "fragmentation needed" / "packet too big".
+    /// 0: not checked.
+    pub mtu: u32,
+    /// Outer IPv6 source (`dataplane.tunnel_source6`, else the interface's global
+    /// address); all zero: none, as for `src_v4`.
+    pub src_v6: [u8; 16],
+}
+const _: () = assert!(size_of::<TunnelConfig>() == 24);
 
 /// Entries of `LB_VIP_SLOTS`.
 pub const VIP_SLOTS: u32 = 4096;
@@ -454,7 +514,24 @@ pub mod stat {
     /// Entries of an earlier connection on a tuple a new SYN reused: re-written to the
     /// SYN's backend at the new connection's next packet.
     pub const CT_REUSED: u32 = 28;
-    pub const COUNT: u32 = 29;
+    /// Forwarded in an IPIP tunnel (`forward = "ipip"`).
+    pub const TX_IPIP: u32 = 29;
+    /// Forwarded in a GUE tunnel (`forward = "gue"`).
+    pub const TX_GUE: u32 = 30;
+    /// Answered (XDP_TX back to the client): too big for the interface MTU once
+    /// encapsulated; an ICMP "fragmentation needed" / ICMPv6 "packet too big" carries
+    /// the usable MTU.
+    pub const TX_ICMP_TOO_BIG: u32 = 31;
+    /// Dropped: too big once encapsulated and not answerable (an IPv4 packet without
+    /// DF, which would have to be fragmented; or the answer could not be built).
+    pub const DROP_TOO_BIG: u32 = 32;
+    /// Dropped: a tunnel backend of a family with no outer source address in
+    /// `LB_TUNNEL`.
+    pub const DROP_NO_TUNNEL_SOURCE: u32 = 33;
+    /// Dropped: the frame could not be grown for the outer headers
+    /// (`bpf_xdp_adjust_head` refused).
+    pub const DROP_ENCAP_FAILED: u32 = 34;
+    pub const COUNT: u32 = 35;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -487,7 +564,104 @@ pub mod stat {
         "ct_promoted",
         "hot_source_spread",
         "ct_reused",
+        "tx_ipip",
+        "tx_gue",
+        "tx_icmp_too_big",
+        "drop_too_big",
+        "drop_no_tunnel_source",
+        "drop_encap_failed",
     ];
+}
+
+/// The decapsulation program for backends (`lb decap`): object `lb-decap` (embedded in
+/// `lb` as `lb_userspace::DECAP_OBJECT`), one XDP program that strips the outer header of
+/// IPIP (4in4, 6in4, 4in6, 6in6) and GUE packets addressed to one of this host's
+/// addresses and passes the inner packet to the stack; everything else passes untouched.
+pub mod decap {
+    use super::{Pod, Zeroable, size_of};
+
+    /// The program's name in the object.
+    pub const PROGRAM: &str = "lb_decap";
+    /// `Outcomes`-like counters (`DecapOutcomes`, one entry, per CPU), by `stat`.
+    pub const MAP_STATS: &str = "LB_DECAP_STATS";
+    /// `HostAddr` -> u8 (1): the outer destinations taken as this host's. Filled by the
+    /// loader from the host's addresses at attach.
+    pub const MAP_ADDRS: &str = "LB_DECAP_ADDRS";
+    /// Array of u32 (`CONFIG_*` indices): settings the loader writes.
+    pub const MAP_CONFIG: &str = "LB_DECAP_CONFIG";
+    /// `MAP_CONFIG` index: the GUE UDP port (host order); 0: GUE not decapsulated.
+    pub const CONFIG_GUE_PORT: u32 = 0;
+    /// `MAP_CONFIG` index, for `lb decap status` only: how the link was attached
+    /// (`meta::MODE_NATIVE` or `meta::MODE_GENERIC`).
+    pub const CONFIG_MODE: u32 = 1;
+    pub const CONFIG_ENTRIES: u32 = 4;
+    /// Most host addresses `MAP_ADDRS` holds.
+    pub const MAX_ADDRS: u32 = 256;
+    /// The port `lb decap attach` listens on without `--gue-port` (and the default
+    /// `gue_port` of a VIP).
+    pub const DEFAULT_GUE_PORT: u16 = 6080;
+
+    /// Key of `MAP_ADDRS`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
+    pub struct HostAddr {
+        /// IPv4: the first 4 bytes, the rest zero. Network order.
+        pub addr: [u8; 16],
+        /// `ADDR_FAMILY_V4` or `ADDR_FAMILY_V6`.
+        pub family: u8,
+        pub _pad: [u8; 3],
+    }
+    const _: () = assert!(size_of::<HostAddr>() == 20);
+
+    /// Value of `MAP_STATS`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+    pub struct DecapOutcomes {
+        pub counts: [u64; stat::COUNT as usize],
+    }
+
+    /// Indices of `DecapOutcomes::counts`: every frame counts once.
+    pub mod stat {
+        /// Decapsulated and passed: IPv4 in IPv4 (protocol 4).
+        pub const DECAP_4IN4: u32 = 0;
+        /// IPv6 in IPv4 (protocol 41).
+        pub const DECAP_6IN4: u32 = 1;
+        /// IPv4 in IPv6 (next header 4).
+        pub const DECAP_4IN6: u32 = 2;
+        /// IPv6 in IPv6 (next header 41).
+        pub const DECAP_6IN6: u32 = 3;
+        /// GUE (variant 1) in outer IPv4, either inner family.
+        pub const DECAP_GUE4: u32 = 4;
+        /// GUE (variant 1) in outer IPv6.
+        pub const DECAP_GUE6: u32 = 5;
+        /// Passed untouched: not a tunnel packet (not IP, another protocol, UDP to
+        /// another port, an IPv6 extension header).
+        pub const PASS_NOT_TUNNEL: u32 = 6;
+        /// Passed untouched: a tunnel packet to an address not in `MAP_ADDRS`.
+        pub const PASS_NOT_LOCAL: u32 = 7;
+        /// Passed untouched: a tunnel packet whose headers are malformed or cut short
+        /// (outer or inner), or a GUE header other than variant 1 with a known version.
+        pub const PASS_MALFORMED: u32 = 8;
+        /// Passed untouched: an outer IPv4 fragment (the stack reassembles it).
+        pub const PASS_FRAGMENT: u32 = 9;
+        /// Dropped: the frame could not be shrunk after the headers were moved.
+        pub const DROP_FAILED: u32 = 10;
+        pub const COUNT: u32 = 11;
+
+        pub const NAMES: [&str; COUNT as usize] = [
+            "decap_4in4",
+            "decap_6in4",
+            "decap_4in6",
+            "decap_6in6",
+            "decap_gue4",
+            "decap_gue6",
+            "pass_not_tunnel",
+            "pass_not_local",
+            "pass_malformed",
+            "pass_fragment",
+            "drop_failed",
+        ];
+    }
 }
 
 // The agent reads and writes these through aya's typed maps.
@@ -496,6 +670,9 @@ mod aya_pod {
     unsafe impl aya::Pod for super::VipKey {}
     unsafe impl aya::Pod for super::VipInfo {}
     unsafe impl aya::Pod for super::BackendInfo {}
+    unsafe impl aya::Pod for super::TunnelConfig {}
+    unsafe impl aya::Pod for super::decap::HostAddr {}
+    unsafe impl aya::Pod for super::decap::DecapOutcomes {}
     unsafe impl aya::Pod for super::VipSlot {}
     unsafe impl aya::Pod for super::BackendIdentity {}
     unsafe impl aya::Pod for super::SourceKey {}

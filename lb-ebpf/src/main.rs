@@ -7,9 +7,13 @@
 use lb_ebpf as _;
 
 #[cfg(target_arch = "bpf")]
+mod encap;
+#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod parse;
+#[cfg(target_arch = "bpf")]
+mod too_big;
 
 #[cfg(target_arch = "bpf")]
 mod program {
@@ -21,18 +25,19 @@ mod program {
         programs::XdpContext,
     };
     use lb_common::{
-        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FlowKey, PROTO_UDP, RateWindow,
-        VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
+        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FORWARD_L2, FlowKey, PROTO_UDP,
+        RateWindow, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
         flow::{self, Lookup},
         maglev_slot, stat, table_hash,
     };
 
     use crate::maps::{
         Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_EMBRYONIC,
-        LB_FLOOD, LB_MAGLEV, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source,
+        LB_FLOOD, LB_MAGLEV, LB_SCRATCH, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source,
         count_traffic, hot_source,
     };
     use crate::parse::{Packet, Verdict, ethernet, parse};
+    use crate::{encap, too_big};
 
     /// Slots per VIP table; set by the agent at load time (`lb_common::GLOBAL_MAGLEV_SIZE`).
     #[unsafe(no_mangle)]
@@ -90,6 +95,25 @@ mod program {
     #[allow(clippy::needless_borrows_for_generic_args)]
     fn balance(ctx: &XdpContext, stats: &Stats) -> Result<Verdict, Verdict> {
         let packet = parse(ctx)?;
+        // One place that sends: `forward` (and the tunnels' code it calls) inlined once,
+        // not at every decision.
+        let choice = choose(ctx, stats, &packet)?;
+        forward(ctx, stats, &packet, &choice)
+    }
+
+    /// Where a VIP packet goes, and what it does to the tables on the way.
+    #[derive(Clone, Copy)]
+    struct Choice {
+        vip_id: u32,
+        backend_id: u32,
+        new_flow: bool,
+    }
+
+    /// `balance`'s decision for a parsed packet: `Ok` to forward, `Err` for everything
+    /// else, with its reason.
+    #[inline(always)]
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    fn choose(ctx: &XdpContext, stats: &Stats, packet: &Packet) -> Result<Choice, Verdict> {
         let vip_key = VipKey {
             addr: packet.dst_addr,
             port: packet.dst_port_be,
@@ -98,18 +122,19 @@ mod program {
         };
         // Most traffic of a host is not for a VIP: one array read and a key compare
         // send it on, before any hash-map lookup.
-        let Some(slot) = vip_slot(&vip_key) else {
-            return Err(Verdict::pass(stat::PASS_NOT_VIP));
-        };
-        // From the slot, or from LB_VIPS when the slot is shared: a key LB_VIPS lacks is
-        // no VIP's, whatever connection-table entries it left.
-        let Some(vip) = vip_info(&slot, &vip_key) else {
+        let Some(vip) = vip_of(&vip_key) else {
             return Err(Verdict::pass(stat::PASS_NOT_VIP));
         };
         let cpu = Cpu::get();
         // Coarse time: entries age in seconds.
         let now = cpu.now_ns();
-        let flow_key = FlowKey {
+        // Built in this CPU's scratch slot, not on the stack: the balancer and the
+        // tunnels' functions share 512 bytes of stack.
+        let Some(scratch) = LB_SCRATCH.get_ptr_mut(0) else {
+            return Err(Verdict::pass(stat::PASS_NOT_VIP));
+        };
+        let flow_key = unsafe { &mut (*scratch).key };
+        *flow_key = FlowKey {
             src: packet.src_addr,
             dst: packet.dst_addr,
             src_port: packet.src_port_be,
@@ -118,13 +143,14 @@ mod program {
             family: packet.family,
             _pad: [0; 2],
         };
+        let flow_key: &FlowKey = flow_key;
         // A SYN reads no entry (the lookup would be most of what a spoofed SYN costs): it
         // takes the table, and an entry an earlier connection left on its tuple gives way
         // at the new connection's next packet (`flow::follow`'s `CT_REUSED`).
         let entry = if packet.syn {
             None
         } else {
-            LB_CONNTRACK.get_ptr_mut(&flow_key)
+            LB_CONNTRACK.get_ptr_mut(flow_key)
         };
         if packet.icmp_too_big {
             // To where the flow's packets go, without touching its entry: an error is
@@ -135,15 +161,19 @@ mod program {
             let held = entry.and_then(|entry| {
                 flow::held(&Maps, unsafe { &*entry }, packet.proto, vip.vip_id, now)
             });
-            let (backend_id, backend) = match held {
+            let backend_id = match held {
                 Some(held) => held,
                 None if packet.proto == PROTO_UDP => {
                     return Err(Verdict::pass(stat::PASS_OTHER_PROTO));
                 }
-                None => table_choice(&packet, &vip)?,
+                None => table_choice(packet, &vip)?,
             };
             stats.count(stat::SEEN_ICMP_TOO_BIG);
-            return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
+            return Ok(Choice {
+                vip_id: vip.vip_id,
+                backend_id,
+                new_flow: false,
+            });
         }
         let udp = packet.proto == PROTO_UDP;
         let mut miss = if packet.syn {
@@ -157,7 +187,7 @@ mod program {
             let entry = unsafe { &mut *entry };
             // Asked only of an entry idle past a second or closing.
             let syn_since = || {
-                let (index, tag) = flow::embryo_place(&flow_key);
+                let (index, tag) = flow::embryo_place(flow_key);
                 LB_EMBRYONIC
                     .get(index)
                     .is_some_and(|embryo| flow::syn_since(embryo, tag))
@@ -171,14 +201,18 @@ mod program {
                 now,
                 syn_since,
             ) {
-                Ok((backend_id, backend)) => {
+                Ok(backend_id) => {
                     stats.count(stat::CT_HIT);
-                    return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
+                    return Ok(Choice {
+                        vip_id: vip.vip_id,
+                        backend_id,
+                        new_flow: false,
+                    });
                 }
                 Err(reason) => miss = reason,
             }
         }
-        let (embryo_index, tag) = flow::embryo_place(&flow_key);
+        let (embryo_index, tag) = flow::embryo_place(flow_key);
         let embryo = LB_EMBRYONIC.get_ptr_mut(embryo_index);
         // The second packet of a flow the connection table does not hold, whose first
         // packet the embryonic table remembers (a handshake's ACK, a UDP flow's second
@@ -187,15 +221,15 @@ mod program {
         if !packet.syn && entry.is_none() {
             let remembered = embryo
                 .and_then(|embryo| flow::remembered(&Maps, unsafe { &*embryo }, tag, vip.vip_id));
-            if let Some((backend_id, backend)) = remembered {
+            if let Some(backend_id) = remembered {
                 stats.count(stat::CT_PROMOTED);
                 if !udp {
-                    sample_source(&cpu, vip.vip_id, &packet);
+                    sample_source(&cpu, vip.vip_id, packet);
                 }
                 // A RST ends the flow: it goes where the SYN went, and makes no entry.
                 if !packet.rst && may_insert(stats, now) {
                     let fresh = flow::entry_for(backend_id, packet.closing(), now);
-                    if LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok() {
+                    if LB_CONNTRACK.insert(flow_key, &fresh, 0).is_ok() {
                         stats.count(stat::CT_CREATED);
                     }
                     // The entry is newer than the SYN now.
@@ -203,7 +237,11 @@ mod program {
                         unsafe { (*embryo).flags = 0 };
                     }
                 }
-                return forward(ctx, stats, &packet, vip.vip_id, backend_id, &backend, false);
+                return Ok(Choice {
+                    vip_id: vip.vip_id,
+                    backend_id,
+                    new_flow: false,
+                });
             }
         }
         stats.count(miss);
@@ -222,9 +260,9 @@ mod program {
             }
             _ => None,
         };
-        let (backend_id, backend) = match reused_to {
+        let backend_id = match reused_to {
             Some(choice) => choice,
-            None => table_choice(&packet, &vip)?,
+            None => table_choice(packet, &vip)?,
         };
         match entry {
             // A first packet (a SYN, a new UDP flow, an ACK of a flow the connection table
@@ -248,8 +286,7 @@ mod program {
                 if unsafe { (*entry).backend_id } == backend_id {
                     unsafe { *entry = fresh };
                     stats.count(stat::CT_CREATED);
-                } else if may_insert(stats, now)
-                    && LB_CONNTRACK.insert(&flow_key, &fresh, 0).is_ok()
+                } else if may_insert(stats, now) && LB_CONNTRACK.insert(flow_key, &fresh, 0).is_ok()
                 {
                     stats.count(stat::CT_CREATED);
                 }
@@ -263,11 +300,13 @@ mod program {
         // A UDP flow counts for its source at its first datagram (many send only one);
         // a TCP flow at its handshake's ACK, above.
         if udp && new_flow {
-            sample_source(&cpu, vip.vip_id, &packet);
+            sample_source(&cpu, vip.vip_id, packet);
         }
-        forward(
-            ctx, stats, &packet, vip.vip_id, backend_id, &backend, new_flow,
-        )
+        Ok(Choice {
+            vip_id: vip.vip_id,
+            backend_id,
+            new_flow,
+        })
     }
 
     /// Counts a new flow for its client source (heavy hitters), sampled: one new flow in
@@ -283,10 +322,14 @@ mod program {
         }
     }
 
-    /// A copy of the VIP slot `key` hashes to, if it may be `key`'s: used, and either
-    /// holding `key` or shared (several keys: `LB_VIPS` decides).
+    /// The VIP of `key`: from the VIP slot it hashes to, after one array read, or from
+    /// `LB_VIPS` when the slot is shared (several keys hash there) or was being
+    /// rewritten; None for a key that is no VIP's, whatever connection-table entries it
+    /// left.
     #[inline(always)]
-    fn vip_slot(key: &VipKey) -> Option<VipSlot> {
+    // Keys go to the maps by reference: by value, each call copies them again.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    fn vip_of(key: &VipKey) -> Option<VipInfo> {
         let live = LB_VIP_SLOTS.get(VipSlot::index(key))? as *const VipSlot as *const u64;
         // Read twice: a copy that differs from the second reading (the agent rewrote
         // the slot meanwhile) may mix two VIPs and is not trusted; LB_VIPS decides, as
@@ -299,30 +342,19 @@ mod program {
         for (i, word) in words.iter().enumerate() {
             changed |= unsafe { core::ptr::read_volatile(live.add(i)) } ^ word;
         }
-        let slot = unsafe { core::mem::transmute::<[u64; 5], VipSlot>(words) };
-        if changed != 0 {
-            return Some(VipSlot {
-                state: VIP_SLOT_USED | VIP_SLOT_SHARED,
-                ..slot
-            });
-        }
-        let mine = slot.state == VIP_SLOT_USED && slot.key.same(key);
-        let shared = slot.state & VIP_SLOT_USED != 0 && slot.state & VIP_SLOT_SHARED != 0;
-        (mine || shared).then_some(slot)
-    }
-
-    /// The VIP of `key`: from its slot, or, when the slot is shared, from `LB_VIPS`.
-    #[inline(always)]
-    // Keys go to the maps by reference: by value, each call copies them again.
-    #[allow(clippy::needless_borrows_for_generic_args)]
-    fn vip_info(slot: &VipSlot, key: &VipKey) -> Option<VipInfo> {
-        if slot.state & VIP_SLOT_SHARED == 0 {
-            return Some(VipInfo {
+        // Read in place, not copied again: the stack is short.
+        let slot = unsafe { &*(words.as_ptr() as *const VipSlot) };
+        if changed == 0 && slot.state == VIP_SLOT_USED {
+            return slot.key.same(key).then_some(VipInfo {
                 vip_id: slot.vip_id,
                 generation: slot.generation,
                 flags: slot.flags,
                 _pad: 0,
             });
+        }
+        let shared = slot.state & VIP_SLOT_USED != 0 && slot.state & VIP_SLOT_SHARED != 0;
+        if changed == 0 && !shared {
+            return None;
         }
         // A copy: the map's element may be reused for a new value while we run.
         unsafe { LB_VIPS.get(key) }.copied()
@@ -331,9 +363,23 @@ mod program {
     /// The backend the VIP's Maglev table gives the packet's flow. A hot source of a
     /// src-ip VIP with hot sources is hashed per connection (`lb_common::table_hash`).
     #[inline(always)]
-    fn table_choice(packet: &Packet, vip: &VipInfo) -> Result<(u32, BackendInfo), Verdict> {
+    fn table_choice(packet: &Packet, vip: &VipInfo) -> Result<u32, Verdict> {
+        match table_backend(packet, vip) {
+            BACKEND_NONE => Err(Verdict::drop(stat::DROP_NO_BACKEND)),
+            id => Ok(id),
+        }
+    }
+
+    /// `table_choice`'s lookup, `BACKEND_NONE` for none.
+    #[inline(always)]
+    fn table_backend(packet: &Packet, vip: &VipInfo) -> u32 {
         let table_size = read(&MAGLEV_SIZE);
-        let (hash, spread) = table_hash(&packet.flow_tuple(), vip.flags, || {
+        let Some(scratch) = LB_SCRATCH.get_ptr_mut(0) else {
+            return BACKEND_NONE;
+        };
+        let tuple = unsafe { &mut (*scratch).tuple };
+        *tuple = packet.flow_tuple();
+        let (hash, spread) = table_hash(tuple, vip.flags, || {
             hot_source(vip.vip_id, packet.src_addr, packet.family)
         });
         if spread {
@@ -342,14 +388,7 @@ mod program {
             Stats::get().count(stat::HOT_SOURCE_SPREAD);
         }
         let table_slot = vip.table_base(table_size) + maglev_slot(hash, table_size);
-        let backend_id = match LB_MAGLEV.get(table_slot) {
-            Some(&id) if id != BACKEND_NONE => id,
-            _ => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
-        };
-        match LB_BACKENDS.get(backend_id) {
-            Some(backend) => Ok((backend_id, *backend)),
-            None => Err(Verdict::drop(stat::DROP_NO_BACKEND)),
-        }
+        LB_MAGLEV.get(table_slot).copied().unwrap_or(BACKEND_NONE)
     }
 
     /// What `lb_common::flow`'s decisions read: this program's maps and globals.
@@ -368,23 +407,49 @@ mod program {
     }
 
     /// Sends the frame to `backend`: its MAC as destination, ours as source, and counts
-    /// it for the VIP and the backend.
+    /// it for the VIP and the backend. A tunnelled backend's frame is first wrapped in
+    /// the outer headers (`encap`), or answered when it would then be too big.
     #[inline(always)]
     fn forward(
         ctx: &XdpContext,
         stats: &Stats,
         packet: &Packet,
-        vip_id: u32,
-        backend_id: u32,
-        backend: &BackendInfo,
-        new_flow: bool,
+        choice: &Choice,
     ) -> Result<Verdict, Verdict> {
+        let Choice {
+            vip_id,
+            backend_id,
+            new_flow,
+        } = *choice;
+        // Read where it is, not copied: each decision above passes on only the id.
+        let Some(backend) = LB_BACKENDS.get(backend_id) else {
+            return Err(Verdict::drop(stat::DROP_NO_BACKEND));
+        };
+        // As the client sent it: the same for every way of forwarding.
+        let bytes = frame_len(ctx);
+        // L2 first and alone: the common case pays one compare.
+        if backend.forward != FORWARD_L2 {
+            let mut outcome = encap::tunnel(XdpContext::new(ctx.ctx), packet, backend);
+            if outcome == stat::TX_ICMP_TOO_BIG {
+                outcome = too_big::answer(XdpContext::new(ctx.ctx), packet, backend);
+            }
+            match outcome {
+                stat::TX_IPIP | stat::TX_GUE => stats.count(outcome),
+                // The frame is the answer now, to the client.
+                stat::TX_ICMP_TOO_BIG => {
+                    return Err(Verdict {
+                        action: xdp_action::XDP_TX,
+                        reason: outcome,
+                    });
+                }
+                _ => return Err(Verdict::drop(outcome)),
+            }
+        }
         let eth = ethernet(ctx)?;
         unsafe {
             (*eth).dst_addr = backend.mac;
             (*eth).src_addr = core::ptr::read_volatile(&IFACE_MAC);
         }
-        let bytes = frame_len(ctx);
         count_traffic(&LB_VIP_STATS, vip_id, bytes, new_flow);
         count_traffic(&LB_BACKEND_STATS, backend_id, bytes, new_flow);
         if packet.vlan {

@@ -13,9 +13,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, FlowEntry, FlowKey, HOT_SOURCE_ENTRIES,
-    MAX_BACKENDS, MAX_VIPS, Outcomes, RateWindow, SOURCE_ENTRIES, SourceKey, TrafficCounters,
-    VipInfo, VipKey, VipSlot, stat,
+    BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, FlowEntry, FlowKey, FlowTuple,
+    HOT_SOURCE_ENTRIES, MAX_BACKENDS, MAX_VIPS, Outcomes, RateWindow, SOURCE_ENTRIES, SourceKey,
+    TrafficCounters, TunnelConfig, VipInfo, VipKey, VipSlot, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -37,9 +37,14 @@ pub static LB_VIP_SLOTS: Array<VipSlot> = Array::with_max_entries(lb_common::VIP
 #[map(name = "LB_MAGLEV")]
 pub static LB_MAGLEV: Array<u32> = Array::with_max_entries(1, 0);
 
-/// backend id -> BackendInfo (its MAC). Written by the agent; MAX_BACKENDS entries.
+/// backend id -> BackendInfo (its MAC, and how it is reached: L2 or a tunnel). Written by the agent; MAX_BACKENDS entries.
 #[map(name = "LB_BACKENDS")]
 pub static LB_BACKENDS: Array<BackendInfo> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// 0 -> TunnelConfig: outer source addresses and the interface MTU, for tunnelled
+/// backends. Written by the agent (start, reload).
+#[map(name = "LB_TUNNEL")]
+pub static LB_TUNNEL: Array<TunnelConfig> = Array::with_max_entries(1, 0);
 
 /// 0 -> Outcomes, per CPU: every outcome of the program (`lb_common::stat`). Read by
 /// the agent.
@@ -61,6 +66,19 @@ pub static LB_BACKEND_STATS: PerCpuArray<TrafficCounters> =
 #[map(name = "LB_CONNTRACK")]
 pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
     LruHashMap::with_max_entries(lb_common::DEFAULT_CONNTRACK_ENTRIES, BPF_F_NO_COMMON_LRU);
+
+/// What the balancer builds per packet in map memory rather than on the stack, which it
+/// shares with the tunnels' functions (512 bytes in all).
+pub struct Scratch {
+    /// The packet's connection-table key.
+    pub key: FlowKey,
+    /// The Maglev hash's input.
+    pub tuple: FlowTuple,
+}
+
+/// 0 -> Scratch, per CPU.
+#[map(name = "LB_SCRATCH")]
+pub static LB_SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// `flow::embryo_place` -> Embryo: the backend each new flow's first packet took, until
 /// its second packet enters it into `LB_CONNTRACK`. Shared by all CPUs (a flow's SYN and

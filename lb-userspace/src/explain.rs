@@ -14,7 +14,7 @@ use lb_common::{
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::Protocol,
+    config::{Forward, Protocol},
     dataplane::Dataplane,
     model::{Model, VipState},
     tables::Desired,
@@ -158,6 +158,22 @@ pub struct Explanation {
     /// hashed on the 5-tuple, not the source.
     #[serde(default)]
     pub hot_source: bool,
+    /// How it gets there: "l2", "ipip" or "gue" (the VIP's `forward`).
+    #[serde(default)]
+    pub forward: Forward,
+    /// The next packet's backend's next hop: itself on-link, else its route's gateway
+    /// (with the MAC used); None without a backend or a route.
+    #[serde(default)]
+    pub next_hop: Option<NextHop>,
+}
+
+/// A backend's next hop (in `lb status` and `lb explain`): the neighbour its frames go
+/// to, and the MAC used.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NextHop {
+    pub address: String,
+    /// None until the neighbour is resolved.
+    pub mac: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -285,13 +301,15 @@ pub fn explain(
             flow::remembered(view, &embryo, tag, vip.id)
         }
         Some(_) => None,
-    }
-    .map(|(id, _)| id);
-    let followed = followed.and_then(Result::ok);
-    let next = match followed.map(|(id, _)| id).or(remembered) {
-        Some(backend_id) => name(backend_id),
-        None => name(table_id),
     };
+    let followed = followed.and_then(Result::ok);
+    let next_id = followed.or(remembered).unwrap_or(table_id);
+    let next_hop = vip.backends.iter().find(|b| b.id == next_id).and_then(|b| {
+        Some(NextHop {
+            address: b.next_hop?.to_string(),
+            mac: b.mac.map(|m| m.to_string()),
+        })
+    });
     Ok(Explanation {
         vip: vip.config.name.clone(),
         hash,
@@ -302,8 +320,10 @@ pub fn explain(
         }),
         conntrack_idle_seconds: idle_ns.map(|ns| ns as f64 / 1e9),
         embryonic_backend: remembered.and_then(name),
-        next_packet_backend: next,
+        next_packet_backend: name(next_id),
         hot_source,
+        forward: vip.config.forward,
+        next_hop,
     })
 }
 

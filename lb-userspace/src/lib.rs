@@ -38,3 +38,7 @@ pub mod writer;
 /// The compiled XDP object (`lb-ebpf`), embedded at build time. Empty when built with
 /// `AYA_BUILD_SKIP=1`.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-xdp"));
+
+/// The backends' decapsulation object (`lb-ebpf`'s `lb-decap`, `lb decap attach`),
+/// embedded at build time. Empty when built with `AYA_BUILD_SKIP=1`.
+pub static DECAP_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-decap"));

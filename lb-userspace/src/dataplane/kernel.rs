@@ -15,9 +15,9 @@ use lb_common::{
     BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE,
     GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS,
     MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_EMBRYONIC,
-    MAP_HOT_SOURCES, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS, MAP_VIP_SLOTS, MAP_VIP_STATS,
-    MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters, VipInfo,
-    VipKey, stat,
+    MAP_HOT_SOURCES, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS, MAP_TUNNEL, MAP_VIP_SLOTS,
+    MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters,
+    TunnelConfig, VipInfo, VipKey, stat,
 };
 
 use super::{
@@ -50,6 +50,7 @@ pub struct AyaDataplane {
     /// program starts without hot sources and has them again within a few samples.
     hot_sources: BpfHashMap<MapData, SourceKey, u32>,
     identities: Array<MapData, BackendIdentity>,
+    tunnel: Array<MapData, TunnelConfig>,
     meta: Array<MapData, u64>,
     /// Where the maps and the link are pinned, if they are.
     pin_dir: Option<PathBuf>,
@@ -142,6 +143,7 @@ impl AyaDataplane {
             sources: take_map(&mut ebpf, MAP_SOURCES)?,
             hot_sources: take_map(&mut ebpf, MAP_HOT_SOURCES)?,
             identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
+            tunnel: take_map(&mut ebpf, MAP_TUNNEL)?,
             meta: take_map(&mut ebpf, MAP_META)?,
             pin_dir: pins.map(Path::to_path_buf),
             options,
@@ -299,65 +301,14 @@ impl AyaDataplane {
         Ok(attachment)
     }
 
-    /// Attaches to `interface`. `Auto` tries native (driver) mode, then generic, and
-    /// keeps why native was refused; it goes to generic at once when `hints` know native
-    /// cannot serve.
+    /// Attaches to `interface` (`attach_xdp`).
     fn attach_link(
         &mut self,
         interface: &str,
         mode: XdpModeSetting,
         hints: &AttachHints,
     ) -> Result<(Attachment, XdpLinkId), DataplaneError> {
-        let program = program(&mut self.ebpf)?;
-        let mut try_attach = |attached: AttachedMode| {
-            let (xdp_mode, name) = match attached {
-                AttachedMode::Native => (XdpMode::Driver, "native"),
-                AttachedMode::Generic => (XdpMode::Skb, "generic"),
-            };
-            program
-                .attach(interface, xdp_mode)
-                .map(|id| (attached, id))
-                .map_err(|source| DataplaneError::Attach {
-                    interface: interface.to_string(),
-                    mode: name,
-                    meaning: attach::meaning(attach::errno(&source), name, interface, hints),
-                    source: Box::new(source),
-                })
-        };
-        let (mode, native_refused, id) = match mode {
-            XdpModeSetting::Native => {
-                let (mode, id) = try_attach(AttachedMode::Native)?;
-                (mode, None, id)
-            }
-            XdpModeSetting::Generic => {
-                let (mode, id) = try_attach(AttachedMode::Generic)?;
-                (mode, None, id)
-            }
-            XdpModeSetting::Auto => match &hints.native_refused {
-                Some(why) => {
-                    let (mode, id) = try_attach(AttachedMode::Generic)?;
-                    (mode, Some(why.clone()), id)
-                }
-                None => match try_attach(AttachedMode::Native) {
-                    Ok((mode, id)) => (mode, None, id),
-                    Err(native) => {
-                        let why = match &native {
-                            DataplaneError::Attach { meaning, .. } => meaning.clone(),
-                            other => other.to_string(),
-                        };
-                        let (mode, id) = try_attach(AttachedMode::Generic)?;
-                        (mode, Some(why), id)
-                    }
-                },
-            },
-        };
-        Ok((
-            Attachment {
-                mode,
-                native_refused,
-            },
-            id,
-        ))
+        attach_xdp(program(&mut self.ebpf)?, interface, mode, hints)
     }
 
     /// The loaded program, for BPF_PROG_TEST_RUN in tests and benchmarks.
@@ -517,6 +468,66 @@ fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
     program.try_into().map_err(lb_xdp_error)
 }
 
+/// Attaches `program` to `interface`. `Auto` tries native (driver) mode, then generic,
+/// and keeps why native was refused; it goes to generic at once when `hints` know native
+/// cannot serve.
+pub(super) fn attach_xdp(
+    program: &mut Xdp,
+    interface: &str,
+    mode: XdpModeSetting,
+    hints: &AttachHints,
+) -> Result<(Attachment, XdpLinkId), DataplaneError> {
+    let mut try_attach = |attached: AttachedMode| {
+        let (xdp_mode, name) = match attached {
+            AttachedMode::Native => (XdpMode::Driver, "native"),
+            AttachedMode::Generic => (XdpMode::Skb, "generic"),
+        };
+        program
+            .attach(interface, xdp_mode)
+            .map(|id| (attached, id))
+            .map_err(|source| DataplaneError::Attach {
+                interface: interface.to_string(),
+                mode: name,
+                meaning: attach::meaning(attach::errno(&source), name, interface, hints),
+                source: Box::new(source),
+            })
+    };
+    let (mode, native_refused, id) = match mode {
+        XdpModeSetting::Native => {
+            let (mode, id) = try_attach(AttachedMode::Native)?;
+            (mode, None, id)
+        }
+        XdpModeSetting::Generic => {
+            let (mode, id) = try_attach(AttachedMode::Generic)?;
+            (mode, None, id)
+        }
+        XdpModeSetting::Auto => match &hints.native_refused {
+            Some(why) => {
+                let (mode, id) = try_attach(AttachedMode::Generic)?;
+                (mode, Some(why.clone()), id)
+            }
+            None => match try_attach(AttachedMode::Native) {
+                Ok((mode, id)) => (mode, None, id),
+                Err(native) => {
+                    let why = match &native {
+                        DataplaneError::Attach { meaning, .. } => meaning.clone(),
+                        other => other.to_string(),
+                    };
+                    let (mode, id) = try_attach(AttachedMode::Generic)?;
+                    (mode, Some(why), id)
+                }
+            },
+        },
+    };
+    Ok((
+        Attachment {
+            mode,
+            native_refused,
+        },
+        id,
+    ))
+}
+
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DataplaneError>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
@@ -604,6 +615,10 @@ impl Dataplane for AyaDataplane {
             .set(id, identity, 0)
             .map_err(in_map(MAP_BACKEND_IDS))?;
         self.backends.set(id, info, 0).map_err(in_map(MAP_BACKENDS))
+    }
+
+    fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError> {
+        self.tunnel.set(0, tunnel, 0).map_err(in_map(MAP_TUNNEL))
     }
 
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError> {

@@ -3,7 +3,8 @@
 use std::collections::{HashMap, HashSet};
 
 use lb_common::{
-    BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, SourceKey, VipInfo, VipKey, stat,
+    BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, SourceKey, TunnelConfig, VipInfo,
+    VipKey, stat,
 };
 
 use super::{Counters, Dataplane, DataplaneError, FlowReader};
@@ -15,6 +16,7 @@ pub enum Write {
     Vip(VipKey, VipInfo),
     RemoveVip(VipKey),
     Backend(u32, BackendInfo, BackendIdentity),
+    Tunnel(TunnelConfig),
     ResetVip(u32),
     ResetBackend(u32),
 }
@@ -29,6 +31,7 @@ pub struct MemoryDataplane {
     pub embryos: HashMap<u32, Embryo>,
     pub sources: HashMap<SourceKey, u64>,
     pub hot_sources: HashSet<SourceKey>,
+    pub tunnel: TunnelConfig,
     pub log: Vec<Write>,
 }
 
@@ -59,6 +62,12 @@ impl Dataplane for MemoryDataplane {
     ) -> Result<(), DataplaneError> {
         self.backends.insert(id, *info);
         self.log.push(Write::Backend(id, *info, *identity));
+        Ok(())
+    }
+
+    fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError> {
+        self.tunnel = *tunnel;
+        self.log.push(Write::Tunnel(*tunnel));
         Ok(())
     }
 

@@ -13,10 +13,12 @@
 //! - `batch.rs`: the bpf(2) batch commands (by hand: aya 0.14 has none) and
 //!   `FlowReader`, the connection-table scan built on them;
 //! - `attach.rs`: what an attach error from the kernel means for the interface;
+//! - `decap.rs`: the backends' decapsulation program (`lb decap`): attach, detach, status;
 //! - `memory.rs`: `MemoryDataplane`, compiled for unit tests only.
 
 mod attach;
 mod batch;
+pub mod decap;
 mod kernel;
 #[cfg(test)]
 mod memory;
@@ -27,7 +29,7 @@ use std::{collections::HashMap, path::PathBuf, time::Duration};
 
 use lb_common::{
     BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, MAX_VIPS, SourceKey, TrafficCounters,
-    VipInfo, VipKey,
+    TunnelConfig, VipInfo, VipKey,
 };
 
 use crate::config::Config;
@@ -111,6 +113,9 @@ pub trait Dataplane {
         info: &BackendInfo,
         identity: &BackendIdentity,
     ) -> Result<(), DataplaneError>;
+    /// Writes the tunnel settings (`LB_TUNNEL`): outer source addresses and the
+    /// interface MTU, for the VIPs with `forward = "ipip" | "gue"`.
+    fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError>;
     /// Zeroes a VIP id's traffic counters (a new VIP must not inherit an old one's).
     fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError>;
     /// Zeroes a backend id's traffic counters.

@@ -76,6 +76,79 @@ pub fn config_text(backends: usize) -> String {
     t
 }
 
+/// The VIP ports of the tunnel cases (on VIP4), and the backends' GUE port.
+const IPIP_PORT: u16 = 81;
+const GUE_PORT_VIP: u16 = 82;
+const GUE_PORT: u16 = 6080;
+
+/// Two more TCP VIPs on VIP4, "ipip4" and "gue4", with the IPv4 VIP's backends (at most
+/// 500 each: all VIPs share `MAX_BACKENDS`); their data-path entries are then made
+/// tunnels by `make_tunnels`.
+fn tunnel_vips(backends: usize) -> String {
+    let backends = backends.min(500);
+    let mut t = String::new();
+    for (name, port) in [("ipip4", IPIP_PORT), ("gue4", GUE_PORT_VIP)] {
+        t += &format!(
+            "\n[[vip]]\nname = \"{name}\"\naddress = \"{VIP4}\"\nport = {port}\n\
+             protocol = \"tcp\"\n[vip.health]\nkind = \"none\"\n"
+        );
+        for i in 0..backends {
+            let address = Ipv4Addr::new(10, 1, (i / 250) as u8, (i % 250) as u8 + 1);
+            t +=
+                &format!("[[vip.backend]]\naddress = \"{address}\"\nmac = \"02:00:00:00:00:fe\"\n");
+        }
+    }
+    t
+}
+
+/// Writes the tunnel VIPs' backends as `forward = "ipip"` / `"gue"` (the agent's half
+/// of the contract, `BackendInfo`), and the outer source.
+fn make_tunnels(inst: &mut Instance) -> Result<()> {
+    let mut entries = Vec::new();
+    for vip in &inst.model.vips {
+        let forward = match vip.config.name.as_str() {
+            "ipip4" => lb_common::FORWARD_IPIP,
+            "gue4" => lb_common::FORWARD_GUE,
+            _ => continue,
+        };
+        for b in &vip.backends {
+            let IpAddr::V4(address) = b.config.address else {
+                continue;
+            };
+            let mut addr = [0; 16];
+            addr[..4].copy_from_slice(&address.octets());
+            let info = lb_common::BackendInfo {
+                forward,
+                family: lb_common::ADDR_FAMILY_V4,
+                gue_port_be: GUE_PORT.to_be(),
+                addr,
+                ..lb_common::BackendInfo::l2(
+                    [2, 0, 0, 0, 0, 0xfe],
+                    lb_common::BACKEND_F_SERVES_FLOWS,
+                    vip.id,
+                )
+            };
+            let identity = lb_common::BackendIdentity {
+                addr,
+                vip_id: vip.id,
+                family: lb_common::ADDR_FAMILY_V4,
+                in_use: 1,
+                _pad: [0; 2],
+            };
+            entries.push((b.id, info, identity));
+        }
+    }
+    for (id, info, identity) in entries {
+        inst.dataplane.set_backend(id, &info, &identity)?;
+    }
+    inst.dataplane.set_tunnel(&lb_common::TunnelConfig {
+        src_v4: [10, 0, 0, 2],
+        mtu: 1500,
+        src_v6: [0; 16],
+    })?;
+    Ok(())
+}
+
 /// A program of the test object (`xdp_pass`: the empty program) on its own.
 pub fn load_program(name: &str) -> Result<aya::Ebpf> {
     load_test_program(name, 1)
@@ -104,7 +177,7 @@ struct Case {
     /// new flow's packets. The loop's figures are per call (the whole sequence); under
     /// `repeat`, only `frame` is sent, and the figures are not shown.
     then: Vec<Vec<u8>>,
-    /// Sent once before measuring (creates the flow's entry).
+    /// Sent once before measuring, then `frame` once (the two make the flow's entry).
     prime: Option<Vec<u8>>,
     /// The loop gives every call a new source (IPv4 only).
     new_source_per_call: bool,
@@ -112,6 +185,9 @@ struct Case {
     /// (IPv4 only); 1: one flow. Under `repeat` only the first flow is sent.
     flows: u32,
     action: u32,
+    /// The output is no packet for the VIP any more (it is encapsulated), so `repeat`
+    /// cannot run it again: it runs once, and the loop alone measures the case.
+    once_per_call: bool,
 }
 
 impl Case {
@@ -156,16 +232,18 @@ fn cases() -> Vec<Case> {
             new_source_per_call: true,
             flows: 1,
             action: XDP_TX,
+            once_per_call: false,
         },
         Case {
             name: "tcp_handshake",
             what: "a handshake's SYN and ACK, a new tuple every call (the ACK makes the entry)",
-            frame: frame(c4, v4, 40005, 80, syn),
-            then: vec![frame(c4, v4, 40005, 80, ack)],
+            frame: frame(c4, v4, 40007, 80, syn),
+            then: vec![frame(c4, v4, 40007, 80, ack)],
             prime: None,
             new_source_per_call: true,
             flows: 1,
             action: XDP_TX,
+            once_per_call: false,
         },
         Case {
             name: "tcp_short_connection",
@@ -178,6 +256,7 @@ fn cases() -> Vec<Case> {
             new_source_per_call: true,
             flows: 1,
             action: XDP_TX,
+            once_per_call: false,
         },
         Case {
             name: "tcp_established",
@@ -188,6 +267,7 @@ fn cases() -> Vec<Case> {
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
+            once_per_call: false,
         },
         Case {
             name: "tcp_established_16k_flows",
@@ -198,6 +278,7 @@ fn cases() -> Vec<Case> {
             new_source_per_call: false,
             flows: MANY_FLOWS,
             action: XDP_TX,
+            once_per_call: false,
         },
         Case {
             name: "udp",
@@ -208,6 +289,7 @@ fn cases() -> Vec<Case> {
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
+            once_per_call: false,
         },
         Case {
             name: "ipv6_tcp_established",
@@ -218,6 +300,29 @@ fn cases() -> Vec<Case> {
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
+            once_per_call: false,
+        },
+        Case {
+            name: "tcp_established_ipip",
+            what: "TCP ACK of an established flow to an ipip VIP (IPv4 in IPv4)",
+            frame: frame(c4, v4, 40005, IPIP_PORT, ack),
+            then: vec![],
+            prime: Some(frame(c4, v4, 40005, IPIP_PORT, syn)),
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_TX,
+            once_per_call: true,
+        },
+        Case {
+            name: "tcp_established_gue",
+            what: "TCP ACK of an established flow to a gue VIP (IPv4 + UDP + IPv4)",
+            frame: frame(c4, v4, 40006, GUE_PORT_VIP, ack),
+            then: vec![],
+            prime: Some(frame(c4, v4, 40006, GUE_PORT_VIP, syn)),
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_TX,
+            once_per_call: true,
         },
         Case {
             name: "pass_not_vip",
@@ -228,8 +333,42 @@ fn cases() -> Vec<Case> {
             new_source_per_call: false,
             flows: 1,
             action: XDP_PASS,
+            once_per_call: false,
         },
     ]
+}
+
+/// The tunnels' cost next to L2's, per backend count: loop kernel net ns, and ratios.
+fn tunnel_ratios(net: &[(String, usize, f64, f64, f64)]) -> Table {
+    let mut table = Table::new(
+        "Tunnel DSR next to L2 (established TCP, loop kernel net ns, medians)",
+        &["backends", "l2", "ipip", "gue", "ipip / l2", "gue / l2"],
+    );
+    let mut counts: Vec<usize> = net.iter().map(|r| r.1).collect();
+    counts.dedup();
+    for backends in counts {
+        let ns = |case: &str| {
+            net.iter()
+                .find(|r| r.0 == case && r.1 == backends)
+                .map(|r| r.3)
+                .unwrap_or(f64::NAN)
+        };
+        let (l2, ipip, gue) = (
+            ns("tcp_established"),
+            ns("tcp_established_ipip"),
+            ns("tcp_established_gue"),
+        );
+        table.row(vec![
+            backends.to_string(),
+            num(l2, 1),
+            num(ipip, 1),
+            num(gue, 1),
+            num(ipip / l2, 2),
+            num(gue / l2, 2),
+        ]);
+    }
+    table.note("Figures, not limits: ratios of one run on this machine.");
+    table
 }
 
 /// One `repeat = n` call: (return value, kernel ns per run, wall ns per run).
@@ -335,17 +474,22 @@ pub fn run(opts: &Options) -> Result<Results> {
     );
     for &backends in &opts.backend_counts {
         eprintln!("bench: per packet, {backends} backend(s)...");
-        let mut inst = Instance::load(&config_text(backends))?;
+        let mut inst = Instance::load(&(config_text(backends) + &tunnel_vips(backends)))?;
+        make_tunnels(&mut inst)?;
         let cases = cases();
         for case in &cases {
             if let Some(p) = &case.prime {
                 let program = inst.dataplane.program_mut()?;
-                let mut p = p.clone();
+                // The flow's first packet, then its frame once: the second packet is
+                // the one that enters the flow into the connection table.
+                let (mut p, mut second) = (p.clone(), case.frame.clone());
                 for flow in 0..case.flows {
                     if case.flows > 1 {
                         set_src_port(&mut p, FLOWS_BASE_PORT + flow as u16);
+                        set_src_port(&mut second, FLOWS_BASE_PORT + flow as u16);
                     }
                     run_repeat(program, &p, 1)?;
+                    run_repeat(program, &second, 1)?;
                 }
             }
         }
@@ -355,15 +499,16 @@ pub fn run(opts: &Options) -> Result<Results> {
         let mut source_counter = 0u64;
         for round in 0..opts.rounds {
             for (ci, case) in cases.iter().enumerate() {
+                let repeat = if case.once_per_call { 1 } else { opts.repeat };
                 let pass_prog = xdp(&mut pass_ebpf, "xdp_pass")?;
-                let (rv, k, w) = run_repeat(pass_prog, &case.frame, opts.repeat)?;
+                let (rv, k, w) = run_repeat(pass_prog, &case.frame, repeat)?;
                 ensure!(rv == XDP_PASS, "xdp_pass returned {rv}");
                 pass[ci].repeat_kernel.push(k);
                 pass[ci].repeat_wall.push(w);
 
                 let before = inst.dataplane.counters(&[], &[])?.outcomes;
                 let program = inst.dataplane.program_mut()?;
-                let (rv, k, w) = run_repeat(program, &case.frame, opts.repeat)?;
+                let (rv, k, w) = run_repeat(program, &case.frame, repeat)?;
                 if rv != case.action {
                     bail!(
                         "{} with {backends} backends: lb_xdp returned {rv}, expected {}",
@@ -426,10 +571,10 @@ pub fn run(opts: &Options) -> Result<Results> {
             let rk_net = net(&l.repeat_kernel, &p.repeat_kernel);
             let lk_net = net(&l.loop_kernel, &p.loop_kernel);
             let lw_net = net(&l.loop_wall, &p.loop_wall);
-            // Under repeat the many-flows case is one flow, and a sequence its first
-            // frame: shown in the JSON only.
+            // Under repeat the many-flows case is one flow, a sequence its first frame,
+            // and an encapsulated case ran once: shown in the JSON only.
             let one_flow = |x: f64| {
-                if case.flows > 1 || !case.then.is_empty() {
+                if case.flows > 1 || !case.then.is_empty() || case.once_per_call {
                     f64::NAN
                 } else {
                     x
@@ -497,8 +642,15 @@ pub fn run(opts: &Options) -> Result<Results> {
         "tcp_established_16k_flows: the loop cycles over 16384 established flows (as the \
          veth generator does); the other cases send one flow, always hot in the cache.",
     );
+    table.note(
+        "tcp_established_ipip / _gue: the same established ACK as tcp_established, to a VIP \
+         whose backends are reached through a tunnel (the program adds the outer headers); \
+         measured by the loop only, since under repeat the program would see its own \
+         encapsulated output.",
+    );
+    let ratios = tunnel_ratios(&net_all);
     Ok(Results {
-        tables: vec![table],
+        tables: vec![table, ratios],
         json: json!({
             "empty_program": "xdp_pass",
             "results": out_json,
