@@ -156,11 +156,19 @@ mod program {
             // To where the flow's packets go, without touching its entry: an error is
             // not a packet of the flow. TCP: the entry's backend, else the table's; the
             // backend's kernel checks the quoted sequence number, so a forged error
-            // cannot touch a connection. UDP: only a live entry's; nothing checks a UDP
-            // error, so it must at least name a flow seen within the idle time.
-            let held = entry.and_then(|entry| {
-                flow::held(&Maps, unsafe { &*entry }, packet.proto, vip.vip_id, now)
-            });
+            // cannot touch a connection. UDP: only a live entry's, or the backend the
+            // embryonic table remembers for the flow's first datagram (a flow of one
+            // request has no entry); nothing checks a UDP error, so it must at least name
+            // a flow seen.
+            let held = match entry {
+                Some(entry) => flow::held(&Maps, unsafe { &*entry }, packet.proto, vip.vip_id, now),
+                None => {
+                    let (index, tag) = flow::embryo_place(flow_key);
+                    LB_EMBRYONIC
+                        .get(index)
+                        .and_then(|embryo| flow::remembered(&Maps, embryo, tag, vip.vip_id))
+                }
+            };
             let backend_id = match held {
                 Some(held) => held,
                 None if packet.proto == PROTO_UDP => {
