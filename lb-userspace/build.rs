@@ -1,12 +1,13 @@
 //! Builds the eBPF crate with the nightly toolchain (aya's template way): one run gives
-//! both of its objects, the balancer `lb-xdp`, embedded here, and the test object
-//! `lb-test-xdp`, handed to dependents (the tests crate) as `links` metadata
-//! (`DEP_LB_XDP_TEST_OBJECT`), so the `lb` binary carries the balancer only.
+//! all of its objects, the balancer `lb-xdp` and the backends' decapsulation program
+//! `lb-decap`, embedded here, and the test object `lb-test-xdp`, handed to dependents
+//! (the tests crate) as `links` metadata (`DEP_LB_XDP_TEST_OBJECT`), so the `lb` binary
+//! carries no test programs.
 //! With AYA_BUILD_SKIP=1 (clippy, `cargo check` on machines without bpf-linker) empty
 //! placeholder objects are written instead, so the crates still compile.
 use std::{env, fs, path::PathBuf};
 
-const OBJECTS: [&str; 2] = ["lb-xdp", "lb-test-xdp"];
+const OBJECTS: [&str; 3] = ["lb-xdp", "lb-decap", "lb-test-xdp"];
 
 fn main() -> anyhow::Result<()> {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));

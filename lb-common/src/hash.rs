@@ -1,7 +1,7 @@
 //! The flow hash (run per packet in the kernel and by `lb explain` in userspace) and the
 //! stable hash that seeds Maglev permutations.
 
-use crate::ADDR_FAMILY_V4;
+use crate::{ADDR_FAMILY_V4, VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES};
 
 /// The fields of a packet that choose its backend.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -35,8 +35,9 @@ const fn mix(h: u32, k: u32) -> u32 {
         .wrapping_add(0xe654_6b64)
 }
 
+/// MurmurHash3's finaliser: every input bit moves every output bit.
 #[inline(always)]
-const fn finish(mut h: u32) -> u32 {
+pub const fn finish(mut h: u32) -> u32 {
     h ^= h >> 16;
     h = h.wrapping_mul(0x85eb_ca6b);
     h ^= h >> 13;
@@ -64,6 +65,18 @@ pub fn flow_hash(flow: &FlowTuple, src_only: bool) -> u32 {
     let h = mix_addr(h, &flow.dst, flow.family);
     let h = mix(h, ((flow.src_port as u32) << 16) | flow.dst_port as u32);
     finish(mix(h, flow.proto as u32))
+}
+
+/// The hash a VIP's table is indexed by for a flow without a held backend, given the
+/// VIP's `VIP_F_*` flags, and whether the flow was spread: a src-ip VIP hashes the
+/// source only, unless it has hot sources (`VIP_F_HOT_SOURCES`) and `is_hot` says the
+/// source is one of them; then the whole 5-tuple (per connection). `is_hot` (a map
+/// lookup in the kernel) is called only for such a VIP.
+#[inline(always)]
+pub fn table_hash(flow: &FlowTuple, flags: u32, is_hot: impl FnOnce() -> bool) -> (u32, bool) {
+    let src_only = flags & VIP_F_HASH_SRC_IP != 0;
+    let spread = src_only && flags & VIP_F_HOT_SOURCES != 0 && is_hot();
+    (flow_hash(flow, src_only && !spread), spread)
 }
 
 /// The hash of a VIP key (for `VipSlot::index`).
@@ -145,6 +158,37 @@ mod tests {
         let a = v4(0x0a00_0001, 0x0a00_0064, 40000, 80);
         let b = v4(0x0a00_0001, 0x0a00_0099, 50000, 443);
         assert_eq!(flow_hash(&a, true), flow_hash(&b, true));
+    }
+
+    #[test]
+    fn a_hot_source_of_a_src_ip_vip_is_hashed_per_connection() {
+        let a = v4(0x0a00_0001, 0x0a00_0064, 40000, 80);
+        let b = v4(0x0a00_0001, 0x0a00_0064, 40001, 80);
+        let hot_vip = VIP_F_HASH_SRC_IP | VIP_F_HOT_SOURCES;
+        // Cold: by source; hot: by 5-tuple, so two ports of one source differ.
+        assert_eq!(
+            table_hash(&a, hot_vip, || false),
+            (flow_hash(&a, true), false)
+        );
+        assert_eq!(
+            table_hash(&a, hot_vip, || true),
+            (flow_hash(&a, false), true)
+        );
+        assert_ne!(
+            table_hash(&a, hot_vip, || true),
+            table_hash(&b, hot_vip, || true)
+        );
+        // Without the flag (or on a 5-tuple VIP) the hot set is never looked at.
+        let never = || -> bool { panic!("looked up") };
+        assert_eq!(
+            table_hash(&a, VIP_F_HASH_SRC_IP, never),
+            (flow_hash(&a, true), false)
+        );
+        assert_eq!(table_hash(&a, 0, never), (flow_hash(&a, false), false));
+        assert_eq!(
+            table_hash(&a, VIP_F_HOT_SOURCES, never),
+            (flow_hash(&a, false), false)
+        );
     }
 
     #[test]

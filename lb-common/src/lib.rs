@@ -12,7 +12,7 @@ pub mod maglev;
 pub mod addr;
 pub mod flow;
 mod hash;
-pub use hash::{FlowTuple, flow_hash, stable_hash64};
+pub use hash::{FlowTuple, finish as fmix32, flow_hash, stable_hash64, table_hash};
 
 use bytemuck::{Pod, Zeroable};
 use core::mem::size_of;
@@ -38,14 +38,21 @@ pub const MAP_STATS: &str = "LB_STATS";
 pub const MAP_VIP_STATS: &str = "LB_VIP_STATS";
 pub const MAP_BACKEND_STATS: &str = "LB_BE_STATS";
 pub const MAP_CONNTRACK: &str = "LB_CONNTRACK";
+pub const MAP_EMBRYONIC: &str = "LB_EMBRYONIC";
+/// Slots of `LB_EMBRYONIC` (a power of two): first packets of flows the connection table
+/// does not hold yet. 512 KiB.
+pub const EMBRYONIC_SLOTS: u32 = 1 << 16;
 pub const MAP_FLOOD: &str = "LB_FLOOD";
 pub const MAP_SOURCES: &str = "LB_SOURCES";
+pub const MAP_HOT_SOURCES: &str = "LB_HOT_SRC";
 pub const MAP_CAPTURE: &str = "LB_CAPTURE";
 /// The ring buffer of new connection-table entries for the cluster's peers.
 pub const MAP_EXPORT: &str = "LB_EXPORT";
 /// Global set at load time: non-zero when `[cluster]` is configured, so the program
 /// exports every entry it creates to `MAP_EXPORT` (zero: one predictable branch).
 pub const GLOBAL_CLUSTER_EXPORT: &str = "CLUSTER_EXPORT";
+/// The tunnel settings (`TunnelConfig`, one entry).
+pub const MAP_TUNNEL: &str = "LB_TUNNEL";
 /// Bytes of each captured frame kept (the rest is cut, as tcpdump's snaplen).
 pub const CAPTURE_BYTES: usize = 128;
 /// Global set at load time: one new flow in this many is counted (with that weight) for
@@ -57,6 +64,8 @@ pub const DEFAULT_SOURCE_SAMPLE: u32 = 8;
 pub const GLOBAL_CAPTURE_RATE: &str = "CAPTURE_RATE";
 /// Client sources tracked for heavy-hitter reports (LRU: the busiest stay).
 pub const SOURCE_ENTRIES: u32 = 16384;
+/// Most hot sources (`LB_HOT_SRC`) over all VIPs at once.
+pub const HOT_SOURCE_ENTRIES: u32 = 1024;
 /// Written by the agent only, read back by a restarted agent: what the pinned maps hold.
 pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
@@ -115,6 +124,10 @@ const _: () = assert!(size_of::<VipKey>() == 20);
 
 /// `VipInfo::flags`: hash on the source address only (client affinity).
 pub const VIP_F_HASH_SRC_IP: u32 = 1;
+/// `VipInfo::flags`, with `VIP_F_HASH_SRC_IP`: the VIP has `hot_source_share`, so a new
+/// flow from a source in `LB_HOT_SRC` is hashed on its 5-tuple. Without it the program
+/// never looks there: other VIPs pay nothing.
+pub const VIP_F_HOT_SOURCES: u32 = 2;
 
 /// Value of `LB_VIPS`.
 #[repr(C)]
@@ -148,19 +161,77 @@ impl VipInfo {
 /// healthy). Without it, a connection-table entry pointing here is re-hashed.
 pub const BACKEND_F_SERVES_FLOWS: u16 = 1;
 
+/// `BackendInfo::forward`: the frame keeps its packet, only the MACs are rewritten
+/// (the backend shares the balancer's L2 segment).
+pub const FORWARD_L2: u8 = 0;
+/// `BackendInfo::forward`: the packet is encapsulated in an outer IP header to the
+/// backend's address (IPIP: 4in4, 6in6, 4in6, 6in4, by the two families).
+pub const FORWARD_IPIP: u8 = 1;
+/// `BackendInfo::forward`: the packet is encapsulated in outer IP + UDP to
+/// `BackendInfo::gue_port_be`, GUE variant 1 ("direct IP": no GUE header; the inner IP
+/// version nibble tells IPv4 from IPv6), as Linux fou (`encap gue`, `ipproto 4/41`
+/// receive side: `ip fou add port N gue`) and Katran send it.
+pub const FORWARD_GUE: u8 = 2;
+
 /// Value of `LB_BACKENDS`, indexed by backend id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct BackendInfo {
-    /// Destination MAC of frames sent to this backend.
+    /// Destination MAC of frames sent to this backend: the backend's own for an on-link
+    /// backend (always for `FORWARD_L2`), the gateway's for a routed one.
     pub mac: [u8; 6],
     /// `BACKEND_F_*` bits.
     pub flags: u16,
     /// The VIP this backend id belongs to (every id serves one VIP): a packet that
     /// follows its connection-table entry counts for this VIP without looking it up.
     pub vip_id: u32,
+    /// `FORWARD_*`: how frames reach the backend.
+    pub forward: u8,
+    /// `ADDR_FAMILY_V4` or `ADDR_FAMILY_V6` of `addr`: the outer header's family for a
+    /// tunnel (which may differ from the VIP's: 4in6, 6in4).
+    pub family: u8,
+    /// `FORWARD_GUE`: the outer UDP destination port. Network order.
+    pub gue_port_be: u16,
+    /// The backend's own address: the outer destination of a tunnel. IPv4: the first 4
+    /// bytes, the rest zero. Network order.
+    pub addr: [u8; 16],
 }
-const _: () = assert!(size_of::<BackendInfo>() == 12);
+const _: () = assert!(size_of::<BackendInfo>() == 32);
+
+impl BackendInfo {
+    /// A backend reached by MAC rewrite alone (`FORWARD_L2`); no address needed.
+    pub const fn l2(mac: [u8; 6], flags: u16, vip_id: u32) -> Self {
+        Self {
+            mac,
+            flags,
+            vip_id,
+            forward: FORWARD_L2,
+            family: 0,
+            gue_port_be: 0,
+            addr: [0; 16],
+        }
+    }
+}
+
+/// Value of `LB_TUNNEL` (one entry): what every encapsulation needs besides the
+/// backend. Written by the agent at start and on every reload (so a reload can change
+/// the source), read by the program for each tunnelled packet.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TunnelConfig {
+    /// Outer IPv4 source (`dataplane.tunnel_source`, else the interface's address).
+    /// All zero: no IPv4 source; packets to IPv4-addressed tunnel backends are dropped
+    /// (`drop_no_tunnel_source`). Network order.
+    pub src_v4: [u8; 4],
+    /// The interface MTU: an encapsulated packet longer than this (IP packet, without
+    /// the Ethernet header) is answered with "fragmentation needed" / "packet too big".
+    /// 0: not checked.
+    pub mtu: u32,
+    /// Outer IPv6 source (`dataplane.tunnel_source6`, else the interface's global
+    /// address); all zero: none, as for `src_v4`.
+    pub src_v6: [u8; 16],
+}
+const _: () = assert!(size_of::<TunnelConfig>() == 24);
 
 /// Entries of `LB_VIP_SLOTS`.
 pub const VIP_SLOTS: u32 = 4096;
@@ -226,6 +297,19 @@ pub struct SourceKey {
     pub _pad: [u8; 3],
 }
 const _: () = assert!(size_of::<SourceKey>() == 24);
+
+impl SourceKey {
+    /// The key of client `addr` (map form, `addr::to_map`) of VIP `vip_id`.
+    #[inline(always)]
+    pub const fn new(vip_id: u32, addr: [u8; 16], family: u8) -> Self {
+        Self {
+            addr,
+            vip_id,
+            family,
+            _pad: [0; 3],
+        }
+    }
+}
 
 /// One frame sent to userspace by the debug capture (`LB_CAPTURE` ring buffer).
 #[repr(C)]
@@ -324,6 +408,30 @@ pub struct ExportRecord {
     pub flags: u32,
 }
 const _: () = assert!(size_of::<ExportRecord>() == 48);
+/// `Embryo::flags`: the first packet was a SYN, and no later packet of the flow has
+/// entered (or re-written) its connection-table entry since. A SYN does not look the
+/// connection table up (that lookup is most of what a spoofed SYN would cost); an entry
+/// left by an earlier connection on the same tuple meets this flag at its next packet and
+/// gives way to the new connection.
+pub const EMBRYO_F_SYN: u16 = 1;
+
+/// Value of `LB_EMBRYONIC`, indexed by `flow::embryo_place`: the backend the first
+/// packet of a flow took (a SYN, a UDP flow's first datagram, an ACK the connection table
+/// did not know), so the flow's second packet, which enters it into the connection table,
+/// goes there too even if the Maglev table changed in between. Direct-mapped: a newer
+/// flow on the same slot overwrites it, and the older flow's next packet then takes the
+/// Maglev table, as it would have anyway.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct Embryo {
+    /// `flow::embryo_place`'s tag of the flow (never 0: an empty slot is all zeroes).
+    pub tag: u32,
+    /// Below `MAX_BACKENDS`.
+    pub backend_id: u16,
+    /// `EMBRYO_F_*` bits.
+    pub flags: u16,
+}
+const _: () = assert!(size_of::<Embryo>() == 8);
 
 /// A per-CPU rate limit's window: events counted in the second that began at
 /// `start_ns`. The value of `LB_FLOOD` (connection-table inserts) and of
@@ -388,19 +496,23 @@ pub mod stat {
     pub const SEEN_IPV4_OPTIONS: u32 = 14;
     /// Forwarded, noted: a packet with an 802.1Q tag.
     pub const SEEN_VLAN: u32 = 15;
-    /// A TCP SYN: always balanced by the Maglev table, (re)creating its entry.
+    /// A TCP SYN: always balanced by the Maglev table, and remembered in the embryonic
+    /// table; it neither reads nor writes the connection table (a spoofed SYN costs no
+    /// entry and no lookup).
     pub const CT_MISS_SYN: u32 = 16;
-    /// A TCP packet other than SYN with no entry: a flow the table did not know. Steady
+    /// A TCP packet other than SYN with no entry whose flow's first packet the embryonic
+    /// table does not remember: a flow lb did not know (or a spoofed ACK). Steady
     /// non-zero growth means flows are being broken.
     pub const CT_MISS_NON_SYN: u32 = 17;
-    /// A UDP packet with no live entry: a new (or idle-expired) UDP flow.
+    /// A UDP packet with no live entry, not its flow's second: a new (or idle-expired)
+    /// UDP flow.
     pub const CT_MISS_UDP: u32 = 18;
     /// A packet that followed its entry.
     pub const CT_HIT: u32 = 19;
     /// An entry whose backend no longer serves flows (failed, maint, removed): re-hashed.
     pub const CT_REHASH: u32 = 20;
-    /// Entries written for a new choice of backend: created, or an existing entry
-    /// re-written in place (a SYN on a reused tuple, a re-hash, an idle UDP flow).
+    /// Entries written: created by a flow's second packet (`CT_PROMOTED`), or an
+    /// existing entry re-written (a SYN on a reused tuple, a re-hash, an idle UDP flow).
     pub const CT_CREATED: u32 = 21;
     /// Inserts skipped by the flood guard (`CT_INSERT_LIMIT`).
     pub const CT_INSERT_SKIPPED: u32 = 22;
@@ -410,11 +522,41 @@ pub mod stat {
     /// a VIP flow, sent to that flow's backend (whose replies bypass the balancer, so
     /// only it can lower its path MTU).
     pub const SEEN_ICMP_TOO_BIG: u32 = 24;
+    /// First packets of flows remembered in the embryonic table (`LB_EMBRYONIC`) instead
+    /// of the connection table: SYNs, UDP flows' first datagrams, ACKs of flows the
+    /// connection table did not hold. A flood of random tuples ends here.
+    pub const CT_EMBRYONIC: u32 = 25;
+    /// Flows entered into the connection table by their second packet (a handshake's
+    /// ACK, a UDP flow's second datagram), to the backend their first packet took.
+    pub const CT_PROMOTED: u32 = 26;
+    /// A new flow of a hot source (`LB_HOT_SRC`) of a src-ip VIP, hashed on its 5-tuple
+    /// instead of its source.
+    pub const HOT_SOURCE_SPREAD: u32 = 27;
+    /// Entries of an earlier connection on a tuple a new SYN reused: re-written to the
+    /// SYN's backend at the new connection's next packet.
+    pub const CT_REUSED: u32 = 28;
+    /// Forwarded in an IPIP tunnel (`forward = "ipip"`).
+    pub const TX_IPIP: u32 = 29;
+    /// Forwarded in a GUE tunnel (`forward = "gue"`).
+    pub const TX_GUE: u32 = 30;
+    /// Answered (XDP_TX back to the client): too big for the interface MTU once
+    /// encapsulated; an ICMP "fragmentation needed" / ICMPv6 "packet too big" carries
+    /// the usable MTU.
+    pub const TX_ICMP_TOO_BIG: u32 = 31;
+    /// Dropped: too big once encapsulated and not answerable (an IPv4 packet without
+    /// DF, which would have to be fragmented; or the answer could not be built).
+    pub const DROP_TOO_BIG: u32 = 32;
+    /// Dropped: a tunnel backend of a family with no outer source address in
+    /// `LB_TUNNEL`.
+    pub const DROP_NO_TUNNEL_SOURCE: u32 = 33;
+    /// Dropped: the frame could not be grown for the outer headers
+    /// (`bpf_xdp_adjust_head` refused).
+    pub const DROP_ENCAP_FAILED: u32 = 34;
     /// New entries written to the cluster export ring (`[cluster]`).
-    pub const CLUSTER_EXPORTED: u32 = 25;
+    pub const CLUSTER_EXPORTED: u32 = 35;
     /// New entries not exported: the ring was full (the agent or its peers are slow).
-    pub const CLUSTER_EXPORT_DROPPED: u32 = 26;
-    pub const COUNT: u32 = 27;
+    pub const CLUSTER_EXPORT_DROPPED: u32 = 36;
+    pub const COUNT: u32 = 37;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -443,9 +585,110 @@ pub mod stat {
         "ct_insert_skipped",
         "captured",
         "seen_icmp_too_big",
+        "ct_embryonic",
+        "ct_promoted",
+        "hot_source_spread",
+        "ct_reused",
+        "tx_ipip",
+        "tx_gue",
+        "tx_icmp_too_big",
+        "drop_too_big",
+        "drop_no_tunnel_source",
+        "drop_encap_failed",
         "cluster_exported",
         "cluster_export_dropped",
     ];
+}
+
+/// The decapsulation program for backends (`lb decap`): object `lb-decap` (embedded in
+/// `lb` as `lb_userspace::DECAP_OBJECT`), one XDP program that strips the outer header of
+/// IPIP (4in4, 6in4, 4in6, 6in6) and GUE packets addressed to one of this host's
+/// addresses and passes the inner packet to the stack; everything else passes untouched.
+pub mod decap {
+    use super::{Pod, Zeroable, size_of};
+
+    /// The program's name in the object.
+    pub const PROGRAM: &str = "lb_decap";
+    /// `Outcomes`-like counters (`DecapOutcomes`, one entry, per CPU), by `stat`.
+    pub const MAP_STATS: &str = "LB_DECAP_STATS";
+    /// `HostAddr` -> u8 (1): the outer destinations taken as this host's. Filled by the
+    /// loader from the host's addresses at attach.
+    pub const MAP_ADDRS: &str = "LB_DECAP_ADDRS";
+    /// Array of u32 (`CONFIG_*` indices): settings the loader writes.
+    pub const MAP_CONFIG: &str = "LB_DECAP_CONFIG";
+    /// `MAP_CONFIG` index: the GUE UDP port (host order); 0: GUE not decapsulated.
+    pub const CONFIG_GUE_PORT: u32 = 0;
+    /// `MAP_CONFIG` index, for `lb decap status` only: how the link was attached
+    /// (`meta::MODE_NATIVE` or `meta::MODE_GENERIC`).
+    pub const CONFIG_MODE: u32 = 1;
+    pub const CONFIG_ENTRIES: u32 = 4;
+    /// Most host addresses `MAP_ADDRS` holds.
+    pub const MAX_ADDRS: u32 = 256;
+    /// The port `lb decap attach` listens on without `--gue-port` (and the default
+    /// `gue_port` of a VIP).
+    pub const DEFAULT_GUE_PORT: u16 = 6080;
+
+    /// Key of `MAP_ADDRS`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
+    pub struct HostAddr {
+        /// IPv4: the first 4 bytes, the rest zero. Network order.
+        pub addr: [u8; 16],
+        /// `ADDR_FAMILY_V4` or `ADDR_FAMILY_V6`.
+        pub family: u8,
+        pub _pad: [u8; 3],
+    }
+    const _: () = assert!(size_of::<HostAddr>() == 20);
+
+    /// Value of `MAP_STATS`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+    pub struct DecapOutcomes {
+        pub counts: [u64; stat::COUNT as usize],
+    }
+
+    /// Indices of `DecapOutcomes::counts`: every frame counts once.
+    pub mod stat {
+        /// Decapsulated and passed: IPv4 in IPv4 (protocol 4).
+        pub const DECAP_4IN4: u32 = 0;
+        /// IPv6 in IPv4 (protocol 41).
+        pub const DECAP_6IN4: u32 = 1;
+        /// IPv4 in IPv6 (next header 4).
+        pub const DECAP_4IN6: u32 = 2;
+        /// IPv6 in IPv6 (next header 41).
+        pub const DECAP_6IN6: u32 = 3;
+        /// GUE (variant 1) in outer IPv4, either inner family.
+        pub const DECAP_GUE4: u32 = 4;
+        /// GUE (variant 1) in outer IPv6.
+        pub const DECAP_GUE6: u32 = 5;
+        /// Passed untouched: not a tunnel packet (not IP, another protocol, UDP to
+        /// another port, an IPv6 extension header).
+        pub const PASS_NOT_TUNNEL: u32 = 6;
+        /// Passed untouched: a tunnel packet to an address not in `MAP_ADDRS`.
+        pub const PASS_NOT_LOCAL: u32 = 7;
+        /// Passed untouched: a tunnel packet whose headers are malformed or cut short
+        /// (outer or inner), or a GUE header other than variant 1 with a known version.
+        pub const PASS_MALFORMED: u32 = 8;
+        /// Passed untouched: an outer IPv4 fragment (the stack reassembles it).
+        pub const PASS_FRAGMENT: u32 = 9;
+        /// Dropped: the frame could not be shrunk after the headers were moved.
+        pub const DROP_FAILED: u32 = 10;
+        pub const COUNT: u32 = 11;
+
+        pub const NAMES: [&str; COUNT as usize] = [
+            "decap_4in4",
+            "decap_6in4",
+            "decap_4in6",
+            "decap_6in6",
+            "decap_gue4",
+            "decap_gue6",
+            "pass_not_tunnel",
+            "pass_not_local",
+            "pass_malformed",
+            "pass_fragment",
+            "drop_failed",
+        ];
+    }
 }
 
 // The agent reads and writes these through aya's typed maps.
@@ -454,6 +697,9 @@ mod aya_pod {
     unsafe impl aya::Pod for super::VipKey {}
     unsafe impl aya::Pod for super::VipInfo {}
     unsafe impl aya::Pod for super::BackendInfo {}
+    unsafe impl aya::Pod for super::TunnelConfig {}
+    unsafe impl aya::Pod for super::decap::HostAddr {}
+    unsafe impl aya::Pod for super::decap::DecapOutcomes {}
     unsafe impl aya::Pod for super::VipSlot {}
     unsafe impl aya::Pod for super::BackendIdentity {}
     unsafe impl aya::Pod for super::SourceKey {}
@@ -461,6 +707,7 @@ mod aya_pod {
     unsafe impl aya::Pod for super::TrafficCounters {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}
+    unsafe impl aya::Pod for super::Embryo {}
     unsafe impl aya::Pod for super::RateWindow {}
 }
 

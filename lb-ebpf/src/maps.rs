@@ -13,9 +13,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, ExportRecord, FlowEntry, FlowKey, MAX_BACKENDS, MAX_VIPS,
-    Outcomes, RateWindow, SOURCE_ENTRIES, SourceKey, TrafficCounters, VipInfo, VipKey, VipSlot,
-    stat,
+    BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, ExportRecord, FlowEntry, FlowKey,
+    FlowTuple, HOT_SOURCE_ENTRIES, MAX_BACKENDS, MAX_VIPS, Outcomes, RateWindow, SOURCE_ENTRIES,
+    SourceKey, TrafficCounters, TunnelConfig, VipInfo, VipKey, VipSlot, stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -37,9 +37,14 @@ pub static LB_VIP_SLOTS: Array<VipSlot> = Array::with_max_entries(lb_common::VIP
 #[map(name = "LB_MAGLEV")]
 pub static LB_MAGLEV: Array<u32> = Array::with_max_entries(1, 0);
 
-/// backend id -> BackendInfo (its MAC). Written by the agent; MAX_BACKENDS entries.
+/// backend id -> BackendInfo (its MAC, and how it is reached: L2 or a tunnel). Written by the agent; MAX_BACKENDS entries.
 #[map(name = "LB_BACKENDS")]
 pub static LB_BACKENDS: Array<BackendInfo> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// 0 -> TunnelConfig: outer source addresses and the interface MTU, for tunnelled
+/// backends. Written by the agent (start, reload).
+#[map(name = "LB_TUNNEL")]
+pub static LB_TUNNEL: Array<TunnelConfig> = Array::with_max_entries(1, 0);
 
 /// 0 -> Outcomes, per CPU: every outcome of the program (`lb_common::stat`). Read by
 /// the agent.
@@ -62,6 +67,25 @@ pub static LB_BACKEND_STATS: PerCpuArray<TrafficCounters> =
 pub static LB_CONNTRACK: LruHashMap<FlowKey, FlowEntry> =
     LruHashMap::with_max_entries(lb_common::DEFAULT_CONNTRACK_ENTRIES, BPF_F_NO_COMMON_LRU);
 
+/// What the balancer builds per packet in map memory rather than on the stack, which it
+/// shares with the tunnels' functions (512 bytes in all).
+pub struct Scratch {
+    /// The packet's connection-table key.
+    pub key: FlowKey,
+    /// The Maglev hash's input.
+    pub tuple: FlowTuple,
+}
+
+/// 0 -> Scratch, per CPU.
+#[map(name = "LB_SCRATCH")]
+pub static LB_SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// `flow::embryo_place` -> Embryo: the backend each new flow's first packet took, until
+/// its second packet enters it into `LB_CONNTRACK`. Shared by all CPUs (a flow's SYN and
+/// ACK may arrive on different ones); written by the program only.
+#[map(name = "LB_EMBRYONIC")]
+pub static LB_EMBRYONIC: Array<Embryo> = Array::with_max_entries(EMBRYONIC_SLOTS, 0);
+
 /// SourceKey (VIP, client address) -> new flows it opened, per CPU: the heavy hitters.
 /// Written by the program on each new flow; read (and diffed) by the agent. LRU, so
 /// memory stays bounded and the active sources stay.
@@ -74,18 +98,29 @@ pub static LB_SOURCES: LruPerCpuHashMap<SourceKey, u64> =
 // The key goes by reference: by value, each call copies it again on the stack.
 #[allow(clippy::needless_borrows_for_generic_args)]
 pub fn count_source(vip_id: u32, addr: [u8; 16], family: u8, weight: u64) {
-    let key = SourceKey {
-        addr,
-        vip_id,
-        family,
-        _pad: [0; 3],
-    };
+    let key = SourceKey::new(vip_id, addr, family);
     match LB_SOURCES.get_ptr_mut(&key) {
         Some(count) => unsafe { *count += weight },
         None => {
             let _ = LB_SOURCES.insert(&key, &weight, 0);
         }
     }
+}
+
+/// SourceKey (VIP, client address) -> 1: the hot sources of VIPs with
+/// `hot_source_share`, whose new flows are hashed on the 5-tuple. Written by the agent
+/// every sample; read by the program only for a VIP with `VIP_F_HOT_SOURCES`.
+#[map(name = "LB_HOT_SRC")]
+pub static LB_HOT_SOURCES: HashMap<SourceKey, u32> =
+    HashMap::with_max_entries(HOT_SOURCE_ENTRIES, 0);
+
+/// Whether `addr` is a hot source of VIP `vip_id`.
+#[inline(always)]
+// The key goes by reference: by value, each call copies it again on the stack.
+#[allow(clippy::needless_borrows_for_generic_args)]
+pub fn hot_source(vip_id: u32, addr: [u8; 16], family: u8) -> bool {
+    let key = SourceKey::new(vip_id, addr, family);
+    unsafe { LB_HOT_SOURCES.get(&key) }.is_some()
 }
 
 /// Frames (`CaptureRecord`) of TCP packets that missed the connection table without a

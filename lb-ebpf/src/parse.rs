@@ -137,7 +137,7 @@ impl Packet {
 
 /// A pointer to a `T` at `offset` bytes into the frame, if the frame is long enough.
 #[inline(always)]
-fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Result<*mut T, Verdict> {
+pub fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Result<*mut T, Verdict> {
     let start = ctx.data();
     let end = ctx.data_end();
     if start + offset + size_of::<T>() > end {

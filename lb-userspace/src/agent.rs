@@ -29,7 +29,7 @@ use crate::{
     health::HealthTasks,
     lock, metrics,
     model::Model,
-    neighbor::Neighbors,
+    neighbor::{self, Neighbors},
     state::{self, InterfaceChange, State},
     status::Start,
     tables::TableWriter,
@@ -167,6 +167,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         .context("reading the data-path interface")?;
     let interface = neighbors.interface().clone();
     config.validate_host(&interface.addresses)?;
+    config.validate_routes(|a| neighbor::on_link(neighbor::route_to, interface.index, a))?;
     // Before attaching: a device that cannot be made stops the start with nothing changed.
     let announcer = match &config.announce {
         Some(announce) => Some(
@@ -240,8 +241,10 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         model.adopt(adopted);
     }
     model.update(config)?;
+    state::follow_routes(&mut model, interface.index, neighbor::route_to);
     resolve_first_macs(&neighbors, &mut model).await;
-    let desired = model.desired();
+    let mut desired = model.desired();
+    desired.tunnel = state::tunnel_config(config, &interface);
     let report = writer.apply(&mut dataplane, &desired)?;
     tracing::info!(
         "tables written: {} slots, {} table switches, {} backends",
@@ -444,17 +447,24 @@ async fn serve(
             }
             _ = flow_scan.tick() => scan_and_sample(state, flow_reader, &mut scans).await,
             _ = load.tick() => state.lock().expect("agent state poisoned").refresh_load(Instant::now()),
-            // A link changed somewhere: look at ours (the refresh does too, in case a
-            // notification was lost).
-            Some(_) = link_events.next() => follow_interface(state, neighbors).await,
-            _ = refresh.tick() => {
-                follow_interface(state, neighbors).await;
-                let attached = state.lock().expect("agent state poisoned").mode.is_some();
-                if attached && let Err(error) = follow_neighbors(neighbors, state).await {
-                    tracing::warn!("neighbour refresh: {error:#}");
-                }
+            // A link, route or neighbour changed somewhere: look at ours, and at the
+            // backends' next hops (the refresh does too, in case a notification was
+            // lost). A burst of notifications is one look.
+            Some(_) = link_events.next() => {
+                while link_events.try_recv().is_ok() {}
+                follow_host(state, neighbors).await;
             }
+            _ = refresh.tick() => follow_host(state, neighbors).await,
         }
+    }
+}
+
+/// Follows the interface, then (while attached) the backends' routes and neighbours.
+async fn follow_host(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) {
+    follow_interface(state, neighbors).await;
+    let attached = state.lock().expect("agent state poisoned").mode.is_some();
+    if attached && let Err(error) = follow_neighbors(neighbors, state).await {
+        tracing::warn!("neighbour refresh: {error:#}");
     }
 }
 
@@ -646,7 +656,8 @@ pub fn ensure_bpffs(pin_dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Provokes resolution of every backend without a MAC and waits a little for answers.
+/// Provokes resolution of every backend's next hop without a MAC and waits a little for
+/// answers.
 async fn resolve_first_macs(neighbors: &Neighbors, model: &mut Model) {
     let deadline = tokio::time::Instant::now() + FIRST_RESOLVE_WAIT;
     loop {
@@ -654,12 +665,14 @@ async fn resolve_first_macs(neighbors: &Neighbors, model: &mut Model) {
         let mut missing = 0;
         for b in model.backends_mut() {
             if b.mac.is_none() {
-                b.mac = table.get(&b.config.address).copied();
+                b.mac = b.next_hop.and_then(|hop| table.get(&hop).copied());
             }
             if b.mac.is_none() {
                 missing += 1;
-                if let Err(error) = neighbors.provoke(b.config.address) {
-                    tracing::warn!("cannot probe {}: {error}", b.config.address);
+                if let Some(hop) = b.next_hop
+                    && let Err(error) = neighbors.provoke(hop)
+                {
+                    tracing::warn!("cannot probe {hop}: {error}");
                 }
             }
         }
@@ -676,13 +689,17 @@ async fn resolve_first_macs(neighbors: &Neighbors, model: &mut Model) {
 async fn follow_neighbors(neighbors: &Neighbors, state: &Arc<Mutex<State>>) -> anyhow::Result<()> {
     let table = neighbors.table().await?;
     let mut state = state.lock().expect("agent state poisoned");
+    let routes_changed = state.follow_routes();
     for b in state.model.backends_mut() {
-        if b.config.mac.is_none() && !table.contains_key(&b.config.address) {
+        if b.config.mac.is_none()
+            && let Some(hop) = b.next_hop
+            && !table.contains_key(&hop)
+        {
             // Keep the last MAC we had, and ask the kernel to find it again.
-            let _ = neighbors.provoke(b.config.address);
+            let _ = neighbors.provoke(hop);
         }
     }
-    if state.learn_macs(&table) {
+    if state.learn_macs(&table) || routes_changed {
         state.sync();
     }
     Ok(())

@@ -8,6 +8,7 @@ use std::{
     process::ExitCode,
 };
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
 use crate::{
@@ -126,6 +127,10 @@ pub enum Command {
         #[command(flatten)]
         target: Target,
     },
+    /// On a backend: strip the IPIP/GUE headers of tunnelled packets (forward = "ipip" or
+    /// "gue") in XDP and pass the inner packet to the stack, where the VIP on lo takes it.
+    #[command(subcommand)]
+    Decap(DecapCommand),
     /// Show VIPs, backends, health and counters of the running agent.
     Status {
         /// Print the status as JSON (the control API's `GET /status`; fields in the
@@ -175,6 +180,44 @@ pub enum NodeCommand {
         #[command(flatten)]
         target: Target,
     },
+}
+
+#[derive(Subcommand)]
+pub enum DecapCommand {
+    /// Attach the decapsulation program to IFACE (pinned: it stays after this command);
+    /// on an interface that has it, re-write the GUE port and the host's addresses.
+    Attach {
+        /// The interface tunnelled packets arrive on.
+        iface: String,
+        /// The UDP port GUE packets arrive on (the VIP's gue_port); 0: IPIP only.
+        #[arg(long, value_name = "N", default_value_t = crate::config::DEFAULT_GUE_PORT)]
+        gue_port: u16,
+        #[command(flatten)]
+        pins: DecapPins,
+    },
+    /// Detach the program from IFACE and remove its pins. Exit 1 when it was not attached.
+    Detach {
+        /// The interface it is attached to.
+        iface: String,
+        #[command(flatten)]
+        pins: DecapPins,
+    },
+    /// Every interface the program is attached to: its GUE port, the addresses taken as
+    /// this host's, and its counters.
+    Status {
+        /// Print it as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        pins: DecapPins,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct DecapPins {
+    /// Where the program's link and maps are pinned (on a bpffs).
+    #[arg(long, value_name = "DIR", default_value = crate::dataplane::decap::DEFAULT_PIN_DIR)]
+    pin_path: PathBuf,
 }
 
 /// Where the running agent's control socket is.
@@ -304,6 +347,7 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             };
             crate::top::run(&target.socket()?, options).await?
         }
+        Command::Decap(command) => return decap(command),
         Command::Status { json, target } => {
             let socket = target.socket()?;
             if json {
@@ -314,6 +358,83 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `lb decap attach|detach|status`.
+fn decap(command: DecapCommand) -> anyhow::Result<ExitCode> {
+    use crate::dataplane::decap;
+    match command {
+        DecapCommand::Attach {
+            iface,
+            gue_port,
+            pins,
+        } => {
+            agent::ensure_bpffs(&pins.pin_path)?;
+            let status = decap::attach(
+                crate::DECAP_OBJECT,
+                &iface,
+                gue_port,
+                crate::config::XdpModeSetting::Auto,
+                &pins.pin_path,
+            )
+            .with_context(|| format!("attaching the decapsulation program to {iface}"))?;
+            println!("{}", decap_line(&status));
+        }
+        DecapCommand::Detach { iface, pins } => {
+            if !decap::detach(&iface, &pins.pin_path)? {
+                eprintln!(
+                    "lb decap: nothing attached to {iface} (no pins in {})",
+                    pins.pin_path.display()
+                );
+                return Ok(ExitCode::from(EXIT_REFUSED));
+            }
+            println!("detached from {iface}");
+        }
+        DecapCommand::Status { json, pins } => {
+            let found = decap::status(&pins.pin_path)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&found)?);
+            } else if found.is_empty() {
+                println!(
+                    "not attached anywhere (pins in {})",
+                    pins.pin_path.display()
+                );
+            }
+            for status in found.iter().filter(|_| !json) {
+                println!("{}", decap_line(status));
+                let nonzero: Vec<String> = (status.counters.iter())
+                    .filter(|(_, v)| **v > 0)
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect();
+                println!(
+                    "  counters: {}",
+                    if nonzero.is_empty() {
+                        "none yet".to_string()
+                    } else {
+                        nonzero.join(" ")
+                    }
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One attached interface as `lb decap` prints it.
+fn decap_line(status: &crate::dataplane::decap::DecapStatus) -> String {
+    let mode = status
+        .mode
+        .map_or("unknown mode".to_string(), |m| format!("xdp mode {m}"));
+    let gue = match status.gue_port {
+        0 => "ipip only (no gue)".to_string(),
+        port => format!("ipip and gue port {port}"),
+    };
+    let addresses: Vec<String> = status.addresses.iter().map(|a| a.to_string()).collect();
+    format!(
+        "decap on {} ({mode}): {gue}; for {}",
+        status.interface,
+        addresses.join(", ")
+    )
 }
 
 /// `lb doctor`: exit 0 when no check fails, else 1.
@@ -380,16 +501,31 @@ fn print_explanation(request: &ExplainRequest, e: crate::explain::Explanation) {
         "  maglev table:     {}",
         e.table_backend.unwrap_or_else(none)
     );
+    if e.hot_source {
+        println!("  hot source: balanced per connection");
+    }
     match (e.conntrack_backend, e.conntrack_idle_seconds) {
         (Some(b), Some(idle)) => {
             println!("  connection table: {b} (last packet {idle:.1}s ago)")
         }
         _ => println!("  connection table: no entry"),
     }
+    if let Some(b) = e.embryonic_backend {
+        println!("  embryonic table:  {b} (its first packet; the next one enters it)");
+    }
     println!(
         "  next packet goes to: {}",
         e.next_packet_backend.unwrap_or_else(none)
     );
+    let via = match &e.next_hop {
+        Some(hop) => format!(
+            "next hop {} ({})",
+            hop.address,
+            hop.mac.as_deref().unwrap_or("unresolved")
+        ),
+        None => "no next hop".into(),
+    };
+    println!("  forwarded by:     {}, {via}", e.forward);
 }
 
 async fn change_state(args: BackendArgs, state: AdminState) -> anyhow::Result<()> {

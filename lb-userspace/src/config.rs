@@ -284,6 +284,13 @@ pub struct DataplaneConfig {
     /// outlive the agent and a restarted agent adopts them. Default: see `pin_dir`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pin_path: Option<PathBuf>,
+    /// Outer source address of IPv4 tunnel packets (`forward = "ipip"|"gue"` to an IPv4
+    /// backend). Default: an IPv4 address of the interface (see `Config::tunnel_source_for`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tunnel_source: Option<IpAddr>,
+    /// The same for IPv6 backends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tunnel_source6: Option<IpAddr>,
 }
 
 impl DataplaneConfig {
@@ -390,10 +397,41 @@ pub struct VipConfig {
     /// The backends report their own weight and state (HAProxy's agent-check words).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<AgentCheckConfig>,
+    /// How packets reach the backends: MAC rewrite on the segment, or a tunnel.
+    #[serde(default)]
+    pub forward: Forward,
+    /// `forward = "gue"`: the UDP port the backends decapsulate on (default
+    /// [`DEFAULT_GUE_PORT`]; see [`VipConfig::gue_port`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gue_port: Option<u16>,
     /// A VIP may start with no backends; they can be added at run time.
     #[serde(rename = "backend", default)]
     pub backends: Vec<BackendConfig>,
 }
+
+/// `forward`: how a packet for the VIP reaches its backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Forward {
+    /// Direct server return by MAC rewrite: every backend on the interface's segment.
+    #[default]
+    L2,
+    /// IP-in-IP (IPv4 or IPv6 outer header by the backend's address family) to the
+    /// backend, through its route's next hop.
+    Ipip,
+    /// GUE (the "direct IP" variant 1, as Linux fou uses it) over UDP to `gue_port`.
+    Gue,
+}
+
+impl Forward {
+    /// Through a tunnel: the backend may be anywhere a route leads.
+    pub fn is_tunnel(self) -> bool {
+        self != Forward::L2
+    }
+}
+
+/// `gue_port` when not given: `lb decap attach`'s default port too.
+pub const DEFAULT_GUE_PORT: u16 = lb_common::decap::DEFAULT_GUE_PORT;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
 pub enum Balance {
@@ -446,6 +484,11 @@ impl VipConfig {
     /// The port `backend` is checked on: its checks' port, else the VIP's port.
     pub fn health_port_of(&self, backend: &BackendConfig) -> u16 {
         self.health_of(backend).port.unwrap_or(self.port)
+    }
+
+    /// `forward = "gue"`: the backends' decapsulation port.
+    pub fn gue_port(&self) -> u16 {
+        self.gue_port.unwrap_or(DEFAULT_GUE_PORT)
     }
 }
 
@@ -635,6 +678,7 @@ display_as!(HealthKind { Tcp => "tcp", Http => "http", Udp => "udp", Dns => "dns
 display_as!(AdminState { Ready => "ready", Drain => "drain", Maint => "maint" });
 display_as!(Balance { Maglev => "maglev", LeastFlows => "least-flows" });
 display_as!(HealthTarget { Backend => "backend", Vip => "vip" });
+display_as!(Forward { L2 => "l2", Ipip => "ipip", Gue => "gue" });
 
 /// An Ethernet address, written `02:00:00:00:00:0b`.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -865,9 +909,88 @@ impl Config {
                         ),
                     ));
                 }
+                if vip.forward.is_tunnel() {
+                    self.tunnel_source_for(backend.address, interface_addresses)
+                        .map_err(|(field, why)| {
+                            invalid(
+                                field,
+                                format!(
+                                    "vip[{i}] ({:?}) forwards by {} to {} (vip[{i}].backend[{j}]): \
+                                     {why}",
+                                    vip.name, vip.forward, backend.address
+                                ),
+                            )
+                        })?;
+                }
             }
         }
         Ok(())
+    }
+
+    /// An `l2` backend must be a neighbour on `interface` (its frames go to its own MAC):
+    /// unless its MAC is configured, its route must be on-link there. `on_link` says
+    /// whether an address is, or else the route found (or why there is none).
+    pub fn validate_routes(
+        &self,
+        on_link: impl Fn(IpAddr) -> Result<(), String>,
+    ) -> Result<(), ConfigError> {
+        let interface = &self.dataplane.interface;
+        for (i, vip) in self.vips.iter().enumerate() {
+            if vip.forward.is_tunnel() {
+                continue;
+            }
+            for (j, backend) in vip.backends.iter().enumerate() {
+                if backend.mac.is_some() {
+                    continue;
+                }
+                if let Err(route) = on_link(backend.address) {
+                    return Err(invalid(
+                        format!("vip[{i}].backend[{j}].address"),
+                        format!(
+                            "{} is not on-link on {interface} ({route}): forward = \"l2\" \
+                             reaches only backends on the balancer's segment; a backend \
+                             behind a router needs forward = \"ipip\" or \"gue\"",
+                            backend.address
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The outer source address of tunnel packets to `backend`: the configured
+    /// `tunnel_source` (IPv4 backends) or `tunnel_source6`, else the interface's first
+    /// address of that family (for IPv6 not a link-local one, which routers drop). Never
+    /// made up: networks drop packets from addresses that are not the sender's. Err: the
+    /// field to set, and why there is none.
+    pub fn tunnel_source_for(
+        &self,
+        backend: IpAddr,
+        interface_addresses: &[IpAddr],
+    ) -> Result<IpAddr, (&'static str, String)> {
+        let (field, configured) = match backend {
+            IpAddr::V4(_) => ("dataplane.tunnel_source", self.dataplane.tunnel_source),
+            IpAddr::V6(_) => ("dataplane.tunnel_source6", self.dataplane.tunnel_source6),
+        };
+        configured
+            .or_else(|| {
+                interface_addresses.iter().copied().find(|a| {
+                    a.is_ipv4() == backend.is_ipv4()
+                        && bad_tunnel_source(*a, backend.is_ipv4()).is_none()
+                })
+            })
+            .ok_or_else(|| {
+                let family = if backend.is_ipv4() { "IPv4" } else { "IPv6" };
+                (
+                    field,
+                    format!(
+                        "no {family} tunnel source: set {field}, or give {} an {family} \
+                         address (it has none usable)",
+                        self.dataplane.interface
+                    ),
+                )
+            })
     }
 
     /// The first setting fixed at start that differs in `new`: a reload cannot apply it
@@ -1041,6 +1164,16 @@ impl DataplaneConfig {
             ));
         }
         check_duration("dataplane.flow_idle_timeout", self.flow_idle_timeout)?;
+        for (field, source, v4) in [
+            ("dataplane.tunnel_source", self.tunnel_source, true),
+            ("dataplane.tunnel_source6", self.tunnel_source6, false),
+        ] {
+            if let Some(source) = source
+                && let Some(why) = bad_tunnel_source(source, v4)
+            {
+                return Err(invalid(field, why));
+            }
+        }
         if self.conntrack_entries == 0 {
             return Err(invalid("dataplane.conntrack_entries", "must be at least 1"));
         }
@@ -1141,7 +1274,40 @@ impl VipConfig {
             return Err(invalid(format!("{at}.port"), "must not be 0"));
         }
         check_duration(&format!("{at}.drain_timeout"), self.drain_timeout)?;
+        if let Some(port) = self.gue_port {
+            if self.forward != Forward::Gue {
+                return Err(invalid(
+                    format!("{at}.gue_port"),
+                    format!(
+                        "only used with forward = \"gue\" (forward is \"{}\")",
+                        self.forward
+                    ),
+                ));
+            }
+            if port == 0 {
+                return Err(invalid(format!("{at}.gue_port"), "must not be 0"));
+            }
+        }
         self.health.validate(&format!("{at}.health"))?;
+        // A check through the VIP is sent as an unencapsulated frame to the backend's
+        // MAC (`vipprobe`): it would reach a tunnelled backend's next hop instead.
+        let checks = std::iter::once((format!("{at}.health"), &self.health)).chain(
+            (self.backends.iter().enumerate()).filter_map(|(j, b)| {
+                Some((format!("{at}.backend[{j}].health"), b.health.as_ref()?))
+            }),
+        );
+        for (field, health) in checks {
+            if self.forward.is_tunnel() && health.target == HealthTarget::Vip {
+                return Err(invalid(
+                    format!("{field}.target"),
+                    format!(
+                        "\"vip\" is not supported with forward = \"{}\" yet; \
+                         target = \"backend\" checks the backend at its own address",
+                        self.forward
+                    ),
+                ));
+            }
+        }
         if self.min_healthy == 0 {
             return Err(invalid(
                 format!("{at}.min_healthy"),
@@ -1163,11 +1329,13 @@ impl VipConfig {
         let mut seen: HashMap<IpAddr, usize> = HashMap::new();
         for (j, backend) in self.backends.iter().enumerate() {
             let at = format!("{at}.backend[{j}]");
-            if backend.address.is_ipv4() != self.address.is_ipv4() {
+            // A tunnel's outer header takes the backend's family, whatever the VIP's.
+            if backend.address.is_ipv4() != self.address.is_ipv4() && !self.forward.is_tunnel() {
                 return Err(invalid(
                     format!("{at}.address"),
                     format!(
-                        "{} is not of the same address family as the VIP {}",
+                        "{} is not of the same address family as the VIP {} (only a \
+                         tunnel, forward = \"ipip\" or \"gue\", mixes the families)",
                         backend.address, self.address
                     ),
                 ));
@@ -1202,6 +1370,16 @@ impl VipConfig {
             }
             // Frames are rewritten to this MAC and sent out; a group address would
             // fan one flow out to many hosts.
+            if backend.mac.is_some() && self.forward.is_tunnel() {
+                return Err(invalid(
+                    format!("{at}.mac"),
+                    format!(
+                        "only used with forward = \"l2\": a {} backend's frames go to \
+                         the MAC of its route's next hop, which the agent resolves",
+                        self.forward
+                    ),
+                ));
+            }
             if let Some(mac) = backend.mac
                 && (mac.is_multicast() || mac.0 == [0; 6])
             {
@@ -1213,6 +1391,32 @@ impl VipConfig {
         }
         Ok(())
     }
+}
+
+/// Why `source` cannot be the outer source of tunnel packets (`v4`: of IPv4 ones).
+fn bad_tunnel_source(source: IpAddr, v4: bool) -> Option<String> {
+    if source.is_ipv4() != v4 {
+        let (want, other) = if v4 {
+            ("an IPv4", "tunnel_source6")
+        } else {
+            ("an IPv6", "tunnel_source")
+        };
+        return Some(format!(
+            "{source} is not {want} address (the other family is dataplane.{other})"
+        ));
+    }
+    if let Some(why) = unusable_address(source) {
+        return Some(why);
+    }
+    // Routers do not forward packets from a link-local source.
+    if let IpAddr::V6(v6) = source
+        && v6.is_unicast_link_local()
+    {
+        return Some(format!(
+            "{source} is link-local: tunnel packets cross routers, which drop them"
+        ));
+    }
+    None
 }
 
 /// Why an address cannot be a VIP or a backend, if it cannot.
@@ -1241,14 +1445,21 @@ impl VipConfig {
                 "must be between 1s and 1 day",
             ));
         }
-        if self.hot_source_share.is_some() {
-            // The agent finds hot sources (telemetry), but the data path cannot yet
-            // balance one source per connection: refused rather than ignored.
-            return Err(invalid(
-                format!("{at}.hot_source_share"),
-                "is not supported yet by this version (hot sources show in lb status as \
-                 top sources; balance them with hash = \"5-tuple\")",
-            ));
+        if let Some(share) = self.hot_source_share {
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(invalid(
+                    format!("{at}.hot_source_share"),
+                    "must be above 0 and at most 1 (a share of the VIP's new flows)",
+                ));
+            }
+            // A 5-tuple VIP already balances every connection on its own.
+            if self.hash != HashMode::SrcIp {
+                return Err(invalid(
+                    format!("{at}.hot_source_share"),
+                    "needs hash = \"src-ip\" (a 5-tuple VIP balances every connection \
+                     already)",
+                ));
+            }
         }
         if let Some(agent) = &self.agent {
             if agent.port == 0 {
@@ -1454,12 +1665,24 @@ mod tests {
             let error = Config::from_toml(&text).unwrap_err().to_string();
             assert!(error.contains(field), "{change}: {error}");
         }
-        let text = MINIMAL.replace(
-            "protocol = \"tcp\"",
-            "protocol = \"tcp\"\nhash = \"src-ip\"\nhot_source_share = 0.1",
-        );
-        let error = Config::from_toml(&text).unwrap_err().to_string();
-        assert!(error.contains("not supported yet"), "{error}");
+        let with = |lines: &str| {
+            MINIMAL.replace(
+                "protocol = \"tcp\"",
+                &format!("protocol = \"tcp\"\n{lines}"),
+            )
+        };
+        let hot = Config::from_toml(&with("hash = \"src-ip\"\nhot_source_share = 0.1")).unwrap();
+        assert_eq!(hot.vips[0].hot_source_share, Some(0.1));
+        assert!(Config::from_toml(&with("hash = \"src-ip\"\nhot_source_share = 1.0")).is_ok());
+        for bad in ["0.0", "-0.1", "1.5", "nan"] {
+            let text = with(&format!("hash = \"src-ip\"\nhot_source_share = {bad}"));
+            let error = Config::from_toml(&text).unwrap_err().to_string();
+            assert!(error.contains("above 0 and at most 1"), "{bad}: {error}");
+        }
+        let error = Config::from_toml(&with("hot_source_share = 0.1"))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("needs hash = \"src-ip\""), "{error}");
     }
 
     #[test]
@@ -1599,6 +1822,8 @@ address = "10.0.0.11"
                 flow_idle_timeout: Duration::from_secs(30),
                 conntrack_insert_limit: 100_000,
                 pin_path: None,
+                tunnel_source: None,
+                tunnel_source6: None,
             }
         );
         assert_eq!(config.control.socket, PathBuf::from("/run/lb/lb.sock"));
@@ -1637,6 +1862,8 @@ address = "10.0.0.11"
                 balance: Balance::Maglev,
                 hot_source_share: None,
                 agent: None,
+                forward: Forward::L2,
+                gue_port: None,
                 backends: vec![backend("10.0.0.11")],
             }]
         );
@@ -2165,6 +2392,175 @@ weight = 3
             rejected_field(|c| c.control.metrics = Some(SocketAddr::from(([127, 0, 0, 1], 0)))),
             "control.metrics"
         );
+    }
+
+    // --- Tunnels ---
+
+    #[test]
+    fn forward_defaults_to_l2_and_gue_to_its_port() {
+        let config = minimal();
+        assert_eq!(config.vips[0].forward, Forward::L2);
+        let text = MINIMAL.replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nforward = \"gue\"",
+        );
+        let gue = Config::from_toml(&text).unwrap();
+        assert_eq!(gue.vips[0].forward, Forward::Gue);
+        assert_eq!(gue.vips[0].gue_port(), DEFAULT_GUE_PORT);
+        let text = text.replace("forward = \"gue\"", "forward = \"gue\"\ngue_port = 7000");
+        assert_eq!(Config::from_toml(&text).unwrap().vips[0].gue_port(), 7000);
+        let unknown = MINIMAL.replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nforward = \"vxlan\"",
+        );
+        let message = parse_error(&unknown);
+        assert!(message.contains("unknown variant `vxlan`"), "{message}");
+    }
+
+    #[test]
+    fn gue_port_belongs_to_gue() {
+        assert_eq!(
+            rejected_field(|c| c.vips[0].gue_port = Some(6080)),
+            "vip[0].gue_port",
+            "forward is l2"
+        );
+        assert_eq!(
+            rejected_field(|c| {
+                c.vips[0].forward = Forward::Ipip;
+                c.vips[0].gue_port = Some(6080);
+            }),
+            "vip[0].gue_port"
+        );
+        assert_eq!(
+            rejected_field(|c| {
+                c.vips[0].forward = Forward::Gue;
+                c.vips[0].gue_port = Some(0);
+            }),
+            "vip[0].gue_port"
+        );
+    }
+
+    #[test]
+    fn only_a_tunnel_mixes_address_families() {
+        let v6_backend = |c: &mut Config| c.vips[0].backends[0] = backend("fd00::11");
+        assert_eq!(
+            rejected_field(v6_backend),
+            "vip[0].backend[0].address",
+            "l2 cannot send an IPv4 packet to an IPv6 address"
+        );
+        for forward in [Forward::Ipip, Forward::Gue] {
+            let mut config = minimal();
+            config.vips[0].forward = forward;
+            v6_backend(&mut config);
+            config.vips[0].backends.push(backend("10.0.0.12"));
+            config.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn checks_through_the_vip_are_l2_only() {
+        let field = rejected_field(|c| {
+            c.vips[0].forward = Forward::Gue;
+            c.vips[0].health.target = HealthTarget::Vip;
+        });
+        assert_eq!(field, "vip[0].health.target");
+        let field = rejected_field(|c| {
+            c.vips[0].forward = Forward::Ipip;
+            c.vips[0].backends[0].health = Some(HealthConfig {
+                target: HealthTarget::Vip,
+                ..HealthConfig::default()
+            });
+        });
+        assert_eq!(field, "vip[0].backend[0].health.target");
+    }
+
+    #[test]
+    fn a_tunnelled_backend_takes_no_mac() {
+        let field = rejected_field(|c| {
+            c.vips[0].forward = Forward::Ipip;
+            c.vips[0].backends[0].mac = Some(MacAddr([2, 0, 0, 0, 0, 0x0b]));
+        });
+        assert_eq!(field, "vip[0].backend[0].mac");
+    }
+
+    #[test]
+    fn tunnel_sources_are_unicast_addresses_of_their_family() {
+        let mut config = minimal();
+        config.dataplane.tunnel_source = Some("10.0.0.2".parse().unwrap());
+        config.dataplane.tunnel_source6 = Some("fd00::2".parse().unwrap());
+        config.validate().unwrap();
+        for (source, v6, field) in [
+            ("fd00::2", false, "dataplane.tunnel_source"),
+            ("10.0.0.2", true, "dataplane.tunnel_source6"),
+            ("224.0.0.1", false, "dataplane.tunnel_source"),
+            ("0.0.0.0", false, "dataplane.tunnel_source"),
+            ("fe80::2", true, "dataplane.tunnel_source6"),
+            ("::1", true, "dataplane.tunnel_source6"),
+        ] {
+            let address = Some(source.parse().unwrap());
+            assert_eq!(
+                rejected_field(|c| if v6 {
+                    c.dataplane.tunnel_source6 = address
+                } else {
+                    c.dataplane.tunnel_source = address
+                }),
+                field,
+                "{source}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_tunnel_source_is_configured_or_the_interfaces_own() {
+        let mut config = minimal();
+        config.vips[0].forward = Forward::Ipip;
+        config.vips[0].backends.push(backend("fd00:2::12"));
+        let own: Vec<IpAddr> = ["10.0.0.2", "fe80::1", "fd00::2"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        config.validate_host(&own).unwrap();
+        let v4 = IpAddr::V4(Ipv4Addr::new(10, 1, 0, 11));
+        let v6: IpAddr = "fd00:2::12".parse().unwrap();
+        assert_eq!(config.tunnel_source_for(v4, &own), Ok(own[0]));
+        assert_eq!(
+            config.tunnel_source_for(v6, &own),
+            Ok(own[2]),
+            "not the link-local one"
+        );
+        config.dataplane.tunnel_source6 = Some("fd00::99".parse().unwrap());
+        assert_eq!(
+            config.tunnel_source_for(v6, &own),
+            Ok("fd00::99".parse().unwrap())
+        );
+        // An interface with only an IPv4 and a link-local address: no IPv6 source.
+        config.dataplane.tunnel_source6 = None;
+        match config.validate_host(&own[..2]) {
+            Err(ConfigError::Invalid { field, reason }) => {
+                assert_eq!(field, "dataplane.tunnel_source6");
+                assert!(
+                    reason.contains(
+                        "vip[0] (\"web\") forwards by ipip to fd00:2::12 (vip[0].backend[1])"
+                    ) && reason.contains("no IPv6 tunnel source: set dataplane.tunnel_source6"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // An l2 VIP needs no source.
+        config.vips[0].forward = Forward::L2;
+        config.vips[0].backends.pop();
+        config.validate_host(&[]).unwrap();
+    }
+
+    #[test]
+    fn a_reload_may_change_forward_and_the_tunnel_sources() {
+        let old = minimal();
+        let mut new = minimal();
+        new.dataplane.tunnel_source = Some("10.0.0.3".parse().unwrap());
+        new.vips[0].forward = Forward::Gue;
+        // Both are map contents (`LB_TUNNEL`, `LB_BACKENDS`), written at every reload.
+        assert_eq!(old.restart_only_change(&new), None);
     }
 
     // --- VIPs ---

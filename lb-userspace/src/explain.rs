@@ -7,14 +7,14 @@ use std::{
 };
 
 use lb_common::{
-    BACKEND_NONE, BackendInfo, FlowKey, FlowTuple,
+    BACKEND_NONE, BackendInfo, FlowKey, FlowTuple, SourceKey, VIP_F_HOT_SOURCES,
     flow::{self, Lookup},
-    flow_hash, maglev_slot,
+    maglev_slot, table_hash,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::{HashMode, Protocol},
+    config::{Forward, Protocol},
     dataplane::Dataplane,
     model::{Model, VipState},
     tables::Desired,
@@ -148,8 +148,32 @@ pub struct Explanation {
     pub conntrack_backend: Option<String>,
     /// Seconds since the entry last saw a packet.
     pub conntrack_idle_seconds: Option<f64>,
+    /// Without an entry: the backend the embryonic table remembers for the flow's first
+    /// packet, where its second packet goes (and enters the connection table).
+    #[serde(default)]
+    pub embryonic_backend: Option<String>,
     /// Where the flow's next non-SYN packet goes.
     pub next_packet_backend: Option<String>,
+    /// The source is a hot source of the VIP (`hot_source_share`): its new flows are
+    /// hashed on the 5-tuple, not the source.
+    #[serde(default)]
+    pub hot_source: bool,
+    /// How it gets there: "l2", "ipip" or "gue" (the VIP's `forward`).
+    #[serde(default)]
+    pub forward: Forward,
+    /// The next packet's backend's next hop: itself on-link, else its route's gateway
+    /// (with the MAC used); None without a backend or a route.
+    #[serde(default)]
+    pub next_hop: Option<NextHop>,
+}
+
+/// A backend's next hop (in `lb status` and `lb explain`): the neighbour its frames go
+/// to, and the MAC used.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NextHop {
+    pub address: String,
+    /// None until the neighbour is resolved.
+    pub mac: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -173,12 +197,19 @@ pub fn flow_key(vip: &VipTarget, source: SocketAddr) -> FlowKey {
     FlowKey::between(source, vip_socket, vip.protocol.number())
 }
 
-/// The backend id the table gives a flow (`BACKEND_NONE` when none).
-pub fn table_choice(vip: &VipState, table: &[u32], source: SocketAddr) -> (u32, u32, u32) {
+/// Where the table puts a flow from `source`: (hash, slot, backend id, whether it was
+/// spread as a hot source's). `is_hot` says whether the source is in `LB_HOT_SRC`; it is
+/// asked only where the program would look (`lb_common::table_hash`).
+pub fn table_choice(
+    vip: &VipState,
+    table: &[u32],
+    source: SocketAddr,
+    is_hot: impl FnOnce() -> bool,
+) -> (u32, u32, u32, bool) {
     let tuple = flow_tuple(&VipTarget::of(&vip.config), source);
-    let hash = flow_hash(&tuple, vip.config.hash == HashMode::SrcIp);
+    let (hash, spread) = table_hash(&tuple, vip.flags(), is_hot);
     let slot = maglev_slot(hash, table.len() as u32);
-    (hash, slot, table[slot as usize])
+    (hash, slot, table[slot as usize], spread)
 }
 
 /// The state `explain` reads: the agent's model and tables, and the data path's
@@ -234,24 +265,51 @@ pub fn explain(
             .find(|b| b.id == id)
             .map(|b| b.config.address.to_string())
     };
-    let (hash, slot, table_id) = if table.is_empty() {
-        (0, 0, BACKEND_NONE)
+    // The program's hot-source set, read only for a VIP whose program looks at it.
+    let hot_source = if vip.flags() & VIP_F_HOT_SOURCES != 0 {
+        let (addr, family) = lb_common::addr::to_map(request.source.ip());
+        view.dataplane
+            .is_hot_source(&SourceKey::new(vip.id, addr, family))?
     } else {
-        table_choice(vip, table, request.source)
+        false
     };
-    let entry = view.dataplane.flow(&flow_key(&target, request.source))?;
+    let (hash, slot, table_id, _) = if table.is_empty() {
+        (0, 0, BACKEND_NONE, hot_source)
+    } else {
+        table_choice(vip, table, request.source, || hot_source)
+    };
+    let key = flow_key(&target, request.source);
+    let entry = view.dataplane.flow(&key)?;
     let idle_ns = entry.map(|e| flow::age(&e, now_ns));
     // What the program does with the next non-SYN packet (neither FIN nor RST): follow
     // the entry, decided by the program's own code, else the table. On a copy: explain
     // writes nothing.
-    let followed = entry.and_then(|mut e| {
+    let (index, tag) = flow::embryo_place(&key);
+    let embryo = view.dataplane.embryo(index)?;
+    let followed = entry.map(|mut e| {
         let proto = target.protocol.number();
-        flow::follow(view, &mut e, proto, false, vip.id, now_ns).ok()
+        flow::follow(view, &mut e, proto, false, vip.id, now_ns, || {
+            flow::syn_since(&embryo, tag)
+        })
     });
-    let next = match followed {
-        Some((backend_id, _)) => name(backend_id),
-        None => name(table_id),
+    // No entry, or one that gives way to a connection whose SYN came since: the backend
+    // the flow's first packet took, if the embryonic table still remembers it, as the
+    // program decides.
+    let remembered = match followed {
+        None => flow::remembered(view, &embryo, tag, vip.id),
+        Some(Err(_)) if flow::syn_since(&embryo, tag) => {
+            flow::remembered(view, &embryo, tag, vip.id)
+        }
+        Some(_) => None,
     };
+    let followed = followed.and_then(Result::ok);
+    let next_id = followed.or(remembered).unwrap_or(table_id);
+    let next_hop = vip.backends.iter().find(|b| b.id == next_id).and_then(|b| {
+        Some(NextHop {
+            address: b.next_hop?.to_string(),
+            mac: b.mac.map(|m| m.to_string()),
+        })
+    });
     Ok(Explanation {
         vip: vip.config.name.clone(),
         hash,
@@ -261,7 +319,11 @@ pub fn explain(
             name(e.backend_id).or(Some(format!("backend id {} (gone)", e.backend_id)))
         }),
         conntrack_idle_seconds: idle_ns.map(|ns| ns as f64 / 1e9),
-        next_packet_backend: next,
+        embryonic_backend: remembered.and_then(name),
+        next_packet_backend: name(next_id),
+        hot_source,
+        forward: vip.config.forward,
+        next_hop,
     })
 }
 
@@ -354,13 +416,23 @@ mod tests {
                 .flows
                 .insert(flow_key(&request.vip, request.source), entry);
         }
+        explain_in(model, desired, &dataplane, &request, now_ns)
+    }
+
+    fn explain_in(
+        model: &Model,
+        desired: &Desired,
+        dataplane: &MemoryDataplane,
+        request: &ExplainRequest,
+        now_ns: u64,
+    ) -> Explanation {
         let view = View {
             model,
             desired,
-            dataplane: &dataplane,
+            dataplane,
             flow_idle: Duration::from_secs(30),
         };
-        explain(&view, &request, now_ns).unwrap()
+        explain(&view, request, now_ns).unwrap()
     }
 
     /// The id and address of the backend the table does not give CLIENT's flow.
@@ -371,6 +443,17 @@ mod tests {
             .find(|b| b.config.address.to_string() != table_choice)
             .unwrap();
         (other.id, other.config.address.to_string())
+    }
+
+    /// Backend `id` of the first VIP fails its checks: the tables that gives.
+    fn fail(model: &mut Model, id: u32) -> Desired {
+        let failed = model.vips[0]
+            .backends
+            .iter_mut()
+            .find(|b| b.id == id)
+            .unwrap();
+        failed.health = Health::Down;
+        model.desired()
     }
 
     fn entry(backend_id: u32, last_seen_ns: u64) -> FlowEntry {
@@ -413,16 +496,80 @@ mod tests {
         assert_eq!(idle.next_packet_backend.as_deref(), Some(other.as_str()));
 
         // Its backend failed: it no longer serves flows, and the table decides.
-        let failed = model.vips[0]
-            .backends
-            .iter_mut()
-            .find(|b| b.id == other_id)
-            .unwrap();
-        failed.health = Health::Down;
-        let desired = model.desired();
+        let desired = fail(&mut model, other_id);
         let moved = explain_with(&model, &desired, vip, Some(entry(other_id, now)), now);
         assert_eq!(moved.conntrack_backend.as_deref(), Some(other.as_str()));
         assert_eq!(moved.next_packet_backend.as_deref(), Some(table.as_str()));
+    }
+
+    #[test]
+    fn without_an_entry_the_next_packet_goes_where_the_first_one_went() {
+        let (mut model, desired) = model_of(&two_backends("tcp", 80));
+        let request = ExplainRequest {
+            vip: "10.0.0.100:80/tcp".parse().unwrap(),
+            source: CLIENT.parse().unwrap(),
+        };
+        let now = 100 * SECOND;
+        let mut dataplane = MemoryDataplane::default();
+        let table = explain_in(&model, &desired, &dataplane, &request, now)
+            .table_backend
+            .unwrap();
+        let (other_id, other) = other_backend(&model, &table);
+        // The SYN went to the other backend (the table changed since): its ACK follows.
+        let key = flow_key(&request.vip, request.source);
+        let (index, tag) = flow::embryo_place(&key);
+        let remembered = flow::embryo_for(tag, other_id, true);
+        dataplane.embryos.insert(index, remembered);
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.embryonic_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(e.next_packet_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(e.conntrack_backend, None);
+
+        // Another flow's first packet on the same slot: the table decides.
+        let stranger = lb_common::Embryo {
+            tag: tag ^ 2,
+            ..remembered
+        };
+        dataplane.embryos.insert(index, stranger);
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.embryonic_backend, None);
+        assert_eq!(e.next_packet_backend.as_deref(), Some(table.as_str()));
+
+        // An entry decides over what the embryonic table remembers.
+        dataplane.embryos.insert(index, remembered);
+        let table_id = model.vips[0]
+            .backends
+            .iter()
+            .find(|b| b.config.address.to_string() == table)
+            .unwrap()
+            .id;
+        dataplane.flows.insert(key, entry(table_id, now));
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.embryonic_backend, None);
+        assert_eq!(e.next_packet_backend.as_deref(), Some(table.as_str()));
+
+        // An entry idle for two seconds that a SYN came after (an earlier connection
+        // on the reused tuple): the new connection goes where its SYN went.
+        dataplane
+            .flows
+            .insert(key, entry(table_id, now - 2 * SECOND));
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.conntrack_backend.as_deref(), Some(table.as_str()));
+        assert_eq!(e.embryonic_backend.as_deref(), Some(other.as_str()));
+        assert_eq!(e.next_packet_backend.as_deref(), Some(other.as_str()));
+        // Without the SYN mark (its ACK entered the entry since), the entry holds.
+        let promoted = flow::embryo_for(tag, other_id, false);
+        dataplane.embryos.insert(index, promoted);
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.next_packet_backend.as_deref(), Some(table.as_str()));
+        dataplane.embryos.insert(index, remembered);
+
+        // The remembered backend failed meanwhile: the table decides.
+        dataplane.flows.clear();
+        let desired = fail(&mut model, other_id);
+        let e = explain_in(&model, &desired, &dataplane, &request, now);
+        assert_eq!(e.embryonic_backend, None);
+        assert_eq!(e.next_packet_backend.as_deref(), Some(table.as_str()));
     }
 
     #[test]
@@ -459,6 +606,60 @@ mod tests {
             Some("backend id 999 (gone)")
         );
         assert_eq!(gone.next_packet_backend.as_deref(), Some(table.as_str()));
+    }
+
+    #[test]
+    fn a_hot_source_is_explained_as_balanced_per_connection() {
+        let text = two_backends("tcp", 80).replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nhash = \"src-ip\"\nhot_source_share = 0.2",
+        );
+        let (model, desired) = model_of(&text);
+        let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+        let mut dataplane = MemoryDataplane::default();
+        let ask = |dataplane: &MemoryDataplane, port: u16| {
+            let view = View {
+                model: &model,
+                desired: &desired,
+                dataplane,
+                flow_idle: Duration::from_secs(30),
+            };
+            let source = SocketAddr::from(([10, 0, 0, 1], port));
+            explain(&view, &ExplainRequest { vip, source }, SECOND).unwrap()
+        };
+        let tuple = |port| flow_tuple(&vip, SocketAddr::from(([10, 0, 0, 1], port)));
+        // Cold: by source, every port alike.
+        let cold = ask(&dataplane, 40000);
+        assert!(!cold.hot_source);
+        assert_eq!(cold.hash, lb_common::flow_hash(&tuple(40000), true));
+        assert_eq!(ask(&dataplane, 40001).hash, cold.hash);
+        // Hot: by 5-tuple, as the program hashes it.
+        let (addr, family) = lb_common::addr::to_map("10.0.0.1".parse().unwrap());
+        dataplane
+            .hot_sources
+            .insert(SourceKey::new(model.vips[0].id, addr, family));
+        let hot = ask(&dataplane, 40000);
+        assert!(hot.hot_source);
+        assert_eq!(hot.hash, lb_common::flow_hash(&tuple(40000), false));
+        assert_eq!(
+            ask(&dataplane, 40001).hash,
+            lb_common::flow_hash(&tuple(40001), false)
+        );
+        // A source hot for this VIP says nothing of another VIP (without the option).
+        let (plain, plain_desired) = model_of(&two_backends("tcp", 80).replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nhash = \"src-ip\"",
+        ));
+        let view = View {
+            model: &plain,
+            desired: &plain_desired,
+            dataplane: &dataplane,
+            flow_idle: Duration::from_secs(30),
+        };
+        let source = SocketAddr::from(([10, 0, 0, 1], 40000));
+        let e = explain(&view, &ExplainRequest { vip, source }, SECOND).unwrap();
+        assert!(!e.hot_source);
+        assert_eq!(e.hash, cold.hash);
     }
 
     #[test]

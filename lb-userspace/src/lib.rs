@@ -1,7 +1,7 @@
 //! The `lb` agent: configuration, the data-plane loader, health checks and control.
 //!
 //! Modules, each of which uses only those listed before it (no import cycles):
-//! `config`, `listen`, `lock`; `dataplane`; `doctor`; `model`, `tables`, `weights`;
+//! `config`, `listen`, `lock`; `dataplane`; `doctor`; `model`, `tables`, `weights`, `hot`;
 //! `writer`; `neighbor`, `capture`; `status`, `api`, `explain`, `telemetry`, `metrics`,
 //! `probe`, `vipprobe`, `agentcheck`, `health`, `announce`; `cluster`; `state`; `control`, `client`,
 //! `top`; `agent`; `cli`. The README's Layout section says what each is for.
@@ -20,6 +20,7 @@ pub mod dataplane;
 pub mod doctor;
 pub mod explain;
 pub mod health;
+pub mod hot;
 pub mod listen;
 pub mod lock;
 pub mod metrics;
@@ -38,3 +39,7 @@ pub mod writer;
 /// The compiled XDP object (`lb-ebpf`), embedded at build time. Empty when built with
 /// `AYA_BUILD_SKIP=1`.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-xdp"));
+
+/// The backends' decapsulation object (`lb-ebpf`'s `lb-decap`, `lb decap attach`),
+/// embedded at build time. Empty when built with `AYA_BUILD_SKIP=1`.
+pub static DECAP_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-decap"));

@@ -216,10 +216,18 @@ fn register_vips(registry: &mut Registry, status: &Status) {
         "vip_busiest_over_average",
         "New flows of the busiest in-table backend over the average, last interval (0: none)",
     );
+    let hot_sources = family::<VipLabels, Gauge>(
+        registry,
+        "vip_hot_sources",
+        "Sources balanced per connection now (hot_source_share)",
+    );
     for vip in &status.vips {
         let labels = VipLabels {
             vip: vip.name.clone(),
         };
+        hot_sources
+            .get_or_create(&labels)
+            .set(vip.hot_sources.len() as i64);
         vip_packets.get_or_create(&labels).inc_by(vip.packets);
         vip_bytes.get_or_create(&labels).inc_by(vip.bytes);
         vip_new_flows.get_or_create(&labels).inc_by(vip.new_flows);
@@ -353,18 +361,31 @@ fn register_outcomes(registry: &mut Registry, outcomes: &[u64]) {
         ("rehash", stat::CT_REHASH),
         ("created", stat::CT_CREATED),
         ("insert_skipped", stat::CT_INSERT_SKIPPED),
+        // First packets kept out of the table, and flows entered by their second packet.
+        ("embryonic", stat::CT_EMBRYONIC),
+        ("promoted", stat::CT_PROMOTED),
+        ("reused", stat::CT_REUSED),
     ] {
         conntrack
             .get_or_create(&KindLabels { kind: kind.into() })
             .inc_by(counter(index));
     }
-    let icmp_too_big = Counter::<u64>::default();
-    icmp_too_big.inc_by(counter(stat::SEEN_ICMP_TOO_BIG));
-    registry.register(
-        "icmp_too_big",
-        "ICMP fragmentation-needed / ICMPv6 packet-too-big errors about VIP flows, sent to the flows' backends",
-        icmp_too_big,
-    );
+    for (name, help, index) in [
+        (
+            "icmp_too_big",
+            "ICMP fragmentation-needed / ICMPv6 packet-too-big errors about VIP flows, sent to the flows' backends",
+            stat::SEEN_ICMP_TOO_BIG,
+        ),
+        (
+            "hot_source_spread",
+            "New flows of hot sources of src-ip VIPs hashed per connection (hot_source_share)",
+            stat::HOT_SOURCE_SPREAD,
+        ),
+    ] {
+        let total = Counter::<u64>::default();
+        total.inc_by(counter(index));
+        registry.register(name, help, total);
+    }
 }
 
 /// `[cluster]`: per peer, what was sent, received, inserted and rejected, and the last
@@ -625,6 +646,28 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
         }
+    }
+
+    #[test]
+    fn hot_sources_are_a_gauge_per_vip_and_their_spread_a_counter() {
+        let mut status = crate::status::tests::sample();
+        status.vips[0].hot_sources = vec![crate::status::HotSource {
+            address: "10.0.0.1".into(),
+            share: 0.6,
+        }];
+        let mut outcomes = vec![0; stat::COUNT as usize];
+        outcomes[stat::HOT_SOURCE_SPREAD as usize] = 7;
+        let scrape = Scrape {
+            status,
+            outcomes,
+            observed: Observed::default(),
+        };
+        let text = prometheus_text(&render(&scrape).unwrap());
+        assert!(
+            text.contains("lb_vip_hot_sources{vip=\"web\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("lb_hot_source_spread_total 7\n"), "{text}");
     }
 
     #[test]

@@ -6,13 +6,13 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use lb_common::{
-    BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo, MAX_BACKENDS, MAX_VIPS,
-    VIP_F_HASH_SRC_IP, VipKey, maglev::MaglevBackend,
+    BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo, FORWARD_GUE, FORWARD_IPIP, MAX_BACKENDS,
+    MAX_VIPS, VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES, VipKey, maglev::MaglevBackend,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::config::{
-    AdminState, BackendConfig, Balance, Config, HashMode, HealthKind, MacAddr, VipConfig,
+    AdminState, BackendConfig, Balance, Config, Forward, HashMode, HealthKind, MacAddr, VipConfig,
 };
 use crate::dataplane::Adopted;
 use crate::tables::{Desired, DesiredBackend, TableInputs, VipInputs};
@@ -93,8 +93,13 @@ pub struct CheckRecord {
 pub struct BackendState {
     pub id: u32,
     pub config: BackendConfig,
-    /// From the config, else from the neighbour table.
+    /// The MAC frames to this backend carry: its own (`forward = "l2"`: from the config,
+    /// else from the neighbour table) or, tunnelled, its next hop's.
     pub mac: Option<MacAddr>,
+    /// The neighbour `mac` belongs to: the backend itself (`l2`, or a tunnelled backend
+    /// on-link) or the gateway of its route. None while a tunnelled backend has no route
+    /// out of the interface (then it has no MAC either).
+    pub next_hop: Option<IpAddr>,
     pub health: Health,
     /// Consecutive results agreeing with each other (rise/fall progress).
     pub streak: u32,
@@ -276,6 +281,17 @@ pub struct VipState {
 }
 
 impl VipState {
+    /// The VIP's `VIP_F_*` bits: how the program hashes its new flows.
+    pub fn flags(&self) -> u32 {
+        match self.config.hash {
+            HashMode::FiveTuple => 0,
+            HashMode::SrcIp if self.config.hot_source_share.is_some() => {
+                VIP_F_HASH_SRC_IP | VIP_F_HOT_SOURCES
+            }
+            HashMode::SrcIp => VIP_F_HASH_SRC_IP,
+        }
+    }
+
     pub fn key(&self) -> VipKey {
         vip_key(
             self.config.address,
@@ -484,6 +500,11 @@ impl Model {
             b.streak = 0;
             b.last_check = None;
         }
+        // A VIP that now forwards by l2 reaches the backend itself; a tunnel's next hop
+        // is the route's (`state::follow_routes` looks it up).
+        if !vip_config.forward.is_tunnel() {
+            b.next_hop = Some(backend_config.address);
+        }
         let before = b.admin_state();
         b.config = backend_config.clone();
         b.admin_changed(before, now);
@@ -523,10 +544,13 @@ impl Model {
                 initial_health(vip_config, backend_config),
             ),
         };
+        // Tunnelled: the next hop is not known before its route is looked up.
+        let next_hop = (!vip_config.forward.is_tunnel()).then_some(backend_config.address);
         Ok(BackendState {
             id: backend_id,
             config: backend_config.clone(),
             mac,
+            next_hop,
             health,
             streak: 0,
             last_check: None,
@@ -635,11 +659,7 @@ impl Model {
                     } else {
                         0
                     };
-                    let info = BackendInfo {
-                        mac: mac.0,
-                        flags,
-                        vip_id: vip.id,
-                    };
+                    let info = backend_info(&vip.config, b.config.address, mac, flags, vip.id);
                     let identity = identity(b.config.address, vip.id);
                     inputs
                         .backends
@@ -649,14 +669,16 @@ impl Model {
             inputs.vips.push(VipInputs {
                 key: vip.key(),
                 vip_id: vip.id,
-                flags: match vip.config.hash {
-                    HashMode::FiveTuple => 0,
-                    HashMode::SrcIp => VIP_F_HASH_SRC_IP,
-                },
+                flags: vip.flags(),
                 members,
             });
         }
         inputs
+    }
+
+    /// Every backend, VIP after VIP.
+    pub fn backends(&self) -> impl Iterator<Item = &BackendState> {
+        self.vips.iter().flat_map(|v| v.backends.iter())
     }
 
     /// Every backend, for iteration with its VIP.
@@ -673,6 +695,36 @@ impl Model {
             }
         }
         counts
+    }
+}
+
+/// What `LB_BACKENDS` holds for a backend at `address` of VIP `vip` (id `vip_id`),
+/// reached through `mac` (its own, or its next hop's when tunnelled).
+pub fn backend_info(
+    vip: &VipConfig,
+    address: IpAddr,
+    mac: MacAddr,
+    flags: u16,
+    vip_id: u32,
+) -> BackendInfo {
+    let forward = match vip.forward {
+        Forward::L2 => return BackendInfo::l2(mac.0, flags, vip_id),
+        Forward::Ipip => FORWARD_IPIP,
+        Forward::Gue => FORWARD_GUE,
+    };
+    let (addr, family) = lb_common::addr::to_map(address);
+    BackendInfo {
+        mac: mac.0,
+        flags,
+        vip_id,
+        forward,
+        family,
+        gue_port_be: if vip.forward == Forward::Gue {
+            vip.gue_port().to_be()
+        } else {
+            0
+        },
+        addr,
     }
 }
 

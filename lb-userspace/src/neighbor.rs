@@ -9,6 +9,11 @@
 //! The interface itself is looked up here too (index, MAC, addresses), and link
 //! notifications wake the agent to look again: it follows the interface when it goes,
 //! comes back, or changes its MAC.
+//!
+//! Routes too (`route_to`, `ip route get`): a tunnelled backend (`forward = "ipip"` or
+//! `"gue"`) is reached through its route's next hop, the gateway or (on-link) the
+//! backend itself, whose MAC the frame then carries; an `l2` backend must be on-link.
+//! Route and neighbour notifications wake the agent as link ones do.
 
 use std::{
     collections::HashMap,
@@ -37,6 +42,137 @@ pub enum NeighborError {
     NoInterface(String),
     #[error("interface {0} has no Ethernet address")]
     NoMac(String),
+    #[error("no route to {0}")]
+    NoRoute(IpAddr, #[source] std::io::Error),
+    #[error("reading the route to {0}: {1}")]
+    RouteReply(IpAddr, String),
+}
+
+/// The route the kernel takes to one address, as `ip route get` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub destination: IpAddr,
+    /// The output interface's index (none for unreachable, blackhole, ... routes).
+    pub oif: Option<u32>,
+    /// Through this router; None: on-link.
+    pub gateway: Option<IpAddr>,
+    /// A unicast route (not local, unreachable, blackhole, prohibit, ...).
+    pub unicast: bool,
+}
+
+impl Route {
+    /// The neighbour frames to `destination` go to when they leave interface `ifindex`:
+    /// the gateway, or the destination itself on-link; None when the route does not
+    /// leave there.
+    pub fn next_hop(&self, ifindex: u32) -> Option<IpAddr> {
+        (self.unicast && self.oif == Some(ifindex))
+            .then(|| self.gateway.unwrap_or(self.destination))
+    }
+
+    /// On-link out of `ifindex`: the destination is a neighbour there.
+    pub fn on_link(&self, ifindex: u32) -> bool {
+        self.next_hop(ifindex) == Some(self.destination)
+    }
+}
+
+impl std::fmt::Display for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if !self.unicast {
+            write!(f, "not unicast ")?;
+        }
+        write!(f, "{}", self.destination)?;
+        if let Some(gateway) = self.gateway {
+            write!(f, " via {gateway}")?;
+        }
+        if let Some(oif) = self.oif {
+            write!(f, " dev {}", interface_name(oif))?;
+        }
+        Ok(())
+    }
+}
+
+/// How a route is looked up: `route_to`, or a fake in unit tests.
+pub type RouteLookup = fn(IpAddr) -> Result<Route, NeighborError>;
+
+/// Whether `address` is a neighbour out of interface `ifindex` (on-link there); Err:
+/// the route found, or why there is none, for the configuration error.
+pub fn on_link(route_of: RouteLookup, ifindex: u32, address: IpAddr) -> Result<(), String> {
+    match route_of(address) {
+        Ok(route) if route.on_link(ifindex) => Ok(()),
+        Ok(route) => Err(format!("the route found is `{route}`")),
+        Err(error) => Err(error.to_string()),
+    }
+}
+
+/// The name of interface `index`, or `#index` when it has none (any more).
+fn interface_name(index: u32) -> String {
+    nix::net::if_::if_indextoname(index)
+        .ok()
+        .and_then(|name| name.into_string().ok())
+        .unwrap_or_else(|| format!("#{index}"))
+}
+
+/// The route the kernel takes to `address` now (RTM_GETROUTE for the host prefix, as
+/// `ip route get` asks). Synchronous: one request, one answer, microseconds; so
+/// validation can use it under the agent's lock, at start, reload and `backend add`.
+pub fn route_to(address: IpAddr) -> Result<Route, NeighborError> {
+    use rtnetlink::{
+        packet_core::{NLM_F_REQUEST, NetlinkMessage, NetlinkPayload},
+        packet_route::RouteNetlinkMessage,
+        sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE},
+    };
+    let prefix = if address.is_ipv4() { 32 } else { 128 };
+    let message = rtnetlink::RouteMessageBuilder::<IpAddr>::new()
+        .destination_prefix(address, prefix)
+        .expect("a host prefix of the address's own family")
+        .build();
+    let mut request = NetlinkMessage::from(RouteNetlinkMessage::GetRoute(message));
+    request.header.flags = NLM_F_REQUEST;
+    request.finalize();
+    let mut bytes = vec![0; request.buffer_len()];
+    request.serialize(&mut bytes);
+    let mut socket = Socket::new(NETLINK_ROUTE).map_err(NeighborError::Connect)?;
+    socket.bind_auto().map_err(NeighborError::Connect)?;
+    socket
+        .connect(&SocketAddr::new(0, 0))
+        .map_err(NeighborError::Connect)?;
+    socket.send(&bytes, 0).map_err(NeighborError::Connect)?;
+    let (reply, _) = socket.recv_from_full().map_err(NeighborError::Connect)?;
+    let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply)
+        .map_err(|e| NeighborError::RouteReply(address, e.to_string()))?;
+    match reply.payload {
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(route)) => {
+            Ok(route_of(address, &route))
+        }
+        NetlinkPayload::Error(error) => Err(NeighborError::NoRoute(address, error.to_io())),
+        other => Err(NeighborError::RouteReply(
+            address,
+            format!("unexpected answer {other:?}"),
+        )),
+    }
+}
+
+/// What a route message says of the way to `destination`.
+fn route_of(destination: IpAddr, message: &rtnetlink::packet_route::route::RouteMessage) -> Route {
+    use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteType, RouteVia};
+    let mut route = Route {
+        destination,
+        oif: None,
+        gateway: None,
+        unicast: message.header.kind == RouteType::Unicast,
+    };
+    for attribute in &message.attributes {
+        match attribute {
+            RouteAttribute::Oif(index) => route.oif = Some(*index),
+            RouteAttribute::Gateway(RouteAddress::Inet(a)) => route.gateway = Some(IpAddr::V4(*a)),
+            RouteAttribute::Gateway(RouteAddress::Inet6(a)) => route.gateway = Some(IpAddr::V6(*a)),
+            // An IPv4 route through an IPv6 router (RFC 5549): its neighbour is IPv6.
+            RouteAttribute::Via(RouteVia::Inet6(a)) => route.gateway = Some(IpAddr::V6(*a)),
+            RouteAttribute::Via(RouteVia::Inet(a)) => route.gateway = Some(IpAddr::V4(*a)),
+            _ => {}
+        }
+    }
+    route
 }
 
 /// The attached interface, as the kernel knows it.
@@ -47,6 +183,8 @@ pub struct Interface {
     pub mac: MacAddr,
     /// Its own addresses (no backend may be one of them).
     pub addresses: Vec<IpAddr>,
+    /// Its MTU: the largest IP packet it sends (tunnelled packets included).
+    pub mtu: u32,
 }
 
 /// Reads the neighbour table of one interface.
@@ -89,8 +227,12 @@ impl Neighbors {
         lookup(&self.handle, name).await
     }
 
-    /// Subscribes to link changes (RTMGRP_LINK) on a netlink socket of their own.
+    /// Subscribes to link, route and neighbour changes (RTMGRP_LINK, the IPv4 and IPv6
+    /// route groups, RTMGRP_NEIGH) on a netlink socket of their own.
     pub fn link_events() -> Result<LinkEvents, NeighborError> {
+        use rtnetlink::constants::{
+            RTMGRP_IPV4_ROUTE, RTMGRP_IPV6_ROUTE, RTMGRP_LINK, RTMGRP_NEIGH,
+        };
         use rtnetlink::sys::AsyncSocket as _;
         let (mut connection, _, events) =
             rtnetlink::new_connection().map_err(NeighborError::Connect)?;
@@ -99,7 +241,7 @@ impl Neighbors {
             .socket_mut()
             .bind(&rtnetlink::sys::SocketAddr::new(
                 0,
-                rtnetlink::constants::RTMGRP_LINK,
+                RTMGRP_LINK | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE | RTMGRP_NEIGH,
             ))
             .map_err(NeighborError::Connect)?;
         tokio::spawn(connection);
@@ -181,6 +323,14 @@ async fn lookup(handle: &Handle, name: &str) -> Result<Option<Interface>, Neighb
             _ => None,
         })
         .ok_or_else(|| NeighborError::NoMac(name.to_string()))?;
+    let mtu = link
+        .attributes
+        .iter()
+        .find_map(|attribute| match attribute {
+            LinkAttribute::Mtu(mtu) => Some(*mtu),
+            _ => None,
+        })
+        .unwrap_or(0);
     let index = link.header.index;
     let mut addresses = Vec::new();
     let mut dump = handle
@@ -202,6 +352,7 @@ async fn lookup(handle: &Handle, name: &str) -> Result<Option<Interface>, Neighb
         index,
         mac,
         addresses,
+        mtu,
     }))
 }
 

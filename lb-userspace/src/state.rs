@@ -10,27 +10,29 @@
 
 use std::{
     collections::HashSet,
-    net::IpAddr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
     sync::{Arc, Mutex},
     time::Instant,
 };
 
-use lb_common::stat;
+use lb_common::{SourceKey, TunnelConfig, stat};
 
 use crate::{
     agentcheck::{self, AgentHost},
     announce, cluster,
-    config::{AdminState, BackendConfig, Config, ConfigError, MAX_WEIGHT, MacAddr, VipConfig},
+    config::{
+        AdminState, BackendConfig, Config, ConfigError, Forward, MAX_WEIGHT, MacAddr, VipConfig,
+    },
     dataplane::AttachedMode,
-    explain::{self, ExplainError, ExplainRequest, Explanation, VipTarget},
+    explain::{self, ExplainError, ExplainRequest, Explanation, NextHop, VipTarget},
     health::{self, CheckHost, HealthTasks},
     metrics::{Observed, Scrape},
     model::{CheckRecord, Health, Model, ModelError, VipState},
-    neighbor::Interface,
-    status::{BackendStatus, DataplaneStatus, Start, Status, VipStatus},
+    neighbor::{self, Interface, RouteLookup},
+    status::{BackendStatus, DataplaneStatus, HotSource, Start, Status, VipStatus},
     tables::TableInputs,
-    telemetry::Telemetry,
+    telemetry::{Telemetry, source_address},
     weights::AgentReport,
     writer::{Requested, Writer},
 };
@@ -68,6 +70,8 @@ pub struct State {
     pub cluster: Option<cluster::Shared>,
     /// What the table writer was last asked for.
     last_inputs: TableInputs,
+    /// How routes are looked up (`neighbor::route_to`; a fake in unit tests).
+    pub route_of: RouteLookup,
 }
 
 /// Why a reload was refused; nothing changed.
@@ -132,7 +136,22 @@ impl State {
             announce: Default::default(),
             cluster: None,
             last_inputs: TableInputs::default(),
+            route_of: neighbor::route_to,
         }
+    }
+
+    /// What `config` needs of this host (`Config::validate_host`, and `l2` backends
+    /// on-link): checked at every reload and runtime change, as at start.
+    fn validate_on_host(&self, config: &Config) -> Result<(), ConfigError> {
+        config.validate_host(&self.interface.addresses)?;
+        let (route_of, interface) = (self.route_of, &self.interface);
+        config.validate_routes(|a| neighbor::on_link(route_of, interface.index, a))
+    }
+
+    /// Looks up the next hop of every tunnelled backend (`follow_routes`). Returns
+    /// whether any changed.
+    pub fn follow_routes(&mut self) -> bool {
+        follow_routes(&mut self.model, self.interface.index, self.route_of)
     }
 
     /// Hands the table writer what the model asks for now (it coalesces bursts), and
@@ -140,9 +159,17 @@ impl State {
     pub fn sync(&mut self) {
         let now = Instant::now();
         self.model.note_usable(now);
-        self.last_inputs = self.model.table_inputs_at(now);
+        self.last_inputs = self.inputs_at(now);
         self.tables.request(self.last_inputs.clone());
         self.announce.changed();
+    }
+
+    /// What the tables are built from at `now`: the model's, and the tunnel settings.
+    fn inputs_at(&self, now: Instant) -> TableInputs {
+        TableInputs {
+            tunnel: tunnel_config(&self.config, &self.interface),
+            ..self.model.table_inputs_at(now)
+        }
     }
 
     /// Follows what changes with time alone (a slow-start step): asks for new tables
@@ -153,7 +180,7 @@ impl State {
             return;
         }
         self.model.note_usable(now);
-        let inputs = self.model.table_inputs_at(now);
+        let inputs = self.inputs_at(now);
         if inputs != self.last_inputs {
             self.last_inputs = inputs.clone();
             self.tables.request(inputs);
@@ -177,10 +204,18 @@ impl State {
             if b.config.mac.is_some() {
                 continue;
             }
-            if let Some(mac) = table.get(&b.config.address)
+            if let Some(next_hop) = b.next_hop
+                && let Some(mac) = table.get(&next_hop)
                 && b.mac != Some(*mac)
             {
-                tracing::info!("backend {} is at {mac}", b.config.address);
+                if next_hop == b.config.address {
+                    tracing::info!("backend {} is at {mac}", b.config.address);
+                } else {
+                    tracing::info!(
+                        "backend {}: its next hop {next_hop} is at {mac}",
+                        b.config.address
+                    );
+                }
                 b.mac = Some(*mac);
                 changed = true;
             }
@@ -195,9 +230,12 @@ impl State {
         if let Some(field) = self.config.restart_only_change(&new) {
             return Err(ReloadError::NeedsRestart(field));
         }
-        new.validate_host(&self.interface.addresses)?;
+        self.validate_on_host(&new)?;
         let mut model = self.model.clone();
         model.update(&new).map_err(ReloadError::Model)?;
+        // A VIP that changed `forward` takes its new next hops now: the same backend ids
+        // (its flows stay on them), written the new way.
+        follow_routes(&mut model, self.interface.index, self.route_of);
         let mut changes: Vec<String> = self
             .runtime_differences()
             .into_iter()
@@ -309,9 +347,10 @@ impl State {
         let mut config = self.config.clone();
         edit(&mut config)?;
         config.validate()?;
-        config.validate_host(&self.interface.addresses)?;
+        self.validate_on_host(&config)?;
         let mut model = self.model.clone();
         model.update(&config)?;
+        follow_routes(&mut model, self.interface.index, self.route_of);
         self.replace_model(model);
         self.config = config;
         self.sync();
@@ -475,6 +514,48 @@ impl State {
             .map(|(id, c)| (*id, c.new_flows))
             .collect();
         self.telemetry.sample(now, &self.model, new_flows, sources);
+        self.write_hot_sources()
+    }
+
+    /// Makes `LB_HOT_SRC` hold the telemetry's hot sources: what it holds and should
+    /// not is removed, what it lacks added (read back each time, so a failed write is
+    /// mended at the next sample).
+    fn write_hot_sources(&mut self) -> anyhow::Result<()> {
+        let hot = &self.telemetry.hot;
+        if hot.skipped > 0 {
+            tracing::warn!(
+                "{} hot source(s) skipped: {} hot sources at most",
+                hot.skipped,
+                lb_common::HOT_SOURCE_ENTRIES
+            );
+        }
+        let vip_name = |key: &SourceKey| {
+            self.model
+                .vips
+                .iter()
+                .find(|v| v.id == key.vip_id)
+                .map_or_else(|| format!("id {}", key.vip_id), |v| v.config.name.clone())
+        };
+        let mut dataplane = self.tables.dataplane();
+        let held: HashSet<SourceKey> = dataplane.hot_sources()?.into_iter().collect();
+        for key in held.iter().filter(|key| !hot.hot.contains_key(key)) {
+            dataplane.set_hot_source(key, false)?;
+            tracing::info!(
+                "source {} of vip {} is no longer hot: balanced by source again",
+                source_address(key),
+                vip_name(key)
+            );
+        }
+        for (key, state) in hot.hot.iter().filter(|(key, _)| !held.contains(key)) {
+            dataplane.set_hot_source(key, true)?;
+            tracing::info!(
+                "source {} of vip {} is hot ({:.0}% of its new flows): its new flows are \
+                 balanced per connection",
+                source_address(key),
+                vip_name(key),
+                state.share * 100.0
+            );
+        }
         Ok(())
     }
 
@@ -533,6 +614,10 @@ impl State {
                                 b.health
                             },
                             mac: b.mac.map(|m| m.to_string()),
+                            next_hop: b.next_hop.map(|hop| NextHop {
+                                address: hop.to_string(),
+                                mac: b.mac.map(|m| m.to_string()),
+                            }),
                             in_table: b.in_table(),
                             slots: slots.get(&b.id).copied().unwrap_or(0),
                             active_flows: self.telemetry.flows_of(b.id),
@@ -631,6 +716,8 @@ impl State {
             port: vip.config.port,
             protocol: vip.config.protocol,
             hash: vip.config.hash,
+            forward: vip.config.forward,
+            gue_port: (vip.config.forward == Forward::Gue).then(|| vip.config.gue_port()),
             packets: traffic.packets,
             bytes: traffic.bytes,
             new_flows: traffic.new_flows,
@@ -642,6 +729,16 @@ impl State {
                 .get(&vip.id)
                 .cloned()
                 .unwrap_or_default(),
+            hot_sources: self
+                .telemetry
+                .hot
+                .of_vip(vip.id)
+                .into_iter()
+                .map(|(key, share)| HotSource {
+                    address: source_address(&key).to_string(),
+                    share,
+                })
+                .collect(),
             busiest_over_average: self
                 .telemetry
                 .busiest_over_average
@@ -698,6 +795,12 @@ impl State {
             && now.mac == self.interface.mac;
         if attached_here {
             self.interface.addresses = now.addresses;
+            self.interface.mtu = now.mtu;
+            // The default tunnel sources are the interface's addresses; the MTU bounds
+            // tunnelled packets.
+            if tunnel_config(&self.config, &self.interface) != self.last_inputs.tunnel {
+                self.sync();
+            }
             return InterfaceChange::None;
         }
         InterfaceChange::Attach(now)
@@ -897,6 +1000,75 @@ pub fn reload(
         tracing::info!("reload: {line}");
     }
     Ok((changes, written))
+}
+
+/// `LB_TUNNEL` as `config` and `interface` make it: the outer sources
+/// (`Config::tunnel_source_for`; all zero: none of that family) and the interface MTU.
+pub fn tunnel_config(config: &Config, interface: &Interface) -> TunnelConfig {
+    let source = |family: IpAddr| config.tunnel_source_for(family, &interface.addresses);
+    let mut tunnel = TunnelConfig {
+        mtu: interface.mtu,
+        ..TunnelConfig::default()
+    };
+    if let Ok(IpAddr::V4(v4)) = source(Ipv4Addr::UNSPECIFIED.into()) {
+        tunnel.src_v4 = v4.octets();
+    }
+    if let Ok(IpAddr::V6(v6)) = source(Ipv6Addr::UNSPECIFIED.into()) {
+        tunnel.src_v6 = v6.octets();
+    }
+    tunnel
+}
+
+/// Follows the routes of tunnelled backends (`forward = "ipip"|"gue"`): each one's next
+/// hop is its route's out of interface `ifindex` (the gateway, or the backend itself
+/// on-link), and its MAC then that neighbour's (`State::learn_macs`). A backend whose
+/// route no longer leaves there loses its MAC, and with it its traffic, until a route
+/// does again; one whose next hop changed keeps the old MAC until the new one is known.
+/// `l2` backends are their own next hop. Returns whether any next hop changed.
+pub fn follow_routes(model: &mut Model, ifindex: u32, route_of: RouteLookup) -> bool {
+    let mut changed = false;
+    for vip in &mut model.vips {
+        let tunnel = vip.config.forward.is_tunnel();
+        for b in &mut vip.backends {
+            let address = b.config.address;
+            let (next_hop, why) = if !tunnel {
+                (Some(address), None)
+            } else {
+                match route_of(address) {
+                    Ok(route) => match route.next_hop(ifindex) {
+                        Some(hop) => (Some(hop), None),
+                        None => (
+                            None,
+                            Some(format!("its route `{route}` does not leave the interface")),
+                        ),
+                    },
+                    Err(error) => (None, Some(error.to_string())),
+                }
+            };
+            if next_hop == b.next_hop {
+                continue;
+            }
+            match (next_hop, why) {
+                (Some(hop), _) if hop != address => tracing::info!(
+                    "backend {address} of vip {}: next hop {hop}",
+                    vip.config.name
+                ),
+                (Some(_), _) => {}
+                (None, why) => {
+                    tracing::warn!(
+                        "backend {address} of vip {}: no next hop ({}); out of service until \
+                         a route leads there",
+                        vip.config.name,
+                        why.unwrap_or_default()
+                    );
+                    b.mac = None;
+                }
+            }
+            b.next_hop = next_hop;
+            changed = true;
+        }
+    }
+    changed
 }
 
 /// An error and its sources, as one line.
@@ -1273,7 +1445,8 @@ mod tests {
         assert!(matches!(family, ControlError::Invalid(_)));
         assert_eq!(
             family.to_string(),
-            "address: fd00::12 is not of the same address family as the VIP 10.0.0.100"
+            "address: fd00::12 is not of the same address family as the VIP 10.0.0.100 \
+             (only a tunnel, forward = \"ipip\" or \"gue\", mixes the families)"
         );
         assert!(
             shared.runtime_differences().is_empty(),
@@ -1599,6 +1772,60 @@ mod tests {
     }
 
     #[test]
+    fn hot_sources_are_written_to_the_data_path_and_shown() {
+        let mut file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        file.vips[0].hash = crate::config::HashMode::SrcIp;
+        file.vips[0].hot_source_share = Some(0.3);
+        let mut shared = shared(file);
+        let vip_id = shared.model.vips[0].id;
+        let source = |last: u8| {
+            let (addr, family) = lb_common::addr::to_map(IpAddr::from([10, 0, 0, last]));
+            SourceKey::new(vip_id, addr, family)
+        };
+        let sample = |shared: &mut State, deltas: Vec<(SourceKey, u64)>| {
+            let shares = [(vip_id, 0.3)].into();
+            shared
+                .telemetry
+                .hot
+                .update(&shares, &[(vip_id, deltas)].into());
+            shared.write_hot_sources().unwrap();
+            let mut held = shared.tables.dataplane().hot_sources().unwrap();
+            held.sort_by_key(|k| k.addr);
+            held
+        };
+        // 10.0.0.1 has 80% of the new flows, 10.0.0.2 20%.
+        let held = sample(&mut shared, vec![(source(1), 80), (source(2), 20)]);
+        assert_eq!(held, [source(1)]);
+        let status = shared.status().unwrap();
+        assert_eq!(
+            status.vips[0].hot_sources,
+            [HotSource {
+                address: "10.0.0.1".into(),
+                share: 0.8
+            }]
+        );
+        assert!(
+            crate::status::render(&status)
+                .contains("hot sources (balanced per connection): 10.0.0.1 (80%)"),
+            "{}",
+            crate::status::render(&status)
+        );
+        // The other turns hot as well; then the first cools down and leaves.
+        assert_eq!(
+            sample(&mut shared, vec![(source(1), 50), (source(2), 50)]),
+            [source(1), source(2)]
+        );
+        for _ in 0..crate::hot::COLD_SAMPLES {
+            sample(&mut shared, vec![(source(2), 100)]);
+        }
+        assert_eq!(sample(&mut shared, vec![(source(2), 100)]), [source(2)]);
+        assert_eq!(
+            shared.model.vips[0].flags(),
+            lb_common::VIP_F_HASH_SRC_IP | lb_common::VIP_F_HOT_SOURCES
+        );
+    }
+
+    #[test]
     fn least_flows_gives_the_busy_backend_less_and_the_idle_one_more() {
         let mut file = config("eth0", &["10.0.0.11", "10.0.0.12", "10.0.0.13"]);
         file.vips[0].balance = crate::config::Balance::LeastFlows;
@@ -1864,9 +2091,17 @@ mod tests {
         );
         assert_eq!(
             kinds("lb_conntrack_events_total"),
-            ["created", "hit", "insert_skipped", "rehash"]
-                .map(String::from)
-                .into()
+            [
+                "created",
+                "embryonic",
+                "hit",
+                "insert_skipped",
+                "promoted",
+                "rehash",
+                "reused"
+            ]
+            .map(String::from)
+            .into()
         );
     }
 }
@@ -1875,7 +2110,12 @@ mod tests {
 #[cfg(test)]
 pub(crate) mod test_support {
     use super::*;
-    use crate::{config::MacAddr, dataplane::MemoryDataplane, tables::TableWriter};
+    use crate::{
+        config::MacAddr,
+        dataplane::MemoryDataplane,
+        neighbor::{NeighborError, Route},
+        tables::TableWriter,
+    };
     use std::time::Duration;
 
     /// One VIP "web" 10.0.0.100:80/tcp, unchecked, with these backends (MACs given).
@@ -1893,6 +2133,16 @@ pub(crate) mod test_support {
         Config::from_toml(&text).unwrap()
     }
 
+    /// Every address on-link out of interface 1 (the fake interface's index).
+    pub fn on_link_route(destination: IpAddr) -> Result<Route, NeighborError> {
+        Ok(Route {
+            destination,
+            oif: Some(1),
+            gateway: None,
+            unicast: true,
+        })
+    }
+
     pub fn shared(config: Config) -> State {
         let mut model = Model::new(7, 16, Duration::ZERO);
         model.update(&config).unwrap();
@@ -1901,6 +2151,7 @@ pub(crate) mod test_support {
             index: 1,
             mac: MacAddr([2, 0, 0, 0, 0, 1]),
             addresses: vec!["10.0.0.2".parse().unwrap()],
+            mtu: 1500,
         };
         let tables = Writer::inline(Box::new(MemoryDataplane::default()), TableWriter::new(7));
         let mut shared = State::new(
@@ -1911,7 +2162,212 @@ pub(crate) mod test_support {
             interface,
             AttachedMode::Generic,
         );
+        shared.route_of = on_link_route;
         shared.sync();
         shared
+    }
+}
+
+#[cfg(test)]
+mod tunnel_tests {
+    use super::*;
+    use crate::neighbor::{NeighborError, Route};
+    use lb_common::{ADDR_FAMILY_V4, ADDR_FAMILY_V6, FORWARD_GUE, FORWARD_IPIP, FORWARD_L2};
+    use std::collections::HashMap;
+    use test_support::shared;
+
+    /// 10.0.0.0/24 on-link out of interface 1; 10.1.0.0/16 and fd00:1::/64 through the
+    /// router 10.0.0.1 / fd00::1 there; 10.2.0.0/16 out of interface 2; nothing else.
+    fn routes(destination: IpAddr) -> Result<Route, NeighborError> {
+        let text = destination.to_string();
+        let (oif, gateway) = if text.starts_with("10.0.0.") {
+            (1, None)
+        } else if text.starts_with("10.1.") {
+            (1, Some("10.0.0.1"))
+        } else if text.starts_with("fd00:1::") {
+            (1, Some("fd00::1"))
+        } else if text.starts_with("10.2.") {
+            (2, None)
+        } else {
+            let unreachable = std::io::Error::from_raw_os_error(libc::ENETUNREACH);
+            return Err(NeighborError::NoRoute(destination, unreachable));
+        };
+        Ok(Route {
+            destination,
+            oif: Some(oif),
+            gateway: gateway.map(|g| g.parse().unwrap()),
+            unicast: true,
+        })
+    }
+
+    fn config(forward: &str, backends: &[&str]) -> Config {
+        let mut text = format!(
+            "[dataplane]\ninterface = \"eth0\"\nmaglev_table_size = 7\n\
+             [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+             forward = \"{forward}\"\n[vip.health]\nkind = \"none\"\n"
+        );
+        for address in backends {
+            text += &format!("[[vip.backend]]\naddress = \"{address}\"\n");
+        }
+        Config::from_toml(&text).unwrap()
+    }
+
+    fn agent(config: Config) -> State {
+        let mut state = shared(config);
+        state.interface.addresses = vec!["10.0.0.2".parse().unwrap(), "fd00::2".parse().unwrap()];
+        state.route_of = routes;
+        state.follow_routes();
+        state
+    }
+
+    fn neighbours() -> HashMap<IpAddr, MacAddr> {
+        [("10.0.0.1", 0xfe), ("fd00::1", 0xfd), ("10.0.0.11", 0x0b)]
+            .into_iter()
+            .map(|(a, last)| (a.parse().unwrap(), MacAddr([2, 0, 0, 0, 0, last])))
+            .collect()
+    }
+
+    fn info(state: &State, address: &str) -> lb_common::BackendInfo {
+        let b = state
+            .model
+            .backends()
+            .find(|b| b.config.address.to_string() == address)
+            .unwrap();
+        state.tables.desired().backends[&b.id].info
+    }
+
+    #[test]
+    fn a_routed_backend_takes_its_gateways_mac_and_an_on_link_one_its_own() {
+        let mut state = agent(config("ipip", &["10.1.0.11", "10.0.0.11", "fd00:1::12"]));
+        let hops: Vec<Option<IpAddr>> = state.model.backends().map(|b| b.next_hop).collect();
+        assert_eq!(
+            hops,
+            [
+                Some("10.0.0.1".parse().unwrap()),
+                Some("10.0.0.11".parse().unwrap()),
+                Some("fd00::1".parse().unwrap())
+            ]
+        );
+        assert!(state.learn_macs(&neighbours()));
+        state.sync();
+        let routed = info(&state, "10.1.0.11");
+        assert_eq!(routed.mac, [2, 0, 0, 0, 0, 0xfe], "the router's MAC");
+        assert_eq!(
+            (routed.forward, routed.family, routed.gue_port_be),
+            (FORWARD_IPIP, ADDR_FAMILY_V4, 0)
+        );
+        assert_eq!(routed.addr[..4], [10, 1, 0, 11], "the outer destination");
+        assert_eq!(info(&state, "10.0.0.11").mac, [2, 0, 0, 0, 0, 0x0b]);
+        // An IPv4 VIP to an IPv6 backend: 4in6 through the IPv6 router.
+        let mixed = info(&state, "fd00:1::12");
+        assert_eq!((mixed.family, mixed.mac[5]), (ADDR_FAMILY_V6, 0xfd));
+        // The outer sources: the interface's own addresses.
+        let tunnel = state.tables.desired().tunnel;
+        assert_eq!(tunnel.src_v4, [10, 0, 0, 2]);
+        assert_eq!(
+            tunnel.src_v6,
+            "fd00::2".parse::<std::net::Ipv6Addr>().unwrap().octets()
+        );
+        assert_eq!(tunnel.mtu, 1500);
+        let status = state.status().unwrap();
+        let hop = status.vips[0].backends[0].next_hop.clone().unwrap();
+        assert_eq!(hop.address, "10.0.0.1");
+        assert_eq!(hop.mac.as_deref(), Some("02:00:00:00:00:fe"));
+        assert_eq!(status.vips[0].forward, Forward::Ipip);
+    }
+
+    #[test]
+    fn a_backend_without_a_route_out_of_the_interface_has_no_next_hop() {
+        let mut state = agent(config("gue", &["10.1.0.11", "10.2.0.11", "10.9.0.11"]));
+        state.learn_macs(&neighbours());
+        state.sync();
+        let in_table: Vec<bool> = state.model.backends().map(|b| b.in_table()).collect();
+        assert_eq!(in_table, [true, false, false], "only the routed one");
+        let gue = info(&state, "10.1.0.11");
+        assert_eq!(
+            (gue.forward, u16::from_be(gue.gue_port_be)),
+            (FORWARD_GUE, 6080)
+        );
+        // The route goes away: so do its MAC and its traffic.
+        state.route_of = |d| {
+            Err(NeighborError::NoRoute(
+                d,
+                std::io::Error::from_raw_os_error(libc::ENETUNREACH),
+            ))
+        };
+        assert!(state.follow_routes());
+        assert!(!state.model.backends().next().unwrap().in_table());
+        assert!(
+            state.status().unwrap().vips[0].backends[0]
+                .next_hop
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn a_reload_that_changes_forward_keeps_the_backend_ids_and_rewrites_them() {
+        let mut state = agent(config("l2", &["10.0.0.11"]));
+        state.learn_macs(&neighbours());
+        state.sync();
+        let id = state.model.backends().next().unwrap().id;
+        assert_eq!(info(&state, "10.0.0.11").forward, FORWARD_L2);
+        let changes = state.reload(config("ipip", &["10.0.0.11"])).unwrap();
+        assert_eq!(changes, ["vip web: forward l2 -> ipip"]);
+        let b = state.model.backends().next().unwrap();
+        assert_eq!(b.id, id, "its flows keep their backend");
+        assert!(b.in_table(), "on-link: the same next hop and MAC");
+        let rewritten = info(&state, "10.0.0.11");
+        assert_eq!(rewritten.forward, FORWARD_IPIP);
+        assert_eq!(rewritten.mac, [2, 0, 0, 0, 0, 0x0b]);
+    }
+
+    #[test]
+    fn an_l2_backend_behind_a_router_is_refused_naming_the_route() {
+        let mut state = agent(config("l2", &["10.0.0.11"]));
+        let error = state
+            .reload(config("l2", &["10.0.0.11", "10.1.0.12"]))
+            .unwrap_err();
+        let ReloadError::Config(ConfigError::Invalid { field, reason }) = error else {
+            panic!("{error:?}")
+        };
+        assert_eq!(field, "vip[0].backend[1].address");
+        assert!(
+            reason.starts_with(
+                "10.1.0.12 is not on-link on eth0 (the route found is `10.1.0.12 via 10.0.0.1 dev "
+            ) && reason.contains("forward = \"ipip\" or \"gue\""),
+            "{reason}"
+        );
+        let error = state
+            .reload(config("l2", &["10.0.0.11", "10.9.0.12"]))
+            .unwrap_err();
+        assert!(
+            error.to_string().contains("no route to 10.9.0.12"),
+            "{error}"
+        );
+        // The same backend through a tunnel is fine.
+        state
+            .reload(config("ipip", &["10.0.0.11", "10.1.0.12"]))
+            .unwrap();
+    }
+
+    #[test]
+    fn a_tunnel_without_a_source_of_the_backends_family_is_refused() {
+        let mut state = agent(config("ipip", &["10.1.0.11"]));
+        state.interface.addresses = vec!["10.0.0.2".parse().unwrap()];
+        let error = state
+            .reload(config("ipip", &["10.1.0.11", "fd00:1::12"]))
+            .unwrap_err();
+        let ReloadError::Config(ConfigError::Invalid { field, .. }) = error else {
+            panic!("{error:?}")
+        };
+        assert_eq!(field, "dataplane.tunnel_source6");
+    }
+
+    #[test]
+    fn routes_are_read_from_the_kernel() {
+        // Any namespace has its loopback: a local route, not a unicast one.
+        let route = crate::neighbor::route_to("127.0.0.1".parse().unwrap()).unwrap();
+        assert!(!route.unicast, "{route}");
+        assert_eq!(route.next_hop(route.oif.unwrap_or(1)), None);
     }
 }

@@ -10,9 +10,9 @@ use std::{collections::BTreeMap, fmt::Write};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::{HashMode, Protocol},
+    config::{Forward, HashMode, Protocol},
     dataplane::AttachedMode,
-    explain::VipTarget,
+    explain::{NextHop, VipTarget},
     model::{AdminStatus, CheckRecord, Health},
 };
 
@@ -187,6 +187,12 @@ pub struct VipStatus {
     pub port: u16,
     pub protocol: Protocol,
     pub hash: HashMode,
+    /// How packets reach the backends: "l2", "ipip" or "gue".
+    #[serde(default)]
+    pub forward: Forward,
+    /// `forward = "gue"`: the backends' decapsulation port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gue_port: Option<u16>,
     pub packets: u64,
     pub bytes: u64,
     pub new_flows: u64,
@@ -201,6 +207,10 @@ pub struct VipStatus {
     /// The client sources that opened the most new flows over the last sample interval
     /// (heavy hitters), busiest first, at most `TOP_SOURCES`.
     pub top_sources: Vec<SourceRate>,
+    /// With `hot_source_share`: the sources balanced per connection now, the busiest
+    /// first, with their share of the VIP's new flows over the last sample.
+    #[serde(default)]
+    pub hot_sources: Vec<HotSource>,
     pub backends: Vec<BackendStatus>,
 }
 
@@ -219,6 +229,25 @@ impl VipStatus {
     }
 }
 
+/// A hot source of a VIP (`hot_source_share`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HotSource {
+    pub address: String,
+    /// Its share (0..=1) of the VIP's new flows over the last sample.
+    pub share: f64,
+}
+
+impl HotSource {
+    /// `10.0.0.1 (62%)`, as status and top print them.
+    pub fn list(sources: &[HotSource]) -> String {
+        sources
+            .iter()
+            .map(|s| format!("{} ({:.0}%)", s.address, s.share * 100.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SourceRate {
     pub address: String,
@@ -233,6 +262,11 @@ pub struct BackendStatus {
     /// "up", "down" or "unknown" (not checked: `kind = "none"`, or in maintenance).
     pub health: Health,
     pub mac: Option<String>,
+    /// Where its frames go: the backend itself (on-link), or the gateway of its route
+    /// (tunnelled), with the MAC used; None while a tunnelled backend has no route out
+    /// of the interface.
+    #[serde(default)]
+    pub next_hop: Option<NextHop>,
     /// Takes new flows now.
     pub in_table: bool,
     /// Maglev slots held.
@@ -385,10 +419,14 @@ fn render_dataplane(out: &mut String, status: &Status) {
 fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
     let _ = writeln!(
         out,
-        "\nvip {} {} hash {}: {} healthy, {} unhealthy, {} packets, {} new flows",
+        "\nvip {} {} hash {} forward {}: {} healthy, {} unhealthy, {} packets, {} new flows",
         vip.name,
         vip.target(),
         vip.hash,
+        match vip.gue_port {
+            Some(port) => format!("{} (port {port})", vip.forward),
+            None => vip.forward.to_string(),
+        },
         vip.healthy_backends,
         vip.unhealthy_backends,
         vip.packets,
@@ -416,6 +454,13 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
                 .join(", ")
         }
     );
+    if !vip.hot_sources.is_empty() {
+        let _ = writeln!(
+            out,
+            "  hot sources (balanced per connection): {}",
+            HotSource::list(&vip.hot_sources)
+        );
+    }
     let _ = writeln!(
         out,
         "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  last check",
@@ -469,6 +514,21 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
         if let Some(error) = &b.agent_error {
             let _ = writeln!(out, "    agent check: {error}");
         }
+        // An on-link backend is its own next hop: only a router is news.
+        match &b.next_hop {
+            Some(hop) if hop.address != b.address => {
+                let _ = writeln!(
+                    out,
+                    "    next hop {} ({})",
+                    hop.address,
+                    hop.mac.as_deref().unwrap_or("unresolved")
+                );
+            }
+            Some(_) => {}
+            None => {
+                let _ = writeln!(out, "    next hop: none (no route out of the interface)");
+            }
+        }
     }
 }
 
@@ -513,6 +573,10 @@ pub mod tests {
             state: AdminStatus::Ready,
             health: Health::Up,
             mac: Some("02:00:00:00:00:0b".into()),
+            next_hop: Some(NextHop {
+                address: address.into(),
+                mac: Some("02:00:00:00:00:0b".into()),
+            }),
             in_table: true,
             slots: 3,
             active_flows: 0,
@@ -551,6 +615,8 @@ pub mod tests {
                 port: 80,
                 protocol: Protocol::Tcp,
                 hash: HashMode::FiveTuple,
+                forward: Forward::L2,
+                gue_port: None,
                 packets: 0,
                 bytes: 0,
                 new_flows: 0,
@@ -558,6 +624,7 @@ pub mod tests {
                 unhealthy_backends: 0,
                 busiest_over_average: 0.0,
                 top_sources: Vec::new(),
+                hot_sources: Vec::new(),
                 backends: vec![backend("10.0.0.11"), backend("10.0.0.12")],
             }],
             counters: BTreeMap::new(),
@@ -624,6 +691,41 @@ pub mod tests {
             "{text}"
         );
         assert_eq!(text.matches("effective weight").count(), 1, "{text}");
+    }
+
+    #[test]
+    fn a_tunnelled_vip_shows_its_forward_kind_and_routed_next_hops() {
+        let mut status = sample();
+        let plain = render(&status);
+        assert!(plain.contains("hash 5-tuple forward l2:"), "{plain}");
+        assert!(!plain.contains("next hop"), "on-link: {plain}");
+        let vip = &mut status.vips[0];
+        vip.forward = Forward::Gue;
+        vip.gue_port = Some(6080);
+        vip.backends[0].next_hop = Some(NextHop {
+            address: "10.0.0.1".into(),
+            mac: Some("02:00:00:00:00:fe".into()),
+        });
+        vip.backends[1].next_hop = None;
+        let text = render(&status);
+        for line in [
+            "forward gue (port 6080):",
+            "    next hop 10.0.0.1 (02:00:00:00:00:fe)",
+            "    next hop: none (no route out of the interface)",
+        ] {
+            assert!(text.contains(line), "no {line:?} in:\n{text}");
+        }
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["vips"][0]["forward"], "gue");
+        assert_eq!(
+            json["vips"][0]["backends"][0]["next_hop"]["address"],
+            "10.0.0.1"
+        );
+        assert_eq!(
+            json["vips"][0]["backends"][0]["next_hop"]["mac"],
+            "02:00:00:00:00:fe"
+        );
+        assert!(json["vips"][0]["backends"][1]["next_hop"].is_null());
     }
 
     #[test]

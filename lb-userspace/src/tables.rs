@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use lb_common::{
-    BackendIdentity, BackendInfo, TABLE_GENERATIONS, VipInfo, VipKey,
+    BackendIdentity, BackendInfo, TABLE_GENERATIONS, TunnelConfig, VipInfo, VipKey,
     maglev::{MaglevBackend, build_table},
 };
 
@@ -40,6 +40,8 @@ pub struct DesiredBackend {
 pub struct Desired {
     pub vips: Vec<DesiredVip>,
     pub backends: BTreeMap<u32, DesiredBackend>,
+    /// Outer sources and MTU of tunnels (`LB_TUNNEL`).
+    pub tunnel: TunnelConfig,
 }
 
 /// One VIP's table as the model asks for it: the Maglev members, not yet built.
@@ -58,6 +60,7 @@ pub struct TableInputs {
     pub table_size: u32,
     pub vips: Vec<VipInputs>,
     pub backends: BTreeMap<u32, DesiredBackend>,
+    pub tunnel: TunnelConfig,
 }
 
 impl TableInputs {
@@ -102,6 +105,7 @@ impl TableBuilder {
         Desired {
             vips,
             backends: inputs.backends.clone(),
+            tunnel: inputs.tunnel,
         }
     }
 
@@ -138,6 +142,8 @@ pub struct TableWriter {
     tables: HashMap<u32, VipTables>,
     vips: HashMap<VipKey, VipInfo>,
     backends: HashMap<u32, DesiredBackend>,
+    /// What `LB_TUNNEL` was last written with; None: not yet by this agent.
+    tunnel: Option<TunnelConfig>,
 }
 
 impl TableWriter {
@@ -147,6 +153,7 @@ impl TableWriter {
             tables: HashMap::new(),
             vips: HashMap::new(),
             backends: HashMap::new(),
+            tunnel: None,
         }
     }
 
@@ -180,6 +187,12 @@ impl TableWriter {
     ) -> Result<ApplyReport, DataplaneError> {
         let mut report = ApplyReport::default();
 
+        // Written at least once by every agent (the map may be an older agent's), before
+        // the backends that need it.
+        if self.tunnel != Some(desired.tunnel) {
+            dataplane.set_tunnel(&desired.tunnel)?;
+            self.tunnel = Some(desired.tunnel);
+        }
         // Backends before the tables that name them.
         for (&id, backend) in &desired.backends {
             if !self.backends.contains_key(&id) {
@@ -306,11 +319,11 @@ mod tests {
     fn desired(table: [u32; 7]) -> Desired {
         let mut backends = BTreeMap::new();
         for id in table.iter().filter(|&&id| id != BACKEND_NONE) {
-            let info = BackendInfo {
-                mac: [2, 0, 0, 0, 0, *id as u8],
-                flags: lb_common::BACKEND_F_SERVES_FLOWS,
-                vip_id: 3,
-            };
+            let info = BackendInfo::l2(
+                [2, 0, 0, 0, 0, *id as u8],
+                lb_common::BACKEND_F_SERVES_FLOWS,
+                3,
+            );
             let identity = crate::model::identity([10, 0, 0, *id as u8].into(), 3);
             backends.insert(*id, DesiredBackend { info, identity });
         }
@@ -322,6 +335,7 @@ mod tests {
                 table: table.to_vec(),
             }],
             backends,
+            tunnel: Default::default(),
         }
     }
 
@@ -370,12 +384,17 @@ mod tests {
         let mut writer = TableWriter::new(SIZE);
         writer.adopt(&adopted);
         dp.log.clear();
-        // The same tables: nothing to write (a fresh writer would write them all).
+        // The same tables: nothing to write (a fresh writer would write them all) but
+        // the tunnel settings, which every agent writes once.
         assert_eq!(
             writer.apply(&mut dp, &want).unwrap(),
             ApplyReport::default()
         );
-        assert!(dp.log.is_empty(), "{:?}", dp.log);
+        assert!(
+            matches!(dp.log[..], [crate::dataplane::Write::Tunnel(_)]),
+            "{:?}",
+            dp.log
+        );
         // A changed table goes to the idle generation and switches, as before the restart.
         let changed = desired([1, 2, 1, 2, 1, 2, 2]);
         let report = writer.apply(&mut dp, &changed).unwrap();

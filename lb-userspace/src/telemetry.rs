@@ -1,7 +1,8 @@
 //! What the agent learns by watching the data path: live flows per backend (from scans of
-//! the connection table), new-flow rates, each VIP's busiest-over-average ratio and its
-//! heavy hitters (from counter samples). Pure bookkeeping: the agent's loop feeds it
-//! scans and counter reads; status, draining and metrics read it.
+//! the connection table), new-flow rates, each VIP's busiest-over-average ratio, its
+//! heavy hitters and, with `hot_source_share`, its hot sources (`hot`) (from counter
+//! samples). Pure bookkeeping: the agent's loop feeds it scans and counter reads;
+//! status, draining, metrics and `LB_HOT_SRC` read it.
 
 use std::{
     collections::HashMap,
@@ -12,6 +13,8 @@ use std::{
 use lb_common::{FLOW_F_CLOSING, FLOW_F_LEARNED, FlowEntry, FlowKey, SourceKey};
 
 use crate::{
+    config::HashMode,
+    hot::HotSources,
     model::Model,
     status::{SourceRate, TOP_SOURCES},
 };
@@ -35,6 +38,9 @@ pub struct Telemetry {
     pub busiest_over_average: HashMap<u32, f64>,
     /// Per VIP id: the heavy hitters of the last interval.
     pub top_sources: HashMap<u32, Vec<SourceRate>>,
+    /// The hot sources of VIPs with `hot_source_share`, as of the last sample: what
+    /// `LB_HOT_SRC` is to hold.
+    pub hot: HotSources,
     /// The previous sample: when, and each backend's new-flow counter then.
     last_sample: Option<(Instant, HashMap<u32, u64>)>,
     /// Each source's new-flow count at the previous sample.
@@ -117,20 +123,27 @@ impl Telemetry {
                     (vip.id, busiest_over_average(&deltas))
                 })
                 .collect();
-            self.top_sources = heavy_hitters(&sources, &self.last_sources, seconds);
+            let deltas = source_deltas(&sources, &self.last_sources);
+            self.top_sources = heavy_hitters(&deltas, seconds);
+            let shares = model
+                .vips
+                .iter()
+                .filter(|vip| vip.config.hash == HashMode::SrcIp)
+                .filter_map(|vip| Some((vip.id, vip.config.hot_source_share?)))
+                .collect();
+            self.hot.update(&shares, &deltas);
         }
         self.last_sources = sources.into_iter().collect();
         self.last_sample = Some((now, new_flows));
     }
 }
 
-/// Per VIP id, the sources with the most new flows since `previous`, busiest first.
-pub fn heavy_hitters(
+/// Per VIP id, each source's new flows since `previous` (sources without any left out).
+pub fn source_deltas(
     sources: &[(SourceKey, u64)],
     previous: &HashMap<SourceKey, u64>,
-    seconds: f64,
-) -> HashMap<u32, Vec<SourceRate>> {
-    let mut by_vip: HashMap<u32, Vec<(u64, &SourceKey)>> = HashMap::new();
+) -> HashMap<u32, Vec<(SourceKey, u64)>> {
+    let mut by_vip: HashMap<u32, Vec<(SourceKey, u64)>> = HashMap::new();
     for (key, count) in sources {
         // A source the LRU evicted and re-inserted restarts from 0: count what it has.
         let before = previous
@@ -142,27 +155,37 @@ pub fn heavy_hitters(
             by_vip
                 .entry(key.vip_id)
                 .or_default()
-                .push((count - before, key));
+                .push((*key, count - before));
         }
     }
     by_vip
-        .into_iter()
-        .map(|(vip, mut counts)| {
-            counts.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.addr.cmp(&b.1.addr)));
+}
+
+/// Per VIP id, the sources with the most new flows in `deltas` (over `seconds`), busiest
+/// first.
+pub fn heavy_hitters(
+    deltas: &HashMap<u32, Vec<(SourceKey, u64)>>,
+    seconds: f64,
+) -> HashMap<u32, Vec<SourceRate>> {
+    deltas
+        .iter()
+        .map(|(vip, counts)| {
+            let mut counts: Vec<&(SourceKey, u64)> = counts.iter().collect();
+            counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.addr.cmp(&b.0.addr)));
             let top = counts
                 .into_iter()
                 .take(TOP_SOURCES)
-                .map(|(delta, key)| SourceRate {
+                .map(|(key, delta)| SourceRate {
                     address: source_address(key).to_string(),
-                    new_flows_per_second: delta as f64 / seconds,
+                    new_flows_per_second: *delta as f64 / seconds,
                 })
                 .collect();
-            (vip, top)
+            (*vip, top)
         })
         .collect()
 }
 
-fn source_address(key: &SourceKey) -> IpAddr {
+pub fn source_address(key: &SourceKey) -> IpAddr {
     lb_common::addr::from_map(&key.addr, key.family)
 }
 
@@ -252,7 +275,7 @@ mod tests {
             (key(3, 0), 2),
             (key(9, 1), 7),
         ];
-        let top = heavy_hitters(&now, &previous, 2.0);
+        let top = heavy_hitters(&source_deltas(&now, &previous), 2.0);
         let vip0: Vec<(&str, f64)> = top[&0]
             .iter()
             .map(|s| (s.address.as_str(), s.new_flows_per_second))
@@ -262,6 +285,53 @@ mod tests {
             [("10.0.0.2", 20.0), ("10.0.0.1", 5.0), ("10.0.0.3", 1.0)]
         );
         assert_eq!(top[&1][0].address, "10.0.0.9");
+    }
+
+    #[test]
+    fn hot_sources_come_only_from_vips_with_the_share() {
+        // Two src-ip VIPs, one with hot_source_share, and a 5-tuple one.
+        let mut text = String::from("[dataplane]\ninterface = \"eth0\"\n");
+        for (name, port, lines) in [
+            ("hot", 80, "hash = \"src-ip\"\nhot_source_share = 0.3\n"),
+            ("sticky", 81, "hash = \"src-ip\"\n"),
+            ("spread", 82, ""),
+        ] {
+            text += &format!(
+                "[[vip]]\nname = \"{name}\"\naddress = \"10.0.0.100\"\nport = {port}\n\
+                 protocol = \"tcp\"\n{lines}[vip.health]\nkind = \"none\"\n\
+                 [[vip.backend]]\naddress = \"10.0.0.11\"\n"
+            );
+        }
+        let config = crate::config::Config::from_toml(&text).unwrap();
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        model.update(&config).unwrap();
+        let ids: Vec<u32> = model.vips.iter().map(|v| v.id).collect();
+        let key = |vip_id: u32| {
+            SourceKey::new(
+                vip_id,
+                [10, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                lb_common::ADDR_FAMILY_V4,
+            )
+        };
+        let mut telemetry = Telemetry::default();
+        let start = Instant::now();
+        let counts = |n: u64| ids.iter().map(|&id| (key(id), n)).collect::<Vec<_>>();
+        telemetry.sample(start, &model, HashMap::new(), counts(0));
+        assert!(
+            telemetry.hot.hot.is_empty(),
+            "the first sample has no interval"
+        );
+        // The one source of each VIP opened all of its 100 new flows.
+        telemetry.sample(
+            start + Duration::from_secs(2),
+            &model,
+            HashMap::new(),
+            counts(100),
+        );
+        assert_eq!(telemetry.hot.of_vip(ids[0]), [(key(ids[0]), 1.0)]);
+        assert!(telemetry.hot.of_vip(ids[1]).is_empty());
+        assert!(telemetry.hot.of_vip(ids[2]).is_empty());
+        assert_eq!(telemetry.hot.hot.len(), 1);
     }
 
     #[test]

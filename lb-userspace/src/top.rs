@@ -129,6 +129,16 @@ pub fn render(status: &Status, rates: Option<(f64, &Previous)>, hot: f64, color:
                 .collect();
             let _ = writeln!(out, "  top sources by new flows: {}", top.join(", "));
         }
+        if !vip.hot_sources.is_empty() {
+            // The counter is the program's, over every VIP.
+            let spread = status.counters.get("hot_source_spread").copied();
+            let _ = writeln!(
+                out,
+                "  hot sources, balanced per connection: {} (hot_source_spread {})",
+                crate::status::HotSource::list(&vip.hot_sources),
+                spread.unwrap_or(0)
+            );
+        }
         let _ = writeln!(
             out,
             "  {:<39} {:<9} {:<7} {:>9} {:>10} {:>7}  share",
@@ -178,8 +188,18 @@ mod tests {
             address: "10.0.0.1".into(),
             new_flows_per_second: 9.5,
         }];
+        status.vips[0].hot_sources = vec![crate::status::HotSource {
+            address: "10.0.0.1".into(),
+            share: 0.62,
+        }];
         let screen = render(&status, Some((2.0, &before)), 1.3, false);
         assert!(screen.contains("200 pkt/s"), "{screen}");
+        assert!(
+            screen.contains(
+                "hot sources, balanced per connection: 10.0.0.1 (62%) (hot_source_spread 0)"
+            ),
+            "{screen}"
+        );
         assert!(screen.contains("10.0 new flows/s"), "{screen}");
         assert!(
             screen.contains("75.0%") && screen.contains("25.0%"),

@@ -69,8 +69,8 @@ pub struct Writer {
 
 enum Mode {
     Thread(Option<JoinHandle<()>>),
-    /// Unit tests: `request` writes in the caller's thread.
-    Inline(Mutex<Work>),
+    /// Unit tests: `request` writes in the caller's thread. Boxed: the work is large.
+    Inline(Box<Mutex<Work>>),
 }
 
 struct Inner {
@@ -114,7 +114,7 @@ impl Writer {
     /// wrote is there when it returns).
     pub fn inline(dataplane: Box<dyn Dataplane + Send>, tables: TableWriter) -> Self {
         let (mut writer, work) = Self::parts(dataplane, tables, Desired::default());
-        writer.mode = Mode::Inline(Mutex::new(work));
+        writer.mode = Mode::Inline(Box::new(Mutex::new(work)));
         writer
     }
 
@@ -322,6 +322,7 @@ mod tests {
                     .collect(),
             }],
             backends: Default::default(),
+            tunnel: Default::default(),
         }
     }
 

@@ -45,6 +45,36 @@ pub fn tcp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<Strin
     Ok(line.trim_end().to_string())
 }
 
+/// A TCP connection to `addr` from the local address `local` (std cannot bind before
+/// connecting). A blocking connect on Linux gives up after the send timeout.
+fn connect_from(local: IpAddr, addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, setsockopt, socket,
+        sockopt,
+    };
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    let send_timeout =
+        nix::sys::time::TimeVal::new(timeout.as_secs() as _, timeout.subsec_micros() as _);
+    setsockopt(&fd, sockopt::SendTimeout, &send_timeout)?;
+    bind(
+        fd.as_raw_fd(),
+        &SockaddrStorage::from(SocketAddr::new(local, 0)),
+    )?;
+    connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)).map_err(|errno| match errno {
+        nix::errno::Errno::EINPROGRESS => io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no connection within {timeout:?}"),
+        ),
+        errno => errno.into(),
+    })?;
+    Ok(TcpStream::from(fd))
+}
+
 /// A long-lived connection to a [`crate::TcpServer`] (which echoes), for tests that keep
 /// flows open while something changes. The socket lives in the namespace it was made in;
 /// it can be used from any thread.
@@ -58,23 +88,40 @@ impl Conn {
     /// Connects from `ns` and reads the greeting line (the backend's name).
     pub fn open(ns: &Netns, addr: SocketAddr, timeout: Duration) -> io::Result<Conn> {
         in_ns(ns, || {
-            let stream = TcpStream::connect_timeout(&addr, timeout)?;
-            stream.set_read_timeout(Some(timeout))?;
-            stream.set_nodelay(true)?;
-            let mut reader = BufReader::new(stream.try_clone()?);
-            let mut line = String::new();
-            reader.read_line(&mut line)?;
-            if !line.ends_with('\n') {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("connection closed after {line:?}"),
-                ));
-            }
-            Ok(Conn {
-                stream,
-                reader,
-                backend: line.trim_end().to_string(),
-            })
+            Self::greeted(TcpStream::connect_timeout(&addr, timeout)?, timeout)
+        })
+    }
+
+    /// [`Conn::open`] from the local address `local` of `ns` (a second client address:
+    /// another source to the balancer).
+    pub fn open_from(
+        ns: &Netns,
+        local: IpAddr,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> io::Result<Conn> {
+        in_ns(ns, || {
+            Self::greeted(connect_from(local, addr, timeout)?, timeout)
+        })
+    }
+
+    /// Reads the greeting line of a fresh connection.
+    fn greeted(stream: TcpStream, timeout: Duration) -> io::Result<Conn> {
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_nodelay(true)?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        if !line.ends_with('\n') {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("connection closed after {line:?}"),
+            ));
+        }
+        Ok(Conn {
+            stream,
+            reader,
+            backend: line.trim_end().to_string(),
         })
     }
 

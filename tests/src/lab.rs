@@ -15,6 +15,21 @@
 //! MAC and sends the frame back out of the same port; the backend holds the VIP on `lo`
 //! (`arp_ignore=1`, `arp_announce=2`, so it never claims it on the wire) and answers the
 //! client directly. Addresses are the same in every lab: labs never share a namespace.
+//!
+//! `LabOptions::routed` puts the backends on another subnet behind a router instead,
+//! for tunnelled VIPs (`forward = "ipip"|"gue"`):
+//!
+//! ```text
+//!            client .1   lb .2   router eth0 10.99.0.254 / fd00:99::254
+//!   switch ns:  [========== br0 ==========]   (forwarding, rp_filter 0)
+//!                                     router eth1 10.98.1.1 / fd00:98:1::1
+//!               [========== br1 ==========]
+//!            backend-1 10.98.1.11 / fd00:98:1::11 ...  (VIP on lo, default route
+//!                                                        via the router)
+//! ```
+//!
+//! The balancer routes 10.98.1.0/24 and fd00:98:1::/64 via the router; the backends
+//! answer the client through the router, never through the balancer.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -37,8 +52,26 @@ pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x99, 0, 0, 0, 0, 0, 0x100);
 pub const IFACE: &str = "eth0";
 /// The bridge in the switch namespace that joins every host.
 pub const BRIDGE: &str = "br0";
+/// The bridge behind the router, in a routed lab.
+pub const BACKEND_BRIDGE: &str = "br1";
 const LB_PORT: &str = "p-lb";
 const CLIENT_PORT: &str = "p-client";
+/// The router of a routed lab on the client's and balancer's segment.
+pub const ROUTER4: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 254);
+pub const ROUTER6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x99, 0, 0, 0, 0, 0, 0x254);
+/// The router on the backends' segment (their default route).
+const ROUTER_BACKEND4: Ipv4Addr = Ipv4Addr::new(10, 98, 1, 1);
+const ROUTER_BACKEND6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x98, 1, 0, 0, 0, 0, 1);
+
+/// A backend's address in a routed lab: 10.98.1.N, fd00:98:1::N (digits as in IPv4).
+fn routed_host(host: u8, v6: bool) -> IpAddr {
+    if v6 {
+        let [_, _, _, _, _, _, _, last] = host_v6(host).segments();
+        Ipv6Addr::new(0xfd00, 0x98, 1, 0, 0, 0, 0, last).into()
+    } else {
+        Ipv4Addr::new(10, 98, 1, host).into()
+    }
+}
 
 fn host_v4(host: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 99, 0, host)
@@ -68,6 +101,9 @@ pub struct LabOptions {
     pub client_tx_csum_off: bool,
     /// The MTU of every link (both ends of each veth, and the bridge); `None`: 1500.
     pub mtu: Option<u32>,
+    /// The backends on another subnet behind a router (see the module doc); `mtu` is
+    /// then not supported.
+    pub routed: bool,
 }
 
 impl Default for LabOptions {
@@ -77,6 +113,7 @@ impl Default for LabOptions {
             xdp_pass_on_peer: true,
             client_tx_csum_off: true,
             mtu: None,
+            routed: false,
         }
     }
 }
@@ -93,6 +130,9 @@ pub struct Lab {
     client: Netns,
     lb: Netns,
     backends: Vec<Netns>,
+    /// `LabOptions::routed`: the router between the two bridges.
+    router: Option<Netns>,
+    routed: bool,
     switch: Netns,
     // Last: the agent's log and config outlive everything that uses them.
     dir: tempfile::TempDir,
@@ -113,16 +153,24 @@ impl Lab {
 
         let client = host(&switch, "client", CLIENT_PORT, host_v4(1), host_v6(1))?;
         let lb = host(&switch, "lb", LB_PORT, host_v4(2), host_v6(2))?;
+        ensure!(
+            !(opts.routed && opts.mtu.is_some()),
+            "a routed lab has the default MTU"
+        );
+        let router = if opts.routed {
+            Some(router(&switch, &lb)?)
+        } else {
+            None
+        };
         let mut backends = Vec::with_capacity(opts.backends);
         for i in 0..opts.backends {
             let h = backend_host(i);
-            let ns = host(
-                &switch,
-                &format!("b{}", i + 1),
-                &format!("p-b{}", i + 1),
-                host_v4(h),
-                host_v6(h),
-            )?;
+            let (role, port) = (format!("b{}", i + 1), format!("p-b{}", i + 1));
+            let ns = if opts.routed {
+                routed_backend(&switch, &role, &port, h)?
+            } else {
+                host(&switch, &role, &port, host_v4(h), host_v6(h))?
+            };
             ip(&[
                 "-n",
                 ns.name(),
@@ -192,9 +240,16 @@ impl Lab {
             client,
             lb,
             backends,
+            router,
+            routed: opts.routed,
             switch,
             dir,
         })
+    }
+
+    /// The router of a routed lab.
+    pub fn router(&self) -> Option<&Netns> {
+        self.router.as_ref()
     }
 
     pub fn client(&self) -> &Netns {
@@ -230,6 +285,22 @@ impl Lab {
         }
     }
 
+    /// Gives the client the further IPv4 address `10.99.0.{host}` (a second source for
+    /// the balancer; `Conn::open_from` uses it). Gone with the lab's namespaces.
+    pub fn add_client_addr(&self, host: u8) -> Result<IpAddr> {
+        let address = host_v4(host);
+        ip(&[
+            "-n",
+            self.client.name(),
+            "addr",
+            "add",
+            &format!("{address}/24"),
+            "dev",
+            IFACE,
+        ])?;
+        Ok(address.into())
+    }
+
     pub fn lb_addr(&self, v6: bool) -> IpAddr {
         if v6 {
             host_v6(2).into()
@@ -240,7 +311,9 @@ impl Lab {
 
     pub fn backend_addr(&self, i: usize, v6: bool) -> IpAddr {
         let h = backend_host(i);
-        if v6 {
+        if self.routed {
+            routed_host(h, v6)
+        } else if v6 {
             host_v6(h).into()
         } else {
             host_v4(h).into()
@@ -464,6 +537,11 @@ impl Drop for Lab {
 /// A veth from bridge port `port` (in the switch) to `dev` in `ns`, made inside the
 /// namespaces, never in the root one (no name clash with the host).
 pub(crate) fn fabric_port(switch: &Netns, ns: &Netns, port: &str, dev: &str) -> Result<()> {
+    fabric_port_on(switch, BRIDGE, ns, port, dev)
+}
+
+/// `fabric_port` on bridge `bridge`.
+fn fabric_port_on(switch: &Netns, bridge: &str, ns: &Netns, port: &str, dev: &str) -> Result<()> {
     let sw = switch.name();
     ip(&[
         "-n",
@@ -479,8 +557,61 @@ pub(crate) fn fabric_port(switch: &Netns, ns: &Netns, port: &str, dev: &str) -> 
         "netns",
         ns.name(),
     ])?;
-    ip(&["-n", sw, "link", "set", port, "master", BRIDGE, "up"])?;
+    ip(&["-n", sw, "link", "set", port, "master", bridge, "up"])?;
     Ok(())
+}
+
+/// A routed lab's router: `eth0` on `BRIDGE`, `eth1` on `BACKEND_BRIDGE` (made here),
+/// forwarding both families; the balancer `lb` routes the backends' subnet through it.
+fn router(switch: &Netns, lb: &Netns) -> Result<Netns> {
+    let sw = switch.name();
+    ip(&[
+        "-n",
+        sw,
+        "link",
+        "add",
+        BACKEND_BRIDGE,
+        "type",
+        "bridge",
+        "mcast_snooping",
+        "0",
+    ])?;
+    ip(&["-n", sw, "link", "set", BACKEND_BRIDGE, "up"])?;
+    let router = host(switch, "rtr", "p-rtr", ROUTER4, ROUTER6)?;
+    fabric_port_on(switch, BACKEND_BRIDGE, &router, "p-rtr1", "eth1")?;
+    let r = router.name();
+    ip(&[
+        "-n",
+        r,
+        "addr",
+        "add",
+        &format!("{ROUTER_BACKEND4}/24"),
+        "dev",
+        "eth1",
+    ])?;
+    let a6 = format!("{ROUTER_BACKEND6}/64");
+    ip(&["-n", r, "addr", "add", &a6, "dev", "eth1", "nodad"])?;
+    ip(&["-n", r, "link", "set", "eth1", "up"])?;
+    router.sysctl("net.ipv4.ip_forward", "1")?;
+    router.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+    // Replies from the VIP arrive on eth1, where no route to the VIP points.
+    for conf in ["all", "default", "eth0", "eth1"] {
+        router.sysctl(&format!("net.ipv4.conf.{conf}.rp_filter"), "0")?;
+    }
+    route_via(lb, "10.98.1.0/24", ROUTER4.into())?;
+    route_via(lb, "fd00:98:1::/64", ROUTER6.into())?;
+    Ok(router)
+}
+
+/// A backend behind the router: on `BACKEND_BRIDGE`, its default routes via the router.
+fn routed_backend(switch: &Netns, role: &str, port: &str, h: u8) -> Result<Netns> {
+    let (IpAddr::V4(a4), IpAddr::V6(a6)) = (routed_host(h, false), routed_host(h, true)) else {
+        unreachable!("routed_host gives the family asked for")
+    };
+    let ns = host_on(switch, BACKEND_BRIDGE, role, port, a4, a6)?;
+    route_via(&ns, "default", ROUTER_BACKEND4.into())?;
+    route_via(&ns, "default", ROUTER_BACKEND6.into())?;
+    Ok(ns)
 }
 
 /// Sets `mtu` on every host's `eth0`, on the bridge ports and on the bridge: a veth
@@ -503,13 +634,42 @@ fn set_mtu<'a>(
 
 /// Creates a host namespace whose `eth0` is the peer of bridge port `port`.
 fn host(switch: &Netns, role: &str, port: &str, a4: Ipv4Addr, a6: Ipv6Addr) -> Result<Netns> {
+    host_on(switch, BRIDGE, role, port, a4, a6)
+}
+
+/// `host` on bridge `bridge`.
+fn host_on(
+    switch: &Netns,
+    bridge: &str,
+    role: &str,
+    port: &str,
+    a4: Ipv4Addr,
+    a6: Ipv6Addr,
+) -> Result<Netns> {
     let ns = Netns::new(role)?;
     // Addresses usable at once: no duplicate address detection (link-local included).
     ns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
     ns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
-    fabric_port(switch, &ns, port, IFACE)?;
+    fabric_port_on(switch, bridge, &ns, port, IFACE)?;
     host_interface(&ns, a4, a6)?;
     Ok(ns)
+}
+
+/// `ip -n NS route add PREFIX via GATEWAY` (either family).
+fn route_via(ns: &Netns, prefix: &str, gateway: IpAddr) -> Result<()> {
+    let family = if gateway.is_ipv4() { "-4" } else { "-6" };
+    let gateway = gateway.to_string();
+    ip(&[
+        "-n",
+        ns.name(),
+        family,
+        "route",
+        "add",
+        prefix,
+        "via",
+        &gateway,
+    ])?;
+    Ok(())
 }
 
 /// Gives the host's `eth0` its addresses and brings it up.
@@ -645,5 +805,13 @@ mod tests {
         assert_eq!(host_v6(2).to_string(), "fd00:99::2");
         assert_eq!(VIP6.to_string(), "fd00:99::100");
         assert_eq!(host_v6(backend_host(79)).to_string(), "fd00:99::90");
+        assert_eq!(
+            routed_host(backend_host(0), false).to_string(),
+            "10.98.1.11"
+        );
+        assert_eq!(
+            routed_host(backend_host(2), true).to_string(),
+            "fd00:98:1::13"
+        );
     }
 }

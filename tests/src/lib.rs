@@ -14,6 +14,7 @@
 pub mod agent;
 pub mod client;
 pub mod config;
+pub mod flood;
 pub mod lab;
 pub mod netns;
 pub mod program;

@@ -973,12 +973,16 @@ fn kernel_and_explain_agree_on_random_flows() {
                 mac_of(&predicted),
                 "{source}: kernel and explain disagree"
             );
+            // A first packet makes no entry: the embryonic table remembers it, and the
+            // next packet goes there.
             let after = explain_flow(fixture, &request);
+            assert_eq!(after.conntrack_backend, None, "{source}: entry");
             assert_eq!(
-                after.conntrack_backend.as_deref(),
+                after.embryonic_backend.as_deref(),
                 Some(predicted.as_str()),
-                "{source}: entry"
+                "{source}: remembered"
             );
+            assert_eq!(after.next_packet_backend, after.embryonic_backend);
             seen.insert(predicted);
         }
         assert_eq!(seen.len(), 3, "500 flows should reach all three backends");
@@ -1095,6 +1099,23 @@ fn tcp(src_port: u16, flags: u8) -> Vec<u8> {
     )
 }
 
+/// A TCP handshake from `src_port` as the balancer sees it (the SYN, then the client's
+/// ACK, which enters the flow into the connection table): the backend, which both went to.
+fn handshake(fixture: &mut Fixture, src_port: u16) -> u8 {
+    let syn = run(fixture, &tcp(src_port, TCP_SYN));
+    assert_eq!(counted(&syn, "ct_created"), 0, "a SYN makes no entry");
+    assert_eq!(counted(&syn, "ct_embryonic"), 1, "{:?}", syn.counted);
+    let ack = run(fixture, &tcp(src_port, TCP_ACK));
+    assert_eq!(
+        (counted(&ack, "ct_promoted"), counted(&ack, "ct_created")),
+        (1, 1),
+        "the ACK enters the flow: {:?}",
+        ack.counted
+    );
+    assert_eq!(backend_of(&ack), backend_of(&syn), "port {src_port}");
+    backend_of(&ack)
+}
+
 /// The last octet of the backend a forwarded frame was sent to (its MAC's last byte).
 fn backend_of(result: &RunResult) -> u8 {
     assert_eq!(result.action, XDP_TX, "not forwarded: {:?}", result.counted);
@@ -1121,15 +1142,12 @@ fn counted(result: &RunResult, name: &str) -> u64 {
 
 const TCP_RST: u8 = 0x04;
 
-/// A program whose TCP VIP had two backends when a SYN came from each of `ports`, then
+/// A program whose TCP VIP had two backends when a handshake came from each of `ports`, then
 /// a new table (a third backend, other weights) that sends many of those flows
 /// elsewhere. Returns it and the backend each flow was given (its MAC's last byte).
 fn flows_then_new_table(ports: &[u16]) -> (Fixture, Vec<u8>) {
     let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
-    let before = ports
-        .iter()
-        .map(|&p| backend_of(&run(&mut fixture, &tcp(p, TCP_SYN))))
-        .collect();
+    let before = ports.iter().map(|&p| handshake(&mut fixture, p)).collect();
     fixture
         .reconfigure(&sticky_config(
             &[("10.0.0.41", 5), ("10.0.0.42", 1), ("10.0.0.43", 3)],
@@ -1286,10 +1304,7 @@ fn a_failed_backends_flows_are_rehashed_and_the_others_stay() {
     }
     let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
     let ports: Vec<u16> = (42000..42100).collect();
-    let before: Vec<u8> = ports
-        .iter()
-        .map(|&p| backend_of(&run(&mut fixture, &tcp(p, TCP_SYN))))
-        .collect();
+    let before: Vec<u8> = ports.iter().map(|&p| handshake(&mut fixture, p)).collect();
     assert!(before.contains(&41) && before.contains(&42));
     for b in fixture.model.backends_mut() {
         if b.config.address.to_string() == "10.0.0.41" {
@@ -1328,9 +1343,18 @@ fn rst_never_creates_an_entry_and_a_lone_ack_is_a_non_syn_miss() {
     assert_eq!(counted(&result, "ct_created"), 0);
     assert_eq!(fixture.dataplane.flow(&key(43000)).unwrap(), None);
 
+    // A lone ACK (a flow the table lost, or a spoofed one) makes no entry: remembered,
+    // and its flow's next packet enters it.
     let result = run(&mut fixture, &tcp(43001, TCP_ACK));
     assert_eq!(counted(&result, "ct_miss_non_syn"), 1);
+    assert_eq!(counted(&result, "ct_created"), 0);
+    assert_eq!(counted(&result, "ct_embryonic"), 1);
+    assert_eq!(fixture.dataplane.flow(&key(43001)).unwrap(), None);
+    let lone = backend_of(&result);
+    let result = run(&mut fixture, &tcp(43001, TCP_ACK));
+    assert_eq!(counted(&result, "ct_promoted"), 1);
     assert_eq!(counted(&result, "ct_created"), 1);
+    assert_eq!(backend_of(&result), lone);
     let entry = fixture
         .dataplane
         .flow(&key(43001))
@@ -1467,8 +1491,8 @@ fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
     cpus.set(0).unwrap();
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
     let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 3));
-    // An old connection's entry (another backend) on the last tuple: the SYN that may
-    // not insert must not leave it for the new connection's packets.
+    // An old connection's entry (a backend gone since) on the last tuple: the new
+    // connection's packets go where its SYN went, room for an insert or not.
     let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
     let reused = explain::flow_key(&vip, "10.0.0.1:45004".parse().unwrap());
     let old_entry = lb_common::FlowEntry {
@@ -1477,21 +1501,182 @@ fn the_flood_guard_caps_inserts_per_cpu_and_flows_still_balance() {
         last_seen_ns: 1,
     };
     fixture.dataplane.insert_flow(&reused, &old_entry).unwrap();
+    let ports = 45000..45005;
+    let mut syn_went = Vec::new();
+    for port in ports.clone() {
+        let result = run(&mut fixture, &tcp(port, TCP_SYN));
+        assert_eq!(counted(&result, "ct_created"), 0, "a SYN makes no entry");
+        syn_went.push(backend_of(&result));
+    }
     let mut created = 0;
     let mut skipped = 0;
-    for port in 45000..45005 {
-        let result = run(&mut fixture, &tcp(port, TCP_SYN));
-        assert_eq!(result.action, XDP_TX);
+    for (port, syn_went) in ports.zip(syn_went) {
+        let result = run(&mut fixture, &tcp(port, TCP_ACK));
+        assert_eq!(backend_of(&result), syn_went, "port {port}");
+        let entered = counted(&result, "ct_promoted") + counted(&result, "ct_rehash");
+        assert_eq!(entered, 1, "{:?}", result.counted);
         created += counted(&result, "ct_created");
         skipped += counted(&result, "ct_insert_skipped");
     }
-    // Five SYNs well within one second: three entries, two balanced without one.
+    // Five handshakes well within one second: three entries, two balanced without one.
     assert_eq!((created, skipped), (3, 2));
-    assert_eq!(
-        fixture.dataplane.flow(&reused).unwrap(),
-        None,
-        "the stale entry went"
+}
+
+/// A new connection on a tuple an earlier connection used (after its FIN, or idle for
+/// a while) goes where its SYN went, though the earlier entry names another backend:
+/// the SYN reads no entry, and the entry gives way at the connection's next packet.
+#[test]
+fn a_new_connection_on_a_reused_tuple_goes_where_its_syn_went() {
+    if !can_run("a_new_connection_on_a_reused_tuple_goes_where_its_syn_went") {
+        return;
+    }
+    let ports: Vec<u16> = (50000..50100).collect();
+    let (mut fixture, before) = flows_then_new_table(&ports);
+    let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+    let mut reused = 0;
+    for (i, (port, old)) in ports.iter().zip(&before).enumerate() {
+        let key = explain::flow_key(&vip, format!("10.0.0.1:{port}").parse().unwrap());
+        if i % 2 == 0 {
+            // The earlier connection ended with the client's FIN.
+            run(&mut fixture, &tcp(*port, TCP_ACK | 0x01));
+        } else {
+            // It went quiet two seconds ago.
+            let mut entry = fixture.dataplane.flow(&key).unwrap().expect("entry");
+            entry.last_seen_ns = explain::monotonic_ns() - 2_000_000_000;
+            fixture.dataplane.insert_flow(&key, &entry).unwrap();
+        }
+        let table = explained(&fixture, "tcp", *port).0;
+        let syn = run(&mut fixture, &tcp(*port, TCP_SYN));
+        assert_eq!(backend_of(&syn), table, "the SYN takes the table");
+        assert_eq!(explained(&fixture, "tcp", *port).1, Some(table));
+        let ack = run(&mut fixture, &tcp(*port, TCP_ACK));
+        assert_eq!(backend_of(&ack), table, "port {port}: {:?}", ack.counted);
+        if table != *old {
+            reused += 1;
+            assert_eq!(counted(&ack, "ct_reused"), 1, "{:?}", ack.counted);
+        }
+        let entry = fixture.dataplane.flow(&key).unwrap().expect("entry");
+        assert_eq!(entry.backend_id, backend_named(&fixture, "tcp", table));
+        assert_eq!(entry.flags, 0, "the new connection is not closing");
+        let next = run(&mut fixture, &tcp(*port, TCP_ACK));
+        assert_eq!((backend_of(&next), counted(&next, "ct_hit")), (table, 1));
+    }
+    assert!(
+        reused > 10,
+        "the new table should move some flows ({reused})"
     );
+}
+
+/// A table change between a flow's first and second packet does not split it: the ACK
+/// (or a UDP flow's second datagram) goes where the SYN went, and enters the flow there;
+/// a RST after the SYN goes there too, and makes no entry.
+#[test]
+fn a_table_change_between_the_first_and_second_packet_splits_no_flow() {
+    if !can_run("a_table_change_between_the_first_and_second_packet_splits_no_flow") {
+        return;
+    }
+    let two = sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0);
+    let mut fixture = fixture(&two);
+    let ports: Vec<u16> = (49000..49100).collect();
+    let udp = |port: u16| ipv4(VIP, L4::Udp { src: port, dst: 53 });
+    let syn_went: Vec<u8> = ports
+        .iter()
+        .map(|&p| backend_of(&run(&mut fixture, &tcp(p, TCP_SYN))))
+        .collect();
+    let udp_went: Vec<u8> = ports
+        .iter()
+        .map(|&p| backend_of(&run(&mut fixture, &udp(p))))
+        .collect();
+    fixture
+        .reconfigure(&sticky_config(
+            &[("10.0.0.41", 5), ("10.0.0.42", 1), ("10.0.0.43", 3)],
+            0,
+        ))
+        .expect("reconfigure");
+    let moved = ports
+        .iter()
+        .zip(&syn_went)
+        .filter(|(p, b)| explained(&fixture, "tcp", **p).0 != **b)
+        .count();
+    assert!(moved > 10, "the new table should move some flows ({moved})");
+    let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+    for (i, port) in ports.iter().enumerate() {
+        let second = if i % 10 == 0 { TCP_RST } else { TCP_ACK };
+        let result = run(&mut fixture, &tcp(*port, second));
+        assert_eq!(backend_of(&result), syn_went[i], "port {port}");
+        let key = explain::flow_key(&vip, format!("10.0.0.1:{port}").parse().unwrap());
+        let entry = fixture.dataplane.flow(&key).unwrap();
+        assert_eq!(entry.is_some(), second == TCP_ACK, "port {port}: {entry:?}");
+
+        let result = run(&mut fixture, &udp(*port));
+        assert_eq!(backend_of(&result), udp_went[i], "udp port {port}");
+        assert_eq!(counted(&result, "ct_promoted"), 1);
+        let result = run(&mut fixture, &udp(*port));
+        assert_eq!(
+            (backend_of(&result), counted(&result, "ct_hit")),
+            (udp_went[i], 1)
+        );
+    }
+}
+
+/// A flood of spoofed first packets (SYNs, ACKs and UDP datagrams from random tuples,
+/// five times the connection table's size) makes no entry, so every established flow
+/// keeps its entry, and its backend through a table change after the flood.
+#[test]
+fn a_flood_of_first_packets_costs_no_established_flow_its_entry() {
+    if !can_run("a_flood_of_first_packets_costs_no_established_flow_its_entry") {
+        return;
+    }
+    let ports: Vec<u16> = (48000..48200).collect();
+    let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
+    let before: Vec<u8> = ports.iter().map(|&p| handshake(&mut fixture, p)).collect();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let (mut created, mut remembered) = (0, 0);
+    for i in 0..20_480u32 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let l4 = match i % 3 {
+            0 => L4::Tcp {
+                src: state as u16 | 1024,
+                dst: 80,
+                flags: TCP_SYN,
+            },
+            1 => L4::Tcp {
+                src: state as u16 | 1024,
+                dst: 80,
+                flags: TCP_ACK,
+            },
+            _ => L4::Udp {
+                src: state as u16 | 1024,
+                dst: 53,
+            },
+        };
+        let mut frame = ipv4(VIP, l4);
+        frame[14 + 12..14 + 16].copy_from_slice(&[
+            10,
+            (state >> 16) as u8,
+            (state >> 24) as u8,
+            (state >> 32) as u8,
+        ]);
+        let result = run(&mut fixture, &frame);
+        assert_eq!(result.action, XDP_TX);
+        created += counted(&result, "ct_created");
+        remembered += counted(&result, "ct_embryonic");
+    }
+    assert_eq!(created, 0, "a spoofed first packet made an entry");
+    assert_eq!(remembered, 20_480);
+    fixture
+        .reconfigure(&sticky_config(
+            &[("10.0.0.41", 5), ("10.0.0.42", 1), ("10.0.0.43", 3)],
+            0,
+        ))
+        .expect("reconfigure");
+    for (port, backend) in ports.iter().zip(&before) {
+        let result = run(&mut fixture, &tcp(*port, TCP_ACK));
+        assert_eq!(backend_of(&result), *backend, "flow from port {port} moved");
+        assert_eq!(counted(&result, "ct_hit"), 1, "port {port}");
+    }
 }
 
 #[test]
@@ -1503,8 +1688,7 @@ fn a_removed_vips_flows_pass_and_an_added_vip_balances() {
     // removing a VIP must still stop its flows at once; its slot must follow adds.
     let both = sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0);
     let mut fixture = fixture(&both);
-    let established = run(&mut fixture, &tcp(46000, TCP_SYN));
-    assert_eq!(established.action, XDP_TX);
+    handshake(&mut fixture, 46000);
     assert_eq!(
         counted(&run(&mut fixture, &tcp(46000, TCP_ACK)), "ct_hit"),
         1
@@ -1574,14 +1758,6 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
     };
     let mut fixture = fixture(&config(&[(80, "10.0.0.41"), (other, "10.0.0.42")]));
     assert_eq!(backend_of(&run(&mut fixture, &syn(80))), 41);
-    assert_eq!(backend_of(&run(&mut fixture, &syn(other))), 42);
-    let stranger = (other + 1..u16::MAX)
-        .find(|&p| lb_common::VipSlot::index(&key(p)) == slot)
-        .expect("a third port on the slot");
-    let result = run(&mut fixture, &syn(stranger));
-    assert_passed(&result, "pass_not_vip", "a non-VIP key on a shared slot");
-
-    // A third VIP on the slot, and an established flow of the port-80 VIP.
     let ack80 = ipv4(
         VIP,
         L4::Tcp {
@@ -1590,6 +1766,15 @@ fn vips_sharing_a_slot_both_balance_and_part_cleanly() {
             flags: TCP_ACK,
         },
     );
+    assert_eq!(counted(&run(&mut fixture, &ack80), "ct_promoted"), 1);
+    assert_eq!(backend_of(&run(&mut fixture, &syn(other))), 42);
+    let stranger = (other + 1..u16::MAX)
+        .find(|&p| lb_common::VipSlot::index(&key(p)) == slot)
+        .expect("a third port on the slot");
+    let result = run(&mut fixture, &syn(stranger));
+    assert_passed(&result, "pass_not_vip", "a non-VIP key on a shared slot");
+
+    // A third VIP on the slot, and an established flow of the port-80 VIP.
     fixture
         .reconfigure(&config(&[
             (80, "10.0.0.41"),
@@ -1629,11 +1814,15 @@ fn new_flows_are_counted_per_client_source() {
     }
     let mut fixture = fixture(&sticky_config(&[("10.0.0.41", 1), ("10.0.0.42", 1)], 0));
     // Three TCP connections and an established packet from 10.0.0.1; two UDP flows from
-    // 10.0.0.7 (a UDP packet without an entry is a new flow).
+    // 10.0.0.7 (a UDP packet without an entry is a new flow); a SYN from 10.0.0.9 that
+    // no ACK follows (spoofed, say): a TCP flow counts once its handshake completes.
     for port in [46000, 46001, 46002] {
-        run(&mut fixture, &tcp(port, TCP_SYN));
+        handshake(&mut fixture, port);
     }
     run(&mut fixture, &tcp(46000, TCP_ACK));
+    let mut spoofed = tcp(46003, TCP_SYN);
+    spoofed[14 + 12..14 + 16].copy_from_slice(&[10, 0, 0, 9]);
+    run(&mut fixture, &spoofed);
     for port in [5000, 5001] {
         let mut frame = ipv4(VIP, L4::Udp { src: port, dst: 53 });
         frame[14 + 12..14 + 16].copy_from_slice(&[10, 0, 0, 7]);
@@ -1741,8 +1930,11 @@ fn with_cluster_each_new_entry_is_exported_once_and_learned_entries_become_local
         out
     };
 
-    // A new flow's entry goes to the ring, with this node's backend id.
-    let result = run(&mut fixture, &tcp(44000, TCP_SYN));
+    // A new flow's entry goes to the ring, with this node's backend id, when its
+    // handshake's ACK makes it (a SYN makes none).
+    let syn = run(&mut fixture, &tcp(44000, TCP_SYN));
+    assert_eq!(counted(&syn, "cluster_exported"), 0);
+    let result = run(&mut fixture, &tcp(44000, TCP_ACK));
     assert_eq!(counted(&result, "cluster_exported"), 1);
     let exported = records(&mut ring);
     assert_eq!(exported.len(), 1);
@@ -1751,12 +1943,14 @@ fn with_cluster_each_new_entry_is_exported_once_and_learned_entries_become_local
         exported[0].backend_id,
         backend_named(&fixture, "tcp", backend_of(&result))
     );
-    // Its next packets, and a SYN on the same tuple (refreshed in place), make none.
+    // Its next packets, and a SYN on the same tuple, make none.
     run(&mut fixture, &tcp(44000, TCP_ACK));
     let result = run(&mut fixture, &tcp(44000, TCP_SYN));
     assert_eq!(counted(&result, "cluster_exported"), 0);
     assert!(records(&mut ring).is_empty());
-    // A lone ACK of a flow this node never saw creates an entry: exported too.
+    // A flow this node never saw, whose second ACK enters it: exported too.
+    let result = run(&mut fixture, &tcp(44001, TCP_ACK));
+    assert_eq!(counted(&result, "cluster_exported"), 0);
     let result = run(&mut fixture, &tcp(44001, TCP_ACK));
     assert_eq!(counted(&result, "cluster_exported"), 1);
     assert_eq!(records(&mut ring).len(), 1);
@@ -1788,7 +1982,107 @@ fn with_cluster_each_new_entry_is_exported_once_and_learned_entries_become_local
 
     // Without [cluster] nothing is exported.
     let mut plain = fixture_with(&sticky_config(&[("10.0.0.41", 1)], 0), |_| {});
-    let result = run(&mut plain, &tcp(44000, TCP_SYN));
+    run(&mut plain, &tcp(44000, TCP_SYN));
+    let result = run(&mut plain, &tcp(44000, TCP_ACK));
     assert_eq!(counted(&result, "ct_created"), 1);
     assert_eq!(counted(&result, "cluster_exported"), 0);
+}
+
+// ---- hot sources --------------------------------------------------------------------
+
+/// `sticky_config`'s TCP VIP as a src-ip VIP with `hot_source_share`, three backends
+/// (.51, .52, .53).
+fn hot_config() -> String {
+    let backends = [("10.0.0.51", 1), ("10.0.0.52", 1), ("10.0.0.53", 1)];
+    sticky_config(&backends, 0).replacen(
+        "protocol = \"tcp\"\n",
+        "protocol = \"tcp\"\nhash = \"src-ip\"\nhot_source_share = 0.2\n",
+        1,
+    )
+}
+
+/// A TCP packet from `src`:`port` to the VIP's port 80.
+fn tcp_from(src: [u8; 4], port: u16, flags: u8) -> Vec<u8> {
+    let mut frame = tcp(port, flags);
+    frame[14 + 12..14 + 16].copy_from_slice(&src);
+    frame
+}
+
+/// A source in `LB_HOT_SRC` has its new flows hashed per connection (over every
+/// backend, counted as `hot_source_spread`) while a cold source's stay on one backend;
+/// the hot source's connection made before it turned hot keeps its backend; `lb
+/// explain` says the same as the kernel for both.
+#[test]
+fn a_hot_sources_new_flows_are_hashed_per_connection_and_a_cold_ones_by_source() {
+    let test = "a_hot_sources_new_flows_are_hashed_per_connection_and_a_cold_ones_by_source";
+    if !can_run(test) {
+        return;
+    }
+    let mut fixture = fixture(&hot_config());
+    let (hot, cold) = ([10, 0, 0, 1], [10, 0, 0, 7]);
+    let vip: VipTarget = "10.0.0.100:80/tcp".parse().unwrap();
+    // Before it is hot, one of its connections: on its source's backend.
+    let early = backend_of(&run(&mut fixture, &tcp_from(hot, 41000, TCP_SYN)));
+    let vip_id = fixture.model.vips[0].id;
+    assert_eq!(fixture.model.vips[0].config.hot_source_share, Some(0.2));
+    let (addr, family) = lb_common::addr::to_map(IpAddr::from(hot));
+    let key = lb_common::SourceKey::new(vip_id, addr, family);
+    fixture
+        .dataplane
+        .set_hot_source(&key, true)
+        .expect("write LB_HOT_SRC");
+    assert_eq!(fixture.dataplane.hot_sources().unwrap(), [key]);
+
+    let mut spread = std::collections::BTreeMap::<u8, u32>::new();
+    let mut sticky = std::collections::BTreeSet::new();
+    for port in 42000..42060u16 {
+        let result = run(&mut fixture, &tcp_from(hot, port, TCP_SYN));
+        assert_eq!(
+            counted(&result, "hot_source_spread"),
+            1,
+            "{:?}",
+            result.counted
+        );
+        let backend = backend_of(&result);
+        *spread.entry(backend).or_default() += 1;
+        let source = std::net::SocketAddr::from((hot, port));
+        let e = explain_flow(&fixture, &ExplainRequest { vip, source });
+        assert!(e.hot_source, "{source}: explain knows it is hot");
+        let predicted: std::net::IpAddr = e.table_backend.unwrap().parse().unwrap();
+        assert_eq!(
+            predicted,
+            IpAddr::from([10, 0, 0, backend - 0x33 + 51]),
+            "{source}: kernel and explain disagree"
+        );
+
+        let result = run(&mut fixture, &tcp_from(cold, port, TCP_SYN));
+        assert_eq!(counted(&result, "hot_source_spread"), 0);
+        sticky.insert(backend_of(&result));
+        let source = std::net::SocketAddr::from((cold, port));
+        assert!(!explain_flow(&fixture, &ExplainRequest { vip, source }).hot_source);
+    }
+    eprintln!("hot source's 60 new flows by backend MAC: {spread:?}; cold source's: {sticky:?}");
+    assert_eq!(
+        spread.len(),
+        3,
+        "the hot source reaches every backend: {spread:?}"
+    );
+    assert!(spread.values().all(|&n| n >= 10), "{spread:?}");
+    assert_eq!(
+        sticky.len(),
+        1,
+        "the cold source stays on one backend: {sticky:?}"
+    );
+    // The connection from before stays where it was (its entry), hot or not.
+    for _ in 0..3 {
+        let result = run(&mut fixture, &tcp_from(hot, 41000, TCP_ACK));
+        assert_eq!(backend_of(&result), early);
+        assert_eq!(counted(&result, "hot_source_spread"), 0);
+    }
+    // Cold again: by source.
+    fixture.dataplane.set_hot_source(&key, false).unwrap();
+    let again: std::collections::BTreeSet<u8> = (43000..43020u16)
+        .map(|port| backend_of(&run(&mut fixture, &tcp_from(hot, port, TCP_SYN))))
+        .collect();
+    assert_eq!(again.len(), 1, "{again:?}");
 }

@@ -233,3 +233,123 @@ fn an_agent_answering_drain_drains_its_backend() {
         0.0
     );
 }
+
+/// The backends `n` new connections from `local` reached (all must be answered).
+fn backends_from(lab: &Lab, local: IpAddr, n: usize) -> Vec<String> {
+    let vip = SocketAddr::new(lab.vip4(), PORT);
+    (0..n)
+        .map(|i| {
+            let conn = Conn::open_from(lab.client(), local, vip, TIMEOUT)
+                .unwrap_or_else(|e| panic!("connection {i} from {local}: {e}"));
+            conn.backend().to_string()
+        })
+        .collect()
+}
+
+fn hot_sources(status: &Value) -> Vec<String> {
+    status["vips"][0]["hot_sources"]
+        .as_array()
+        .map(|hot| {
+            hot.iter()
+                .filter_map(|s| s["address"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_hot_source_spreads_over_all_backends_while_another_stays_sticky() {
+    let test = "a_hot_source_spreads_over_all_backends_while_another_stays_sticky";
+    let Some(bin) = require_e2e(test) else {
+        return;
+    };
+    let lab = start(&bin, &["hash = \"src-ip\"", "hot_source_share = 0.5"]);
+    let (hot, cold) = (
+        lab.client_addr(false),
+        lab.add_client_addr(9).expect("a second client address"),
+    );
+    let vip = SocketAddr::new(lab.vip4(), PORT);
+    // Before anything is hot, each source sticks to one backend; the soon-hot one
+    // holds 10 connections there.
+    let mut held: Vec<Conn> = (0..10)
+        .map(|i| {
+            Conn::open_from(lab.client(), hot, vip, TIMEOUT)
+                .unwrap_or_else(|e| panic!("held connection {i}: {e}"))
+        })
+        .collect();
+    let home = held[0].backend().to_string();
+    assert!(held.iter().all(|c| c.backend() == home), "src-ip affinity");
+    let cold_home = backends_from(&lab, cold, 1).remove(0);
+
+    // The hot source opens most of the new flows until the agent's sample (2 s) finds it.
+    let started = Instant::now();
+    let st = loop {
+        let s = spread(lab.client(), vip, 40).expect("spread");
+        assert_eq!(s.failures, 0, "{:?}", s.errors);
+        let st = status(&lab);
+        if hot_sources(&st).contains(&hot.to_string()) {
+            break st;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{hot} never turned hot:\n{st:#}\nagent log:\n{}",
+            lab.agent_log()
+        );
+    };
+    eprintln!(
+        "hot after {:?}: {}",
+        started.elapsed(),
+        st["vips"][0]["hot_sources"]
+    );
+    assert_eq!(hot_sources(&st), [hot.to_string()], "only the busy source");
+
+    // Three of the hot source's connections to one of the other's, so it stays hot and
+    // the other stays below the share.
+    let mut spread_over = std::collections::BTreeMap::<String, usize>::new();
+    let mut sticky = std::collections::BTreeSet::new();
+    for _ in 0..20 {
+        for backend in backends_from(&lab, hot, 3) {
+            *spread_over.entry(backend).or_default() += 1;
+        }
+        sticky.extend(backends_from(&lab, cold, 1));
+    }
+    eprintln!(
+        "hot source {hot}: 60 new connections over {spread_over:?}; {cold}: 20 on {sticky:?}"
+    );
+    assert_eq!(
+        spread_over.len(),
+        3,
+        "the hot source's new connections reach every backend: {spread_over:?}"
+    );
+    assert!(
+        spread_over.values().all(|&n| n >= 5),
+        "spread per connection, not by source: {spread_over:?}"
+    );
+    assert_eq!(
+        sticky,
+        [cold_home].into(),
+        "the other source stays on its backend"
+    );
+    for (i, conn) in held.iter_mut().enumerate() {
+        conn.echo(b"still here\n")
+            .unwrap_or_else(|e| panic!("held connection {i} of the hot source broke: {e}"));
+        assert_eq!(conn.backend(), home);
+    }
+
+    let st = status(&lab);
+    let counted = st["counters"]["hot_source_spread"].as_u64().unwrap_or(0);
+    assert!(counted >= 60, "hot_source_spread {counted}:\n{st:#}");
+    let agent = lab.agent().expect("agent");
+    let target = target(&lab);
+    let out = agent
+        .cli(&["explain", &target, &format!("{hot}:40000")])
+        .expect("lb explain");
+    assert!(
+        out.success() && out.stdout.contains("hot source: balanced per connection"),
+        "{out}"
+    );
+    let out = agent
+        .cli(&["explain", &target, &format!("{cold}:40000")])
+        .expect("lb explain");
+    assert!(out.success() && !out.stdout.contains("hot source"), "{out}");
+}

@@ -1,6 +1,6 @@
 //! Tier 1 (no root): what each eBPF object holds. The `lb` binary embeds the production
-//! object, which must carry the balancer and its maps only; the programs that tests and
-//! benchmarks load live in the test object.
+//! object, which must carry the balancer and its maps only, and the backends' decap
+//! object; the programs that tests and benchmarks load live in the test object.
 
 use std::collections::BTreeSet;
 
@@ -70,4 +70,18 @@ fn the_test_object_holds_the_test_programs_and_no_balancer_map() {
         TEST_OBJECT,
         lb_common::GLOBAL_BENCH_FLOWS.as_bytes()
     ));
+}
+
+#[test]
+fn the_decap_object_holds_the_decap_program_and_its_maps() {
+    use lb_common::decap;
+    let Some((programs, maps)) = contents(
+        "the_decap_object_holds_the_decap_program_and_its_maps",
+        lb_userspace::DECAP_OBJECT,
+    ) else {
+        return;
+    };
+    assert_eq!(programs, BTreeSet::from([decap::PROGRAM.to_string()]));
+    let expected = [decap::MAP_STATS, decap::MAP_ADDRS, decap::MAP_CONFIG];
+    assert_eq!(maps, expected.map(String::from).into());
 }

@@ -12,11 +12,12 @@ use aya::{
     programs::{Xdp, XdpMode, xdp::XdpLinkId},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE, GLOBAL_CT_INSERT_LIMIT,
-    GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS, MAP_BACKEND_IDS, MAP_BACKEND_STATS,
-    MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_EXPORT, MAP_MAGLEV, MAP_META, MAP_SOURCES,
-    MAP_STATS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey,
-    TABLE_GENERATIONS, TrafficCounters, VipInfo, VipKey, stat,
+    BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE,
+    GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS,
+    MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_EMBRYONIC,
+    MAP_EXPORT, MAP_HOT_SOURCES, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS, MAP_TUNNEL,
+    MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS,
+    TrafficCounters, TunnelConfig, VipInfo, VipKey, stat,
 };
 
 use super::{
@@ -43,8 +44,13 @@ pub struct AyaDataplane {
     vip_stats: PerCpuArray<MapData, TrafficCounters>,
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
     conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    embryonic: Array<MapData, Embryo>,
     sources: PerCpuHashMap<MapData, SourceKey, u64>,
+    /// Not pinned: the agent writes it afresh every sample, so a restarted agent's
+    /// program starts without hot sources and has them again within a few samples.
+    hot_sources: BpfHashMap<MapData, SourceKey, u32>,
     identities: Array<MapData, BackendIdentity>,
+    tunnel: Array<MapData, TunnelConfig>,
     meta: Array<MapData, u64>,
     /// Where the maps and the link are pinned, if they are.
     pin_dir: Option<PathBuf>,
@@ -135,8 +141,11 @@ impl AyaDataplane {
             vip_stats: take_map(&mut ebpf, MAP_VIP_STATS)?,
             backend_stats: take_map(&mut ebpf, MAP_BACKEND_STATS)?,
             conntrack: take_map(&mut ebpf, MAP_CONNTRACK)?,
+            embryonic: take_map(&mut ebpf, MAP_EMBRYONIC)?,
             sources: take_map(&mut ebpf, MAP_SOURCES)?,
+            hot_sources: take_map(&mut ebpf, MAP_HOT_SOURCES)?,
             identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
+            tunnel: take_map(&mut ebpf, MAP_TUNNEL)?,
             meta: take_map(&mut ebpf, MAP_META)?,
             pin_dir: pins.map(Path::to_path_buf),
             options,
@@ -297,65 +306,14 @@ impl AyaDataplane {
         Ok(attachment)
     }
 
-    /// Attaches to `interface`. `Auto` tries native (driver) mode, then generic, and
-    /// keeps why native was refused; it goes to generic at once when `hints` know native
-    /// cannot serve.
+    /// Attaches to `interface` (`attach_xdp`).
     fn attach_link(
         &mut self,
         interface: &str,
         mode: XdpModeSetting,
         hints: &AttachHints,
     ) -> Result<(Attachment, XdpLinkId), DataplaneError> {
-        let program = program(&mut self.ebpf)?;
-        let mut try_attach = |attached: AttachedMode| {
-            let (xdp_mode, name) = match attached {
-                AttachedMode::Native => (XdpMode::Driver, "native"),
-                AttachedMode::Generic => (XdpMode::Skb, "generic"),
-            };
-            program
-                .attach(interface, xdp_mode)
-                .map(|id| (attached, id))
-                .map_err(|source| DataplaneError::Attach {
-                    interface: interface.to_string(),
-                    mode: name,
-                    meaning: attach::meaning(attach::errno(&source), name, interface, hints),
-                    source: Box::new(source),
-                })
-        };
-        let (mode, native_refused, id) = match mode {
-            XdpModeSetting::Native => {
-                let (mode, id) = try_attach(AttachedMode::Native)?;
-                (mode, None, id)
-            }
-            XdpModeSetting::Generic => {
-                let (mode, id) = try_attach(AttachedMode::Generic)?;
-                (mode, None, id)
-            }
-            XdpModeSetting::Auto => match &hints.native_refused {
-                Some(why) => {
-                    let (mode, id) = try_attach(AttachedMode::Generic)?;
-                    (mode, Some(why.clone()), id)
-                }
-                None => match try_attach(AttachedMode::Native) {
-                    Ok((mode, id)) => (mode, None, id),
-                    Err(native) => {
-                        let why = match &native {
-                            DataplaneError::Attach { meaning, .. } => meaning.clone(),
-                            other => other.to_string(),
-                        };
-                        let (mode, id) = try_attach(AttachedMode::Generic)?;
-                        (mode, Some(why), id)
-                    }
-                },
-            },
-        };
-        Ok((
-            Attachment {
-                mode,
-                native_refused,
-            },
-            id,
-        ))
+        attach_xdp(program(&mut self.ebpf)?, interface, mode, hints)
     }
 
     /// The loaded program, for BPF_PROG_TEST_RUN in tests and benchmarks.
@@ -473,6 +431,7 @@ impl AyaDataplane {
         // Taken out of `ebpf` at load (and by `take_capture`).
         let taken = [
             (MAP_SOURCES, Some(IterableMap::map(&self.sources))),
+            (MAP_HOT_SOURCES, Some(IterableMap::map(&self.hot_sources))),
             (MAP_CAPTURE, self.capture.as_ref()),
             (MAP_EXPORT, self.export.as_ref()),
         ];
@@ -535,6 +494,66 @@ fn take_ring(
         kept = Some(MapData::from_fd(fd).map_err(in_map(name))?);
     }
     Ok((kept, take_map(ebpf, name)?))
+}
+
+/// Attaches `program` to `interface`. `Auto` tries native (driver) mode, then generic,
+/// and keeps why native was refused; it goes to generic at once when `hints` know native
+/// cannot serve.
+pub(super) fn attach_xdp(
+    program: &mut Xdp,
+    interface: &str,
+    mode: XdpModeSetting,
+    hints: &AttachHints,
+) -> Result<(Attachment, XdpLinkId), DataplaneError> {
+    let mut try_attach = |attached: AttachedMode| {
+        let (xdp_mode, name) = match attached {
+            AttachedMode::Native => (XdpMode::Driver, "native"),
+            AttachedMode::Generic => (XdpMode::Skb, "generic"),
+        };
+        program
+            .attach(interface, xdp_mode)
+            .map(|id| (attached, id))
+            .map_err(|source| DataplaneError::Attach {
+                interface: interface.to_string(),
+                mode: name,
+                meaning: attach::meaning(attach::errno(&source), name, interface, hints),
+                source: Box::new(source),
+            })
+    };
+    let (mode, native_refused, id) = match mode {
+        XdpModeSetting::Native => {
+            let (mode, id) = try_attach(AttachedMode::Native)?;
+            (mode, None, id)
+        }
+        XdpModeSetting::Generic => {
+            let (mode, id) = try_attach(AttachedMode::Generic)?;
+            (mode, None, id)
+        }
+        XdpModeSetting::Auto => match &hints.native_refused {
+            Some(why) => {
+                let (mode, id) = try_attach(AttachedMode::Generic)?;
+                (mode, Some(why.clone()), id)
+            }
+            None => match try_attach(AttachedMode::Native) {
+                Ok((mode, id)) => (mode, None, id),
+                Err(native) => {
+                    let why = match &native {
+                        DataplaneError::Attach { meaning, .. } => meaning.clone(),
+                        other => other.to_string(),
+                    };
+                    let (mode, id) = try_attach(AttachedMode::Generic)?;
+                    (mode, Some(why), id)
+                }
+            },
+        },
+    };
+    Ok((
+        Attachment {
+            mode,
+            native_refused,
+        },
+        id,
+    ))
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DataplaneError>
@@ -626,6 +645,10 @@ impl Dataplane for AyaDataplane {
         self.backends.set(id, info, 0).map_err(in_map(MAP_BACKENDS))
     }
 
+    fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError> {
+        self.tunnel.set(0, tunnel, 0).map_err(in_map(MAP_TUNNEL))
+    }
+
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError> {
         let outcomes = self.outcomes()?;
         let mut counters = Counters {
@@ -661,6 +684,10 @@ impl Dataplane for AyaDataplane {
         }
     }
 
+    fn embryo(&self, index: u32) -> Result<Embryo, DataplaneError> {
+        self.embryonic.get(&index, 0).map_err(in_map(MAP_EMBRYONIC))
+    }
+
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
         let mut sources = Vec::new();
         for item in self.sources.iter() {
@@ -673,6 +700,34 @@ impl Dataplane for AyaDataplane {
             }
         }
         Ok(sources)
+    }
+
+    fn hot_sources(&self) -> Result<Vec<SourceKey>, DataplaneError> {
+        self.hot_sources
+            .keys()
+            .filter(|key| !matches!(key, Err(aya::maps::MapError::KeyNotFound)))
+            .collect::<Result<_, _>>()
+            .map_err(in_map(MAP_HOT_SOURCES))
+    }
+
+    fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError> {
+        match self.hot_sources.get(key, 0) {
+            Ok(_) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(source) => Err(in_map(MAP_HOT_SOURCES)(source)),
+        }
+    }
+
+    fn set_hot_source(&mut self, key: &SourceKey, hot: bool) -> Result<(), DataplaneError> {
+        let written = if hot {
+            self.hot_sources.insert(key, 1, 0)
+        } else {
+            match self.hot_sources.remove(key) {
+                Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                other => other,
+            }
+        };
+        written.map_err(in_map(MAP_HOT_SOURCES))
     }
 
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {

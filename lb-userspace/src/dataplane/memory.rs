@@ -1,9 +1,10 @@
 //! An in-memory data path for unit tests of what is written and in which order.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, SourceKey, VipInfo, VipKey, stat,
+    BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, SourceKey, TunnelConfig, VipInfo,
+    VipKey, stat,
 };
 
 use super::{Counters, Dataplane, DataplaneError, FlowReader};
@@ -15,6 +16,7 @@ pub enum Write {
     Vip(VipKey, VipInfo),
     RemoveVip(VipKey),
     Backend(u32, BackendInfo, BackendIdentity),
+    Tunnel(TunnelConfig),
     ResetVip(u32),
     ResetBackend(u32),
 }
@@ -26,7 +28,10 @@ pub struct MemoryDataplane {
     pub maglev: HashMap<u32, u32>,
     pub backends: HashMap<u32, BackendInfo>,
     pub flows: HashMap<FlowKey, FlowEntry>,
+    pub embryos: HashMap<u32, Embryo>,
     pub sources: HashMap<SourceKey, u64>,
+    pub hot_sources: HashSet<SourceKey>,
+    pub tunnel: TunnelConfig,
     pub log: Vec<Write>,
 }
 
@@ -60,6 +65,12 @@ impl Dataplane for MemoryDataplane {
         Ok(())
     }
 
+    fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError> {
+        self.tunnel = *tunnel;
+        self.log.push(Write::Tunnel(*tunnel));
+        Ok(())
+    }
+
     fn counters(&self, _: &[u32], _: &[u32]) -> Result<Counters, DataplaneError> {
         Ok(Counters {
             outcomes: vec![0; stat::COUNT as usize],
@@ -81,6 +92,10 @@ impl Dataplane for MemoryDataplane {
         Ok(self.flows.get(key).copied())
     }
 
+    fn embryo(&self, index: u32) -> Result<Embryo, DataplaneError> {
+        Ok(self.embryos.get(&index).copied().unwrap_or_default())
+    }
+
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {
         Ok(FlowReader::snapshot(
             self.flows.iter().map(|(k, v)| (*k, *v)).collect(),
@@ -89,5 +104,22 @@ impl Dataplane for MemoryDataplane {
 
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
         Ok(self.sources.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn hot_sources(&self) -> Result<Vec<SourceKey>, DataplaneError> {
+        Ok(self.hot_sources.iter().copied().collect())
+    }
+
+    fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError> {
+        Ok(self.hot_sources.contains(key))
+    }
+
+    fn set_hot_source(&mut self, key: &SourceKey, hot: bool) -> Result<(), DataplaneError> {
+        if hot {
+            self.hot_sources.insert(*key);
+        } else {
+            self.hot_sources.remove(key);
+        }
+        Ok(())
     }
 }

@@ -13,10 +13,12 @@
 //! - `batch.rs`: the bpf(2) batch commands (by hand: aya 0.14 has none) and
 //!   `FlowReader`, the connection-table scan built on them;
 //! - `attach.rs`: what an attach error from the kernel means for the interface;
+//! - `decap.rs`: the backends' decapsulation program (`lb decap`): attach, detach, status;
 //! - `memory.rs`: `MemoryDataplane`, compiled for unit tests only.
 
 mod attach;
 mod batch;
+pub mod decap;
 mod kernel;
 #[cfg(test)]
 mod memory;
@@ -26,8 +28,8 @@ mod slots;
 use std::{collections::HashMap, path::PathBuf, time::Duration};
 
 use lb_common::{
-    BackendIdentity, BackendInfo, FlowEntry, FlowKey, MAX_VIPS, SourceKey, TrafficCounters,
-    VipInfo, VipKey,
+    BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, MAX_VIPS, SourceKey, TrafficCounters,
+    TunnelConfig, VipInfo, VipKey,
 };
 
 use crate::config::Config;
@@ -111,6 +113,9 @@ pub trait Dataplane {
         info: &BackendInfo,
         identity: &BackendIdentity,
     ) -> Result<(), DataplaneError>;
+    /// Writes the tunnel settings (`LB_TUNNEL`): outer source addresses and the
+    /// interface MTU, for the VIPs with `forward = "ipip" | "gue"`.
+    fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError>;
     /// Zeroes a VIP id's traffic counters (a new VIP must not inherit an old one's).
     fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError>;
     /// Zeroes a backend id's traffic counters.
@@ -119,11 +124,19 @@ pub trait Dataplane {
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError>;
     /// The connection-table entry of one flow.
     fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError>;
+    /// Slot `index` of the embryonic table (`lb_common::flow::embryo_place`).
+    fn embryo(&self, index: u32) -> Result<Embryo, DataplaneError>;
     /// A handle that reads the connection table on its own, so a long scan need not
     /// hold the agent's lock.
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError>;
     /// New flows per client source and VIP (summed over CPUs) since the program loaded.
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError>;
+    /// The hot sources in `LB_HOT_SRC`: their new flows are hashed per connection.
+    fn hot_sources(&self) -> Result<Vec<SourceKey>, DataplaneError>;
+    /// Whether `key` is in `LB_HOT_SRC`.
+    fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError>;
+    /// Adds `key` to `LB_HOT_SRC` (`hot`) or removes it.
+    fn set_hot_source(&mut self, key: &SourceKey, hot: bool) -> Result<(), DataplaneError>;
     /// Follows the interface to `target` (it came back under its name, or its MAC
     /// changed): the program again, built for its MAC, on the same maps, attached in
     /// place of the running one, or afresh by the mode rules of the start. A data path

@@ -12,8 +12,9 @@ use aya::{
     },
 };
 use lb_common::{
-    LAYOUT_VERSION, MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CONNTRACK, MAP_FLOOD,
-    MAP_MAGLEV, MAP_META, MAP_STATS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, meta,
+    LAYOUT_VERSION, MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CONNTRACK, MAP_EMBRYONIC,
+    MAP_FLOOD, MAP_MAGLEV, MAP_META, MAP_STATS, MAP_TUNNEL, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS,
+    meta,
 };
 
 use super::{AttachedMode, DataplaneError, Found, LoadOptions, in_map};
@@ -21,7 +22,7 @@ use super::{AttachedMode, DataplaneError, Found, LoadOptions, in_map};
 /// The name the link is pinned under, next to the maps.
 pub(super) const LINK_PIN: &str = "link";
 /// Maps pinned (shared with a restarted agent); the rest are per program instance.
-pub(super) const PINNED_MAPS: [&str; 11] = [
+pub(super) const PINNED_MAPS: [&str; 13] = [
     MAP_VIPS,
     MAP_VIP_SLOTS,
     MAP_MAGLEV,
@@ -30,8 +31,10 @@ pub(super) const PINNED_MAPS: [&str; 11] = [
     MAP_VIP_STATS,
     MAP_BACKEND_STATS,
     MAP_CONNTRACK,
+    MAP_EMBRYONIC,
     MAP_FLOOD,
     MAP_BACKEND_IDS,
+    MAP_TUNNEL,
     MAP_META,
 ];
 

@@ -6,6 +6,8 @@ use lb_tests::client::checksum;
 
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_ACK: u8 = 0x10;
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_PSH: u8 = 0x08;
 
 /// Where the source port sits in an untagged IPv4 frame without options.
 pub const V4_SRC_PORT_AT: usize = 14 + 20;

@@ -1,0 +1,350 @@
+//! Issue 18, tunnel DSR end to end: the backends on another subnet behind a router
+//! namespace (`LabOptions::routed`: their default route via the router, the VIP on
+//! `lo`), the agent resolving each backend's next hop (the router) over rtnetlink, and
+//! `lb decap attach` on each backend's interface stripping the outer headers. Health
+//! checks reach the backends at their own address, through the router.
+//!
+//! Needs root, bpffs, the eBPF objects and a built `lb`; otherwise each test prints
+//! `SKIPPED`. `cargo test -p lb-tests --test tunnels_e2e`.
+
+use std::net::SocketAddr;
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use lb_tests::lab::{IFACE, ROUTER4};
+use lb_tests::router::PinDir;
+use lb_tests::{
+    Health, Lab, LabOptions, Protocol, Sniffer, VipConfig, XdpMode, ip_src_is, require_e2e, spread,
+    udp_spread, wait_backends_up,
+};
+
+const BACKENDS: usize = 2;
+const UP_TIMEOUT: Duration = Duration::from_secs(15);
+
+fn routed_lab() -> Lab {
+    Lab::new(LabOptions {
+        backends: BACKENDS,
+        routed: true,
+        ..LabOptions::default()
+    })
+    .expect("build the routed lab")
+}
+
+/// `vip` of the lab's addresses forwarded by `forward` (l2, ipip, gue).
+fn tunnelled(lab: &Lab, name: &str, v6: bool, protocol: Protocol, forward: &str) -> VipConfig {
+    let port = match protocol {
+        Protocol::Tcp => 80,
+        Protocol::Udp => 53,
+    };
+    let mut vip = lab.vip(name, v6, port, protocol, Health::lab_tcp());
+    if protocol == Protocol::Udp {
+        vip.health = Health::None;
+    }
+    vip.extra.push(format!("forward = \"{forward}\""));
+    vip
+}
+
+/// The MAC of `iface` in the router's namespace.
+fn router_mac(lab: &Lab, iface: &str) -> String {
+    let router = lab.router().expect("a routed lab has a router");
+    let out = router
+        .exec("cat", &[&format!("/sys/class/net/{iface}/address")])
+        .expect("the router's MAC");
+    out.trim().to_string()
+}
+
+/// `lb status --json`'s VIP `name`.
+fn vip_status(lab: &Lab, name: &str) -> serde_json::Value {
+    let status = lab.agent().expect("agent").status_json().expect("status");
+    status["vips"]
+        .as_array()
+        .and_then(|vips| vips.iter().find(|v| v["name"] == name).cloned())
+        .unwrap_or_else(|| panic!("no VIP {name} in\n{status:#}"))
+}
+
+fn wait_up(lab: &Lab, name: &str) {
+    let agent = lab.agent().expect("agent");
+    let (view, waited) = wait_backends_up(agent, name, UP_TIMEOUT, &|| false).expect("status");
+    assert_eq!(
+        view.up(),
+        BACKENDS,
+        "{name}: not every routed backend came up within {waited:?}:\n{}\nagent log:\n{}",
+        view.summary(),
+        lab.agent_log()
+    );
+}
+
+/// An `l2` VIP whose backends are behind a router is refused at start, naming the
+/// backend and the route found. The same backends through `ipip` (IPv4) and `gue`
+/// (IPv6) come up by health checks at their own addresses, and status and explain show
+/// the router as their next hop, with the router's MAC (the one frames carry).
+#[test]
+fn routed_backends_take_the_router_as_next_hop_and_l2_refuses_them() {
+    let test = "routed_backends_take_the_router_as_next_hop_and_l2_refuses_them";
+    let Some(bin) = require_e2e(test) else { return };
+    let mut lab = routed_lab();
+    lab.serve_tcp(80, false).expect("tcp servers");
+
+    let l2 = lab.agent_config(
+        XdpMode::Native,
+        vec![tunnelled(&lab, "web", false, Protocol::Tcp, "l2")],
+    );
+    let refused = lab
+        .start_agent(&bin, &l2)
+        .err()
+        .expect("an l2 VIP with routed backends must be refused");
+    let refused = format!("{refused:#}");
+    let expected = format!(
+        "`vip[0].backend[0].address`: 10.98.1.11 is not on-link on eth0 (the route found is \
+         `10.98.1.11 via {ROUTER4} dev eth0`)"
+    );
+    assert!(
+        refused.contains(&expected),
+        "no {expected:?} in:\n{refused}"
+    );
+
+    let config = lab.agent_config(
+        XdpMode::Native,
+        vec![
+            tunnelled(&lab, "web", false, Protocol::Tcp, "ipip"),
+            tunnelled(&lab, "web6", true, Protocol::Tcp, "gue"),
+        ],
+    );
+    lab.start_agent(&bin, &config).expect("start the agent");
+    wait_up(&lab, "web");
+    wait_up(&lab, "web6");
+    let mac = router_mac(&lab, IFACE);
+    for (name, forward, router) in [
+        ("web", "ipip", ROUTER4.to_string()),
+        ("web6", "gue", "fd00:99::254".to_string()),
+    ] {
+        let vip = vip_status(&lab, name);
+        assert_eq!(vip["forward"], forward, "{vip:#}");
+        for b in vip["backends"].as_array().expect("backends") {
+            assert_eq!(b["next_hop"]["address"], router.as_str(), "{b:#}");
+            assert_eq!(b["next_hop"]["mac"], mac.as_str(), "{b:#}");
+            assert_eq!(
+                b["mac"],
+                mac.as_str(),
+                "frames carry the router's MAC: {b:#}"
+            );
+        }
+    }
+    assert_eq!(vip_status(&lab, "web6")["gue_port"], 6080);
+    let agent = lab.agent().expect("agent");
+    let text = agent.status().expect("lb status");
+    assert!(
+        text.contains("forward ipip:") && text.contains(&format!("next hop {ROUTER4} ({mac})")),
+        "{text}"
+    );
+    let explained = agent
+        .ctl(&["explain", "10.99.0.100:80/tcp", "10.99.0.1:40000"])
+        .expect("lb explain");
+    assert!(
+        explained.contains(&format!(
+            "forwarded by:     ipip, next hop {ROUTER4} ({mac})"
+        )),
+        "{explained}"
+    );
+}
+
+/// `lb decap attach` on every backend's interface, for as long as it lives; detached
+/// (its pins removed) on drop.
+struct Decap {
+    pins: Vec<PinDir>,
+}
+
+impl Decap {
+    fn attach(lab: &Lab, bin: &std::path::Path) -> Decap {
+        let mut pins = Vec::new();
+        for ns in lab.backends() {
+            let dir = PinDir::new(&format!("decap-{}", ns.name())).expect("a pin directory");
+            let path = dir.path().to_string_lossy().to_string();
+            let out = ns
+                .exec(
+                    &bin.to_string_lossy(),
+                    &["decap", "attach", IFACE, "--pin-path", &path],
+                )
+                .unwrap_or_else(|e| panic!("lb decap attach in {}: {e:#}", ns.name()));
+            assert!(out.contains("ipip and gue port 6080"), "{out}");
+            pins.push(dir);
+        }
+        Decap { pins }
+    }
+
+    /// `lb decap status --json` counters of backend `i`, summed over the tunnel kinds.
+    fn decapsulated(&self, lab: &Lab, bin: &std::path::Path, i: usize) -> u64 {
+        let path = self.pins[i].path().to_string_lossy().to_string();
+        let out = lab.backends()[i]
+            .exec(
+                &bin.to_string_lossy(),
+                &["decap", "status", "--json", "--pin-path", &path],
+            )
+            .expect("lb decap status");
+        let status: serde_json::Value = serde_json::from_str(&out).expect("json");
+        let counters = &status[0]["counters"];
+        [
+            "decap_4in4",
+            "decap_6in6",
+            "decap_6in4",
+            "decap_4in6",
+            "decap_gue4",
+            "decap_gue6",
+        ]
+        .iter()
+        .map(|k| counters[k].as_u64().unwrap_or(0))
+        .sum()
+    }
+}
+
+impl Drop for Decap {
+    fn drop(&mut self) {
+        for dir in &self.pins {
+            if let Err(error) = lb_userspace::dataplane::decap::detach(IFACE, dir.path()) {
+                eprintln!("lb decap detach ({}): {error}", dir.path().display());
+            }
+        }
+    }
+}
+
+/// Real TCP and UDP through `ipip` and `gue` VIPs, IPv4 and IPv6 (and an IPv6 VIP to
+/// IPv4 backends, 6in4): every request answered by a routed backend, spread over both,
+/// decapsulated by `lb decap`, the replies never crossing the balancer. Then a backend
+/// fails (its servers stop): its checks fail and the rest takes every request; then a
+/// drain: no new connection reaches the drained backend.
+#[test]
+fn tcp_and_udp_reach_routed_backends_through_ipip_and_gue() {
+    let test = "tcp_and_udp_reach_routed_backends_through_ipip_and_gue";
+    let Some(bin) = require_e2e(test) else { return };
+    let mut lab = routed_lab();
+    lab.serve_tcp(80, false).expect("tcp servers");
+    lab.serve_udp(53, false).expect("udp servers");
+    let decap = Decap::attach(&lab, &bin);
+    let mut six_in_four = tunnelled(&lab, "web64", true, Protocol::Tcp, "gue");
+    six_in_four.port = 81;
+    six_in_four.health = Health::None;
+    six_in_four.backends = (0..BACKENDS)
+        .map(|i| lb_tests::BackendConfig::new(lab.backend_addr(i, false)))
+        .collect();
+    lab.serve_tcp(81, false).expect("tcp servers on 81");
+    let vips = vec![
+        tunnelled(&lab, "web", false, Protocol::Tcp, "ipip"),
+        tunnelled(&lab, "web6", true, Protocol::Tcp, "ipip"),
+        tunnelled(&lab, "webg", false, Protocol::Udp, "gue"),
+        tunnelled(&lab, "webg6", true, Protocol::Udp, "gue"),
+        six_in_four,
+    ];
+    let config = lab.agent_config(XdpMode::Native, vips);
+    lab.start_agent(&bin, &config).expect("start the agent");
+    for name in ["web", "web6"] {
+        wait_up(&lab, name);
+    }
+    let (v4, v6) = (lab.vip4(), lab.vip6());
+    let cases: [(&str, SocketAddr, Protocol); 5] = [
+        ("ipip 4in4 tcp", SocketAddr::new(v4, 80), Protocol::Tcp),
+        ("ipip 6in6 tcp", SocketAddr::new(v6, 80), Protocol::Tcp),
+        ("gue v4 udp", SocketAddr::new(v4, 53), Protocol::Udp),
+        ("gue v6 udp", SocketAddr::new(v6, 53), Protocol::Udp),
+        ("gue 6in4 tcp", SocketAddr::new(v6, 81), Protocol::Tcp),
+    ];
+    for (what, vip, protocol) in cases {
+        let on_lb = Sniffer::start(lab.lb(), IFACE, ip_src_is(vip.ip())).expect("sniffer");
+        let s = match protocol {
+            Protocol::Tcp => spread(lab.client(), vip, 60),
+            Protocol::Udp => udp_spread(lab.client(), vip, 60),
+        }
+        .expect("requests");
+        sleep(lb_tests::sniff::SETTLE);
+        let on_lb = on_lb.finish().expect("sniffer");
+        assert_eq!(
+            s.failures,
+            0,
+            "{what}: {:?}\n{}\nagent log:\n{}",
+            s.errors,
+            s.table(),
+            lab.agent_log()
+        );
+        assert_eq!(
+            s.counts.len(),
+            BACKENDS,
+            "{what}: both backends\n{}",
+            s.table()
+        );
+        assert_eq!(
+            on_lb.matched, 0,
+            "{what}: replies crossed the balancer ({} frames from the VIP)",
+            on_lb.matched
+        );
+    }
+    for i in 0..BACKENDS {
+        assert!(
+            decap.decapsulated(&lab, &bin, i) > 0,
+            "backend {i} decapsulated nothing"
+        );
+    }
+
+    // Drain: backend 2 of "web" takes no new connection; `lb ready` brings it back.
+    let agent = lab.agent().expect("agent");
+    let (first, second) = (lab.backend_addr(0, false), lab.backend_addr(1, false));
+    let web = "10.99.0.100:80/tcp";
+    agent
+        .ctl(&["drain", web, &second.to_string()])
+        .expect("lb drain");
+    let view = lb_tests::VipView::fetch(agent, "web").expect("status");
+    let b = view.backend(second).expect("backend 2");
+    assert_eq!(
+        (b.state.as_str(), b.in_table),
+        ("draining", false),
+        "{}",
+        view.summary()
+    );
+    let s = spread(lab.client(), SocketAddr::new(v4, 80), 20).expect("while draining");
+    assert_eq!(
+        s.failures,
+        0,
+        "while draining: {:?}\n{}",
+        s.errors,
+        s.table()
+    );
+    assert_eq!(
+        s.counts.get(&lab.backend_name(0)).copied(),
+        Some(20),
+        "{}",
+        s.table()
+    );
+    agent
+        .ctl(&["ready", web, &second.to_string()])
+        .expect("lb ready");
+
+    // Failover: backend 1's servers stop; its checks fail, backend 2 takes everything.
+    lab.stop_servers_of(0).expect("stop backend 1");
+    let agent = lab.agent().expect("agent");
+    let deadline = Instant::now() + UP_TIMEOUT;
+    loop {
+        let view = lb_tests::VipView::fetch(agent, "web").expect("status");
+        let (one, two) = (view.backend(first), view.backend(second));
+        if one.is_some_and(|b| !b.in_table) && two.is_some_and(|b| b.in_table) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no failover:\n{}",
+            view.summary()
+        );
+        sleep(Duration::from_millis(100));
+    }
+    let s = spread(lab.client(), SocketAddr::new(v4, 80), 40).expect("after failover");
+    assert_eq!(
+        s.failures,
+        0,
+        "after failover: {:?}\n{}",
+        s.errors,
+        s.table()
+    );
+    assert_eq!(
+        s.counts.get(&lab.backend_name(1)).copied(),
+        Some(40),
+        "{}",
+        s.table()
+    );
+}
