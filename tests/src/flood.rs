@@ -7,7 +7,7 @@
 //! backend's kernel drops them, so it answers no spoofed source.
 
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -17,6 +17,7 @@ use anyhow::{Context, Result, anyhow};
 
 use crate::Netns;
 use crate::client::checksum;
+use crate::sniff::packet_socket;
 
 /// What a flood sends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,7 +77,7 @@ fn flood(spec: &FloodSpec, cpu: usize, stop: &AtomicBool) -> Result<u64> {
     set.set(cpu).context("cpu set")?;
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
         .with_context(|| format!("pin the flood thread to CPU {cpu}"))?;
-    let fd = packet_socket(&spec.ifname)?;
+    let fd = packet_socket(&spec.ifname, 0)?;
     let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (cpu as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     let start = Instant::now();
     let burst = 256u64;
@@ -153,32 +154,4 @@ fn spoofed_frame(spec: &FloodSpec, kind: Spoofed, random: u64) -> Vec<u8> {
     frame.extend_from_slice(&ip);
     frame.extend_from_slice(&l4);
     frame
-}
-
-/// An AF_PACKET socket bound to `ifname`, for sending whole frames.
-fn packet_socket(ifname: &str) -> Result<OwnedFd> {
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error()).context("AF_PACKET socket");
-    }
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let name = std::ffi::CString::new(ifname)?;
-    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    if index == 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("no {ifname}"));
-    }
-    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    addr.sll_family = libc::AF_PACKET as u16;
-    addr.sll_ifindex = index as i32;
-    let bound = unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&addr as *const libc::sockaddr_ll).cast(),
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        )
-    };
-    if bound < 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("bind to {ifname}"));
-    }
-    Ok(fd)
 }

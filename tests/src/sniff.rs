@@ -128,7 +128,9 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-fn open(ifname: &str) -> Result<OwnedFd> {
+/// An AF_PACKET socket bound to `ifname` for frames of EtherType `protocol` (network
+/// order applied here; 0: none received, for a socket that only sends whole frames).
+pub fn packet_socket(ifname: &str, protocol: u16) -> Result<OwnedFd> {
     let ifindex =
         nix::net::if_::if_nametoindex(ifname).with_context(|| format!("no interface {ifname}"))?;
     // Protocol 0 at creation and ETH_P_ALL at bind: no frame of another interface slips
@@ -144,7 +146,7 @@ fn open(ifname: &str) -> Result<OwnedFd> {
     // SAFETY: sockaddr_ll is plain data; all-zero is a valid start.
     let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     sll.sll_family = libc::AF_PACKET as u16;
-    sll.sll_protocol = ETH_P_ALL.to_be();
+    sll.sll_protocol = protocol.to_be();
     sll.sll_ifindex = ifindex as i32;
     // SAFETY: sll lives across the call and its size is passed.
     cvt(unsafe {
@@ -155,6 +157,11 @@ fn open(ifname: &str) -> Result<OwnedFd> {
         )
     })
     .with_context(|| format!("bind AF_PACKET to {ifname}"))?;
+    Ok(fd)
+}
+
+fn open(ifname: &str) -> Result<OwnedFd> {
+    let fd = packet_socket(ifname, ETH_P_ALL)?;
     let tv = libc::timeval {
         tv_sec: 0,
         tv_usec: 50_000,

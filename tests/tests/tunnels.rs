@@ -1116,23 +1116,15 @@ fn the_decap_loader_attaches_counts_and_detaches() {
 
 /// Sends one frame out of `interface` through an AF_PACKET socket.
 fn send_raw(interface: &str, frame: &[u8]) {
-    let index = nix::net::if_::if_nametoindex(interface).unwrap();
-    unsafe {
-        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
-        assert!(fd >= 0, "AF_PACKET socket");
-        let mut address: libc::sockaddr_ll = std::mem::zeroed();
-        address.sll_family = libc::AF_PACKET as u16;
-        address.sll_ifindex = index as i32;
-        address.sll_halen = 6;
-        let sent = libc::sendto(
-            fd,
-            frame.as_ptr() as *const libc::c_void,
+    let fd = lb_tests::sniff::packet_socket(interface, 0).expect("AF_PACKET socket");
+    // SAFETY: the frame lives across the call and its length is passed.
+    let sent = unsafe {
+        libc::send(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            frame.as_ptr().cast(),
             frame.len(),
             0,
-            &address as *const libc::sockaddr_ll as *const libc::sockaddr,
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        );
-        libc::close(fd);
-        assert_eq!(sent, frame.len() as isize, "sendto");
-    }
+        )
+    };
+    assert_eq!(sent, frame.len() as isize, "send");
 }
