@@ -459,7 +459,13 @@ mod program {
         }
         let eth = ethernet(ctx)?;
         unsafe {
-            (*eth).dst_addr = backend.mac;
+            // In two words, not as a `[u8; 6]` copy: the compiler cannot tell the map
+            // value from the packet, and copies one into the other with a call to a
+            // byte-wise `memmove`.
+            let mac = backend.mac.as_ptr();
+            let dst = (*eth).dst_addr.as_mut_ptr();
+            (dst as *mut u32).write_unaligned((mac as *const u32).read_unaligned());
+            (dst.add(4) as *mut u16).write_unaligned((mac.add(4) as *const u16).read_unaligned());
             (*eth).src_addr = core::ptr::read_volatile(&IFACE_MAC);
         }
         count_traffic(&LB_VIP_STATS, vip_id, bytes, new_flow);

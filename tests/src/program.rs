@@ -32,7 +32,9 @@ impl Instance {
         let config = Config::from_toml(text).context("the instance's config")?;
         let mut options = LoadOptions::from_config(&config, IFACE_MAC);
         adjust(&mut options);
-        let dataplane = AyaDataplane::load(EBPF_OBJECT, options).context("load lb_xdp")?;
+        let variant = variant_object()?;
+        let object = variant.as_deref().unwrap_or(EBPF_OBJECT);
+        let dataplane = AyaDataplane::load(object, options).context("load lb_xdp")?;
         let model = Model::new(
             config.dataplane.maglev_table_size,
             vip_capacity(config.vips.len()),
@@ -63,6 +65,19 @@ impl Instance {
             .context("write the tables")?;
         Ok(())
     }
+}
+
+/// The `lb_xdp` object named by `LB_XDP_OBJECT`, when set: a variant of the program
+/// built from another tree with this one's map layout, so that the benchmarks can
+/// compare the two with the same userspace, alternating in the same run. None: the
+/// built-in object.
+fn variant_object() -> Result<Option<Vec<u8>>> {
+    let Some(path) = std::env::var_os("LB_XDP_OBJECT") else {
+        return Ok(None);
+    };
+    let bytes = std::fs::read(&path)
+        .with_context(|| format!("LB_XDP_OBJECT: cannot read {}", path.to_string_lossy()))?;
+    Ok(Some(bytes))
 }
 
 /// The test object `lb-test-xdp` (`xdp_pass`, `xdp_mac_swap`, `xdp_bench_tx`,
