@@ -1289,25 +1289,6 @@ impl VipConfig {
             }
         }
         self.health.validate(&format!("{at}.health"))?;
-        // A check through the VIP is sent as an unencapsulated frame to the backend's
-        // MAC (`vipprobe`): it would reach a tunnelled backend's next hop instead.
-        let checks = std::iter::once((format!("{at}.health"), &self.health)).chain(
-            (self.backends.iter().enumerate()).filter_map(|(j, b)| {
-                Some((format!("{at}.backend[{j}].health"), b.health.as_ref()?))
-            }),
-        );
-        for (field, health) in checks {
-            if self.forward.is_tunnel() && health.target == HealthTarget::Vip {
-                return Err(invalid(
-                    format!("{field}.target"),
-                    format!(
-                        "\"vip\" is not supported with forward = \"{}\" yet; \
-                         target = \"backend\" checks the backend at its own address",
-                        self.forward
-                    ),
-                ));
-            }
-        }
         if self.min_healthy == 0 {
             return Err(invalid(
                 format!("{at}.min_healthy"),
@@ -2458,15 +2439,31 @@ weight = 3
     }
 
     #[test]
-    fn checks_through_the_vip_are_l2_only() {
+    fn checks_through_the_vip_take_any_forward_but_not_http() {
+        for forward in [Forward::L2, Forward::Ipip, Forward::Gue] {
+            for kind in [HealthKind::Tcp, HealthKind::Udp, HealthKind::Dns] {
+                let mut config = minimal();
+                config.vips[0].forward = forward;
+                config.vips[0].health.kind = kind;
+                config.vips[0].health.target = HealthTarget::Vip;
+                config.vips[0].backends[0].health = Some(HealthConfig {
+                    kind,
+                    target: HealthTarget::Vip,
+                    ..HealthConfig::default()
+                });
+                config.validate().unwrap();
+            }
+        }
         let field = rejected_field(|c| {
             c.vips[0].forward = Forward::Gue;
+            c.vips[0].health.kind = HealthKind::Http;
             c.vips[0].health.target = HealthTarget::Vip;
         });
         assert_eq!(field, "vip[0].health.target");
         let field = rejected_field(|c| {
             c.vips[0].forward = Forward::Ipip;
             c.vips[0].backends[0].health = Some(HealthConfig {
+                kind: HealthKind::Http,
                 target: HealthTarget::Vip,
                 ..HealthConfig::default()
             });

@@ -857,8 +857,34 @@ impl CheckHost for State {
             .iter()
             .find_map(|v| v.backends.iter().find(|b| b.id == id).map(|b| (v, b)))
             .ok_or("the backend is gone")?;
-        let mac = b.mac.ok_or("the backend's MAC is not known yet")?;
         let address = vip.config.address;
+        let tunnel = if vip.config.forward.is_tunnel() {
+            let backend = b.config.address;
+            if b.next_hop.is_none() {
+                return Err(format!(
+                    "no route to {backend} out of {}",
+                    self.interface.name
+                ));
+            }
+            // The data path's outer source (`tunnel_config`).
+            let source = self
+                .config
+                .tunnel_source_for(backend, &self.interface.addresses)
+                .map_err(|(_, why)| why)?;
+            Some(crate::vipprobe::Tunnel {
+                source,
+                backend,
+                gue_port: (vip.config.forward == crate::config::Forward::Gue)
+                    .then(|| vip.config.gue_port()),
+            })
+        } else {
+            None
+        };
+        let mac = b.mac.ok_or(if tunnel.is_some() {
+            "the next hop's MAC is not known yet"
+        } else {
+            "the backend's MAC is not known yet"
+        })?;
         let source = crate::vipprobe::interface_address(&self.interface.name, address.is_ipv4())
             .ok_or_else(|| {
                 format!(
@@ -871,6 +897,7 @@ impl CheckHost for State {
             mac: mac.0,
             ifindex: self.interface.index,
             source,
+            tunnel,
         })
     }
 

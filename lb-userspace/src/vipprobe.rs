@@ -1,7 +1,6 @@
 //! Health checks through the VIP (`[vip.health] target = "vip"`): the check is addressed
-//! to the VIP and handed to that one backend the way its traffic is (an Ethernet frame to
-//! its MAC, out of the balancer's interface), so a pass proves the backend holds the
-//! VIP, listens there and answers on the direct-return path.
+//! to the VIP and handed to that one backend the way its traffic is, so a pass proves the
+//! backend holds the VIP, listens there and answers on the direct-return path.
 //!
 //! - `tcp`: a SYN to VIP:port from the balancer's own address; a SYN-ACK from the VIP
 //!   passes (the balancer's kernel, which has no socket for it, answers it with a RST),
@@ -9,10 +8,27 @@
 //! - `udp` / `dns`: the datagram from a UDP socket of the balancer's; the reply comes from
 //!   the VIP to that socket.
 //!
-//! Frames go out through an AF_PACKET socket (the kernel adds the Ethernet header);
-//! SYN-ACKs are read from a raw TCP socket, which gets a copy of every TCP segment the
-//! host receives and disturbs none of the kernel's own connections. `http` through the
-//! VIP is not supported (a crafted handshake would need a TCP stack); config refuses it.
+//! Delivery: `forward = "l2"`, the IP packet in a frame to the backend's MAC. A tunnelled
+//! VIP (`"ipip"`, `"gue"`), the packet wrapped as `lb-ebpf/src/encap.rs` wraps its
+//! traffic (`encapsulate`: IPIP 4in4/6in6/6in4/4in6 by the backend's family, or GUE
+//! variant 1 to the VIP's `gue_port`; outer source the data path's tunnel source, outer
+//! IPv4 TTL 64, DF, ID 0; UDP checksum 0) in a frame to the next hop's MAC, the one the
+//! backend's entry carries. Either way frames go out of the balancer's interface through
+//! an AF_PACKET socket (the kernel adds the Ethernet header). Why not let the kernel add
+//! the outer header (a raw socket of protocol 4/41, a UDP socket for GUE): its route may
+//! leave by another interface or next hop than the data path's (which takes only the
+//! route out of `dataplane.interface`, and the MAC the agent resolved for it), and a
+//! configured `tunnel_source` need not be an address a socket can bind. Built here, the
+//! probe shares the data path's interface, next hop, MAC and outer source, so it fails
+//! where the traffic would. Only the flow hash is not the program's: a probe's outer UDP
+//! source port (49152 + 14 bits) and IPv6 flow label come from a random number, as each
+//! probe is a new flow anyway.
+//!
+//! The answers come straight from the backend to the balancer's own address, tunnel or
+//! not (direct return): SYN-ACKs are read from a raw TCP socket, which gets a copy of
+//! every TCP segment the host receives and disturbs none of the kernel's own
+//! connections; only one from the VIP counts. `http` through the VIP is not supported (a
+//! crafted handshake would need a TCP stack); config refuses it.
 
 use std::{
     io,
@@ -23,18 +39,35 @@ use std::{
 
 use crate::config::{HealthConfig, HealthKind};
 
-/// Where a check through the VIP goes: the VIP, the backend's MAC, the interface to send
-/// from, and the balancer's own address there (of the VIP's family).
+/// Where a check through the VIP goes: the VIP, the MAC its frames carry (the backend's,
+/// or for a tunnel its next hop's), the interface to send from, the balancer's own
+/// address there (of the VIP's family: the inner source, where answers come), and the
+/// tunnel to wrap the check in, if the VIP's traffic is tunnelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VipPath {
     pub vip: SocketAddr,
     pub mac: [u8; 6],
     pub ifindex: u32,
     pub source: IpAddr,
+    pub tunnel: Option<Tunnel>,
 }
 
+/// The outer header of a tunnelled VIP's traffic to one backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tunnel {
+    /// The outer source: the data path's (`Config::tunnel_source_for`), of the
+    /// backend's family.
+    pub source: IpAddr,
+    /// The backend's own address.
+    pub backend: IpAddr,
+    /// GUE to this UDP port; `None`: IPIP.
+    pub gue_port: Option<u16>,
+}
+
+const PROTO_IPIP: u8 = 4;
 const PROTO_TCP: u8 = 6;
 const PROTO_UDP: u8 = 17;
+const PROTO_IPV6: u8 = 41;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
@@ -134,6 +167,36 @@ pub fn udp_datagram(source: SocketAddr, vip: SocketAddr, payload: &[u8]) -> Vec<
     ip_packet(source.ip(), vip.ip(), PROTO_UDP, &udp)
 }
 
+/// The IP packet `inner` wrapped for `tunnel` as the data path wraps the VIP's traffic
+/// (`lb-ebpf/src/encap.rs`). `entropy` gives the GUE source port (49152 + its top 14
+/// bits) and an outer IPv6 header's flow label (its low 20 bits).
+pub fn encapsulate(tunnel: &Tunnel, inner: &[u8], entropy: u32) -> Vec<u8> {
+    let inner_proto = if inner[0] >> 4 == 4 {
+        PROTO_IPIP
+    } else {
+        PROTO_IPV6
+    };
+    let mut packet = match tunnel.gue_port {
+        None => ip_packet(tunnel.source, tunnel.backend, inner_proto, inner),
+        Some(port) => {
+            // Variant 1: no GUE header; checksum 0, as the program sends it.
+            let mut udp = Vec::with_capacity(8 + inner.len());
+            udp.extend_from_slice(&(49152 | (entropy >> 18) as u16).to_be_bytes());
+            udp.extend_from_slice(&port.to_be_bytes());
+            udp.extend_from_slice(&((8 + inner.len()) as u16).to_be_bytes());
+            udp.extend_from_slice(&[0, 0]);
+            udp.extend_from_slice(inner);
+            ip_packet(tunnel.source, tunnel.backend, PROTO_UDP, &udp)
+        }
+    };
+    if tunnel.backend.is_ipv6() {
+        let label = (entropy & 0x000f_ffff).to_be_bytes();
+        packet[1] |= label[1];
+        packet[2..4].copy_from_slice(&label[2..4]);
+    }
+    packet
+}
+
 /// What the VIP answered a SYN.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SynAnswer {
@@ -202,9 +265,19 @@ fn set_receive_timeout(fd: &OwnedFd, timeout: Duration) -> io::Result<()> {
     Ok(())
 }
 
-/// Sends the IP packet `packet` out of `path`'s interface in a frame to its MAC.
+/// Sends the IP packet `packet` to the backend along `path`: wrapped for its tunnel, if
+/// any, out of its interface in a frame to its MAC.
 fn send_to_backend(path: &VipPath, packet: &[u8]) -> io::Result<()> {
-    let ethertype: u16 = if path.vip.is_ipv4() { 0x0800 } else { 0x86dd };
+    let wrapped;
+    let packet = match &path.tunnel {
+        Some(tunnel) => {
+            wrapped = encapsulate(tunnel, packet, fastrand::u32(..));
+            &wrapped[..]
+        }
+        None => packet,
+    };
+    // By the outer family, which a tunnel may change (6in4, 4in6).
+    let ethertype: u16 = if packet[0] >> 4 == 4 { 0x0800 } else { 0x86dd };
     let fd = socket(
         libc::AF_PACKET,
         libc::SOCK_DGRAM,
@@ -500,5 +573,107 @@ mod tests {
         let bare = answer(80, 40000, 42, TCP_ACK);
         assert_eq!(syn_answer(&bare, from, source, vip, seq), None);
         assert_eq!(syn_answer(&syn_ack[..12], from, source, vip, seq), None);
+    }
+
+    fn tunnel(source: &str, backend: &str, gue_port: Option<u16>) -> Tunnel {
+        Tunnel {
+            source: source.parse().unwrap(),
+            backend: backend.parse().unwrap(),
+            gue_port,
+        }
+    }
+
+    /// The outer IPv4 header `encap.rs` writes: 20 bytes, TOS 0 (the probe's), the
+    /// total length, ID 0, DF, TTL 64, `proto`, a valid checksum, the addresses.
+    fn assert_outer_v4(packet: &[u8], proto: u8, tunnel: &Tunnel, payload: usize) {
+        let (IpAddr::V4(s), IpAddr::V4(d)) = (tunnel.source, tunnel.backend) else {
+            panic!("an IPv4 tunnel");
+        };
+        assert_eq!(&packet[..2], &[0x45, 0]);
+        assert_eq!(
+            usize::from(u16::from_be_bytes([packet[2], packet[3]])),
+            20 + payload
+        );
+        assert_eq!(
+            &packet[4..10],
+            &[0, 0, 0x40, 0, 64, proto],
+            "ID 0, DF, TTL 64"
+        );
+        assert_eq!(fold(sum(&packet[..20], 0)), 0, "outer IPv4 header checksum");
+        assert_eq!(&packet[12..16], &s.octets());
+        assert_eq!(&packet[16..20], &d.octets());
+        assert_eq!(packet.len(), 20 + payload);
+    }
+
+    /// The outer IPv6 header: version 6, traffic class 0, the flow label from
+    /// `entropy`, the payload length, `proto`, hop limit 64, the addresses.
+    fn assert_outer_v6(packet: &[u8], proto: u8, tunnel: &Tunnel, payload: usize, entropy: u32) {
+        let (IpAddr::V6(s), IpAddr::V6(d)) = (tunnel.source, tunnel.backend) else {
+            panic!("an IPv6 tunnel");
+        };
+        let first = u32::from_be_bytes([packet[0], packet[1], packet[2], packet[3]]);
+        assert_eq!(first, (6 << 28) | (entropy & 0x000f_ffff));
+        assert_eq!(
+            usize::from(u16::from_be_bytes([packet[4], packet[5]])),
+            payload
+        );
+        assert_eq!(&packet[6..8], &[proto, 64]);
+        assert_eq!(&packet[8..24], &s.octets());
+        assert_eq!(&packet[24..40], &d.octets());
+        assert_eq!(packet.len(), 40 + payload);
+    }
+
+    const ENTROPY: u32 = 0xdead_beef;
+
+    #[test]
+    fn ipip_wraps_the_probe_in_the_backends_family() {
+        let syn4 = tcp_syn(addr("10.99.0.2:40000"), addr("10.99.0.100:80"), 7);
+        let syn6 = tcp_syn(addr("[fd00:99::2]:40000"), addr("[fd00:99::100]:80"), 7);
+        // 4in4: protocol 4.
+        let t = tunnel("10.99.0.2", "10.98.1.11", None);
+        let packet = encapsulate(&t, &syn4, ENTROPY);
+        assert_outer_v4(&packet, PROTO_IPIP, &t, syn4.len());
+        assert_eq!(&packet[20..], &syn4[..], "the probe follows unchanged");
+        // 6in4: protocol 41.
+        let packet = encapsulate(&t, &syn6, ENTROPY);
+        assert_outer_v4(&packet, PROTO_IPV6, &t, syn6.len());
+        assert_eq!(&packet[20..], &syn6[..]);
+        // 6in6: next header 41.
+        let t = tunnel("fd00:99::2", "fd00:98:1::11", None);
+        let packet = encapsulate(&t, &syn6, ENTROPY);
+        assert_outer_v6(&packet, PROTO_IPV6, &t, syn6.len(), ENTROPY);
+        assert_eq!(&packet[40..], &syn6[..]);
+        // 4in6: next header 4.
+        let packet = encapsulate(&t, &syn4, ENTROPY);
+        assert_outer_v6(&packet, PROTO_IPIP, &t, syn4.len(), ENTROPY);
+        assert_eq!(&packet[40..], &syn4[..]);
+    }
+
+    #[test]
+    fn gue_wraps_the_probe_in_udp_to_the_vips_gue_port() {
+        let datagram = udp_datagram(addr("10.99.0.2:40001"), addr("10.99.0.100:53"), b"ping");
+        let udp_header = |packet: &[u8]| {
+            let port = |at: usize| u16::from_be_bytes([packet[at], packet[at + 1]]);
+            (port(0), port(2), port(4), port(6))
+        };
+        // Source port 49152 + the top 14 bits of the entropy; checksum 0, as encap.rs.
+        let source_port = 49152 | (ENTROPY >> 18) as u16;
+        let length = (8 + datagram.len()) as u16;
+
+        let t = tunnel("10.99.0.2", "10.98.1.11", Some(6080));
+        let packet = encapsulate(&t, &datagram, ENTROPY);
+        assert_outer_v4(&packet, PROTO_UDP, &t, 8 + datagram.len());
+        assert_eq!(udp_header(&packet[20..]), (source_port, 6080, length, 0));
+        assert_eq!(
+            &packet[28..],
+            &datagram[..],
+            "variant 1: the inner packet, no header"
+        );
+
+        let t = tunnel("fd00:99::2", "fd00:98:1::11", Some(7000));
+        let packet = encapsulate(&t, &datagram, ENTROPY);
+        assert_outer_v6(&packet, PROTO_UDP, &t, 8 + datagram.len(), ENTROPY);
+        assert_eq!(udp_header(&packet[40..]), (source_port, 7000, length, 0));
+        assert_eq!(&packet[48..], &datagram[..]);
     }
 }

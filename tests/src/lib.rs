@@ -175,6 +175,35 @@ pub mod status {
         })
     }
 
+    /// Asks `lab`'s agent for `lb status --json` every 100 ms until `until` holds of it
+    /// (returned, the time taken printed), at most `timeout`; then panics naming `what`,
+    /// with the last status and the agent's log.
+    pub fn wait_status(
+        lab: &crate::Lab,
+        timeout: Duration,
+        what: &str,
+        until: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let start = Instant::now();
+        loop {
+            let status = lab
+                .agent()
+                .expect("agent")
+                .status_json()
+                .unwrap_or_else(|e| panic!("lb status --json: {e:#}"));
+            if until(&status) {
+                eprintln!("{what}: {:?}", start.elapsed());
+                return status;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "not within {timeout:?}: {what}\nlast status:\n{status:#}\nagent log:\n{}",
+                lab.agent_log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Asks `lb status --json` every 50 ms until every backend of `vip` is up and in
     /// the table, or `timeout` passes, or `cancelled()`. Returns the last view and the
     /// time waited; the caller compares [`VipView::up`] with the number of backends.
@@ -208,7 +237,7 @@ pub use lab::{Lab, LabOptions};
 pub use netns::Netns;
 pub use server::{HttpAnswer, HttpBehaviour, HttpControl, HttpServer, TcpServer, UdpServer};
 pub use sniff::{Sniffer, ip_src_is};
-pub use status::{BackendView, VipView, wait_backends_up};
+pub use status::{BackendView, VipView, wait_backends_up, wait_status};
 
 /// Env var that turns every skip into a failure (CI sets it).
 pub const REQUIRE_ALL_ENV: &str = "LB_REQUIRE_ALL_TESTS";

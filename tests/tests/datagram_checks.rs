@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::thread::{JoinHandle, sleep};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lb_tests::{Health, Lab, LabOptions, Netns, Protocol, UdpServer, XdpMode, require_e2e};
 use serde_json::Value;
@@ -105,24 +105,7 @@ fn backend(status: &Value, vip: &str, address: IpAddr) -> Value {
 }
 
 fn wait(lab: &Lab, what: &str, until: impl Fn(&Value) -> bool) -> Value {
-    let start = Instant::now();
-    loop {
-        let status = lab
-            .agent()
-            .expect("agent")
-            .status_json()
-            .unwrap_or_else(|e| panic!("lb status --json: {e:#}"));
-        if until(&status) {
-            eprintln!("{what}: {:?}", start.elapsed());
-            return status;
-        }
-        assert!(
-            start.elapsed() < WAIT,
-            "not within {WAIT:?}: {what}\n{status:#}\nagent log:\n{}",
-            lab.agent_log()
-        );
-        sleep(Duration::from_millis(100));
-    }
+    lb_tests::wait_status(lab, WAIT, what, until)
 }
 
 fn error_of(b: &Value) -> String {

@@ -12,7 +12,9 @@ use std::path::Path;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use lb_tests::{Conn, Health, Lab, LabOptions, Protocol, TcpServer, XdpMode, require_e2e, spread};
+use lb_tests::{
+    Conn, Health, Lab, LabOptions, Protocol, TcpServer, XdpMode, require_e2e, spread, wait_status,
+};
 use serde_json::Value;
 
 const VIP: &str = "web";
@@ -63,23 +65,6 @@ fn backend(status: &Value, address: IpAddr) -> Value {
         })
         .cloned()
         .unwrap_or_else(|| panic!("no backend {address} in:\n{status:#}"))
-}
-
-/// Polls the status until `until` holds, at most `timeout`.
-fn wait_status(lab: &Lab, timeout: Duration, what: &str, until: impl Fn(&Value) -> bool) -> Value {
-    let start = Instant::now();
-    loop {
-        let s = status(lab);
-        if until(&s) {
-            return s;
-        }
-        assert!(
-            start.elapsed() < timeout,
-            "not within {timeout:?}: {what}\nlast status:\n{s:#}\nagent log:\n{}",
-            lab.agent_log()
-        );
-        sleep(Duration::from_millis(100));
-    }
 }
 
 /// The share of `n` new connections that `name` answered (all must be answered).

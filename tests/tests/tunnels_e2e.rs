@@ -2,20 +2,21 @@
 //! namespace (`LabOptions::routed`: their default route via the router, the VIP on
 //! `lo`), the agent resolving each backend's next hop (the router) over rtnetlink, and
 //! `lb decap attach` on each backend's interface stripping the outer headers. Health
-//! checks reach the backends at their own address, through the router.
+//! checks reach the backends at their own address, through the router, or (issue 19)
+//! through the VIP, wrapped in the backend's tunnel as its traffic is.
 //!
 //! Needs root, bpffs, the eBPF objects and a built `lb`; otherwise each test prints
 //! `SKIPPED`. `cargo test -p lb-tests --test tunnels_e2e`.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use lb_tests::lab::{IFACE, ROUTER4};
 use lb_tests::router::PinDir;
 use lb_tests::{
-    Health, Lab, LabOptions, Protocol, Sniffer, VipConfig, XdpMode, ip_src_is, require_e2e, spread,
-    udp_spread, wait_backends_up,
+    BackendConfig, Health, Lab, LabOptions, Protocol, Sniffer, VipConfig, VipView, XdpMode,
+    ip_src_is, require_e2e, spread, udp_spread, wait_backends_up, wait_status,
 };
 
 const BACKENDS: usize = 2;
@@ -172,8 +173,8 @@ impl Decap {
         Decap { pins }
     }
 
-    /// `lb decap status --json` counters of backend `i`, summed over the tunnel kinds.
-    fn decapsulated(&self, lab: &Lab, bin: &std::path::Path, i: usize) -> u64 {
+    /// `lb decap status --json` counters of backend `i`: the tunnel kinds unwrapped.
+    fn counters(&self, lab: &Lab, bin: &std::path::Path, i: usize) -> [(&'static str, u64); 6] {
         let path = self.pins[i].path().to_string_lossy().to_string();
         let out = lab.backends()[i]
             .exec(
@@ -191,9 +192,12 @@ impl Decap {
             "decap_gue4",
             "decap_gue6",
         ]
-        .iter()
-        .map(|k| counters[k].as_u64().unwrap_or(0))
-        .sum()
+        .map(|k| (k, counters[k].as_u64().unwrap_or(0)))
+    }
+
+    /// The packets backend `i` unwrapped, of every tunnel kind.
+    fn decapsulated(&self, lab: &Lab, bin: &std::path::Path, i: usize) -> u64 {
+        self.counters(lab, bin, i).iter().map(|(_, n)| n).sum()
     }
 }
 
@@ -224,7 +228,7 @@ fn tcp_and_udp_reach_routed_backends_through_ipip_and_gue() {
     six_in_four.port = 81;
     six_in_four.health = Health::None;
     six_in_four.backends = (0..BACKENDS)
-        .map(|i| lb_tests::BackendConfig::new(lab.backend_addr(i, false)))
+        .map(|i| BackendConfig::new(lab.backend_addr(i, false)))
         .collect();
     lab.serve_tcp(81, false).expect("tcp servers on 81");
     let vips = vec![
@@ -346,5 +350,236 @@ fn tcp_and_udp_reach_routed_backends_through_ipip_and_gue() {
         Some(40),
         "{}",
         s.table()
+    );
+}
+
+/// `kind` checks of `target` ("vip" or "backend"), fast.
+fn checks(kind: &str, target: &str) -> Health {
+    Health::Lines(
+        [
+            format!("kind = \"{kind}\""),
+            format!("target = \"{target}\""),
+            "interval = \"300ms\"".into(),
+            "timeout = \"200ms\"".into(),
+            "rise = 2".into(),
+            "fall = 2".into(),
+        ]
+        .to_vec(),
+    )
+}
+
+/// The health of backend `address` of VIP `name`, and its last check's error.
+fn health_of(status: &serde_json::Value, name: &str, address: IpAddr) -> (String, String) {
+    let vip = VipView::parse(status, name).expect("status");
+    let b = vip
+        .backend(address)
+        .unwrap_or_else(|| panic!("no backend {address} in\n{}", vip.summary()));
+    (b.health.clone(), b.last_error.clone().unwrap_or_default())
+}
+
+/// `ip addr add|del VIP dev lo` in backend `i`.
+fn vip_on_lo(lab: &Lab, i: usize, action: &str, vip: IpAddr) {
+    let prefix = if vip.is_ipv4() { 32 } else { 128 };
+    lb_tests::netns::ip(&[
+        "-n",
+        lab.backends()[i].name(),
+        "addr",
+        action,
+        &format!("{vip}/{prefix}"),
+        "dev",
+        "lo",
+    ])
+    .unwrap_or_else(|e| panic!("ip addr {action} {vip} dev lo in backend {i}: {e:#}"));
+}
+
+/// Checks through the VIP of tunnelled VIPs (issue 19): tcp and udp, IPv4 and IPv6,
+/// through ipip (4in4, 6in6, 6in4, 4in6) and gue (v4, v6), wrapped as the traffic is and
+/// unwrapped by `lb decap`. Every backend comes up; backend 1 losing both VIPs from its
+/// `lo` goes down through the VIP, with the probe's reason, while the same service
+/// checked at its own address stays up and backend 2 stays up everywhere; with the
+/// VIPs back it comes up again.
+#[test]
+fn checks_through_the_vip_follow_the_tunnel() {
+    let test = "checks_through_the_vip_follow_the_tunnel";
+    let Some(bin) = require_e2e(test) else { return };
+    let mut lab = routed_lab();
+    lab.serve_tcp(80, false).expect("tcp servers");
+    lab.serve_udp(5353, false).expect("udp servers");
+    let decap = Decap::attach(&lab, &bin);
+    // (name, IPv6 VIP, IPv6 backends, protocol, port, forward, check kind, target)
+    let cases = [
+        (
+            "tcp4",
+            false,
+            false,
+            Protocol::Tcp,
+            80,
+            "ipip",
+            "tcp",
+            "vip",
+        ),
+        (
+            "udp4",
+            false,
+            false,
+            Protocol::Udp,
+            5353,
+            "gue",
+            "udp",
+            "vip",
+        ),
+        ("tcp6", true, true, Protocol::Tcp, 80, "gue", "tcp", "vip"),
+        (
+            "udp6",
+            true,
+            true,
+            Protocol::Udp,
+            5353,
+            "ipip",
+            "udp",
+            "vip",
+        ),
+        (
+            "tcp64",
+            true,
+            false,
+            Protocol::Tcp,
+            8080,
+            "ipip",
+            "tcp",
+            "vip",
+        ),
+        (
+            "tcp46",
+            false,
+            true,
+            Protocol::Tcp,
+            8080,
+            "ipip",
+            "tcp",
+            "vip",
+        ),
+        (
+            "own4",
+            false,
+            false,
+            Protocol::Tcp,
+            81,
+            "ipip",
+            "tcp",
+            "backend",
+        ),
+        (
+            "own6",
+            true,
+            true,
+            Protocol::Udp,
+            5354,
+            "gue",
+            "udp",
+            "backend",
+        ),
+    ];
+    let vips: Vec<VipConfig> = cases
+        .iter()
+        .map(
+            |&(name, v6, v6_backends, protocol, port, forward, kind, target)| {
+                let mut vip = tunnelled(&lab, name, v6, protocol, forward);
+                vip.port = port;
+                vip.health = checks(kind, target);
+                vip.backends = (0..BACKENDS)
+                    .map(|i| BackendConfig::new(lab.backend_addr(i, v6_backends)))
+                    .collect();
+                vip
+            },
+        )
+        .collect();
+    lab.serve_tcp(8080, false).expect("tcp servers on 8080");
+    lab.serve_tcp(81, false).expect("tcp servers on 81");
+    lab.serve_udp(5354, false).expect("udp servers on 5354");
+    let config = lab.agent_config(XdpMode::Native, vips.clone());
+    lab.start_agent(&bin, &config).expect("start the agent");
+    let addresses =
+        |vip: &VipConfig| -> Vec<IpAddr> { vip.backends.iter().map(|b| b.address).collect() };
+    let all_up = |s: &serde_json::Value| {
+        vips.iter().all(|v| {
+            addresses(v)
+                .iter()
+                .all(|&a| health_of(s, &v.name, a).0 == "up")
+        })
+    };
+    let s = wait_status(
+        &lab,
+        UP_TIMEOUT,
+        "every backend up, through the VIP and at its own",
+        all_up,
+    );
+    let tcp4 = &s["vips"].as_array().expect("vips")[0];
+    assert_eq!(
+        tcp4["backends"][0]["check"], "tcp port 80 through the VIP",
+        "{tcp4:#}"
+    );
+    // Only checks crossed the tunnels (no client traffic): each kind reached each backend.
+    for i in 0..BACKENDS {
+        let counters = decap.counters(&lab, &bin, i);
+        assert!(
+            counters.iter().all(|&(_, n)| n > 0),
+            "backend {i} did not unwrap checks of every tunnel kind: {counters:?}"
+        );
+    }
+
+    // Backend 1 loses both VIPs: checks through the VIP fail, its own address answers.
+    let (v4, v6) = (lab.vip4(), lab.vip6());
+    vip_on_lo(&lab, 0, "del", v4);
+    vip_on_lo(&lab, 0, "del", v6);
+    let first = |vip: &VipConfig| addresses(vip)[0];
+    let through_vip: Vec<&VipConfig> = vips.iter().filter(|v| !v.name.starts_with("own")).collect();
+    let s = wait_status(&lab, UP_TIMEOUT, "backend 1 down through the VIP", |s| {
+        through_vip
+            .iter()
+            .all(|v| health_of(s, &v.name, first(v)).0 == "down")
+    });
+    for v in &through_vip {
+        let (_, error) = health_of(&s, &v.name, first(v));
+        let expected = match v.protocol {
+            Protocol::Tcp => "no SYN-ACK from the VIP within 200ms",
+            Protocol::Udp => "no reply from the VIP within 200ms",
+        };
+        assert!(
+            error.contains(expected),
+            "{}: {error:?}, not {expected:?}",
+            v.name
+        );
+    }
+    // Checks of the backend's own address keep it up, and backend 2 stays up.
+    sleep(Duration::from_secs(1));
+    let s = lab.agent().expect("agent").status_json().expect("status");
+    for v in &vips {
+        let addrs = addresses(v);
+        let own = v.name.starts_with("own");
+        assert_eq!(
+            health_of(&s, &v.name, addrs[1]).0,
+            "up",
+            "{}: backend 2\n{s:#}",
+            v.name
+        );
+        if own {
+            assert_eq!(
+                health_of(&s, &v.name, addrs[0]).0,
+                "up",
+                "{}: backend 1\n{s:#}",
+                v.name
+            );
+        }
+    }
+
+    // The VIPs back on its lo: it comes up again.
+    vip_on_lo(&lab, 0, "add", v4);
+    vip_on_lo(&lab, 0, "add", v6);
+    wait_status(
+        &lab,
+        UP_TIMEOUT,
+        "backend 1 up again through the VIP",
+        all_up,
     );
 }
