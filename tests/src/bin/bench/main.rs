@@ -50,6 +50,10 @@ struct Args {
         default_value = "packet,veth,requests,control"
     )]
     only: Vec<String>,
+    /// Per-packet cases to run, comma-separated (default: all), e.g.
+    /// `tcp_syn,tcp_established`: fewer cases, more runs of them in the same time.
+    #[arg(long, value_delimiter = ',')]
+    cases: Vec<String>,
     /// Fewer and shorter rounds: checks that everything runs, figures are rough.
     #[arg(long)]
     quick: bool,
@@ -142,6 +146,7 @@ fn run(args: &Args) -> Result<()> {
                 repeat: 100_000,
                 loop_calls: 2_000,
                 backend_counts: vec![1, 100, 1000],
+                cases: args.cases.clone(),
             }
         } else {
             packet::Options {
@@ -149,6 +154,7 @@ fn run(args: &Args) -> Result<()> {
                 repeat: 1_000_000,
                 loop_calls: 20_000,
                 backend_counts: vec![1, 100, 1000],
+                cases: args.cases.clone(),
             }
         };
         let r = packet::run(&opts)?;

@@ -41,6 +41,8 @@ pub struct Options {
     pub repeat: u32,
     pub loop_calls: u32,
     pub backend_counts: Vec<usize>,
+    /// The cases to run, by name; empty: all.
+    pub cases: Vec<String>,
 }
 
 /// A config with three VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80), each with
@@ -257,6 +259,25 @@ fn frame(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, l4: L4) -> Vec<u8> {
         l4,
     }
     .bytes()
+}
+
+/// The cases `names` asks for (all for none), in their order; an unknown name fails.
+fn chosen_cases(names: &[String]) -> Result<Vec<Case>> {
+    let all = cases();
+    if let Some(unknown) = names
+        .iter()
+        .find(|n| !all.iter().any(|c| c.name == n.as_str()))
+    {
+        let known: Vec<&str> = all.iter().map(|c| c.name).collect();
+        bail!(
+            "no per-packet case {unknown:?}; the cases: {}",
+            known.join(", ")
+        );
+    }
+    Ok(all
+        .into_iter()
+        .filter(|c| names.is_empty() || names.iter().any(|n| n == c.name))
+        .collect())
 }
 
 fn cases() -> Vec<Case> {
@@ -553,7 +574,7 @@ pub fn run(opts: &Options) -> Result<Results> {
             make_tunnels(inst)?;
         }
         let exports = ExportReader::start(insts[1].dataplane.take_export()?.0);
-        let cases = cases();
+        let cases = chosen_cases(&opts.cases)?;
         for case in &cases {
             let inst = &mut insts[usize::from(case.cluster)];
             if let Some(p) = &case.prime {
@@ -737,6 +758,12 @@ pub fn run(opts: &Options) -> Result<Results> {
          measured by the loop only, since under repeat the program would see its own \
          encapsulated output.",
     );
+    if let Some(variant) = std::env::var_os("LB_XDP_OBJECT") {
+        table.note(format!(
+            "lb_xdp: the variant object {} (LB_XDP_OBJECT), not the built-in one.",
+            variant.to_string_lossy()
+        ));
+    }
     let ratios = tunnel_ratios(&net_all);
     Ok(Results {
         tables: vec![table, ratios],
