@@ -227,6 +227,16 @@ fn q(s: &str) -> String {
 }
 
 impl AgentConfig {
+    /// [`AgentConfig::to_toml`] with `dataplane.pin_path = pins` (the restart tests'
+    /// pins on a bpffs that outlives the agent, see `router::PinDir`).
+    pub fn to_toml_pinned(&self, pins: &std::path::Path) -> String {
+        self.to_toml().replacen(
+            "[dataplane]\n",
+            &format!("[dataplane]\npin_path = \"{}\"\n", pins.display()),
+            1,
+        )
+    }
+
     pub fn to_toml(&self) -> String {
         let mut t = String::new();
         // Writing to a String cannot fail.

@@ -435,14 +435,10 @@ fn write_config(lab: &Lab, name: &str, pins: Option<&Path>, backends: &[usize]) 
         .collect();
     let mut config = lab.agent_config(XdpMode::Generic, vec![vip]);
     config.socket = lab.dir().join(format!("{name}.sock"));
-    let mut text = config.to_toml();
-    if let Some(pins) = pins {
-        text = text.replacen(
-            "[dataplane]\n",
-            &format!("[dataplane]\npin_path = \"{}\"\n", pins.display()),
-            1,
-        );
-    }
+    let text = match pins {
+        Some(pins) => config.to_toml_pinned(pins),
+        None => config.to_toml(),
+    };
     let path = lab.dir().join(format!("{name}.toml"));
     std::fs::write(&path, text).expect("write the config");
     path

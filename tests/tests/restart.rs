@@ -29,13 +29,8 @@ fn write_config_sized(lab: &Lab, pins: &Path, weights: &[u32], table: Option<u32
     }
     let mut config = lab.agent_config(XdpMode::Native, vec![vip]);
     config.maglev_table_size = table;
-    let text = config.to_toml().replacen(
-        "[dataplane]\n",
-        &format!("[dataplane]\npin_path = \"{}\"\n", pins.display()),
-        1,
-    );
     let path = lab.dir().join("lb.toml");
-    std::fs::write(&path, text).expect("write the config");
+    std::fs::write(&path, config.to_toml_pinned(pins)).expect("write the config");
     path
 }
 

@@ -18,6 +18,7 @@ mod frames;
 mod openloop;
 mod packet;
 mod procs;
+mod rawgen;
 mod report;
 mod requests;
 mod veth;
@@ -183,6 +184,10 @@ fn run(args: &Args) -> Result<()> {
         };
         let r = veth::run(&opts)?;
         for (proto, flows, lb, base, ratio) in &r.ratios {
+            if [veth::TCP_IPIP, veth::TCP_GUE].contains(&proto.as_str()) {
+                // Reported in their own table; issue 8's target is for L2 DSR.
+                continue;
+            }
             goals.push(Goal {
                 what: format!("veth {proto}, {flows} flows: lb_xdp / xdp_mac_swap Mpps"),
                 measured: format!(

@@ -81,19 +81,19 @@ pub fn config_text(backends: usize) -> String {
 }
 
 /// The VIP ports of the tunnel cases (on VIP4), and the backends' GUE port.
-const IPIP_PORT: u16 = 81;
-const GUE_PORT_VIP: u16 = 82;
+pub const IPIP_PORT: u16 = 81;
+pub const GUE_PORT_VIP: u16 = 82;
 const GUE_PORT: u16 = 6080;
 
-/// Two more TCP VIPs on VIP4, "ipip4" and "gue4", with the IPv4 VIP's backends (at most
-/// 500 each: all VIPs share `MAX_BACKENDS`); their data-path entries are then made
-/// tunnels by `make_tunnels`.
-fn tunnel_vips(backends: usize) -> String {
+/// Two more TCP VIPs on `vip`, "ipip4" (port `IPIP_PORT`) and "gue4" (`GUE_PORT_VIP`),
+/// with `backends` IPv4 backends (at most 500 each: all VIPs share `MAX_BACKENDS`);
+/// their data-path entries are then made tunnels by `make_tunnels`.
+pub fn tunnel_vips(vip: Ipv4Addr, backends: usize) -> String {
     let backends = backends.min(500);
     let mut t = String::new();
     for (name, port) in [("ipip4", IPIP_PORT), ("gue4", GUE_PORT_VIP)] {
         t += &format!(
-            "\n[[vip]]\nname = \"{name}\"\naddress = \"{VIP4}\"\nport = {port}\n\
+            "\n[[vip]]\nname = \"{name}\"\naddress = \"{vip}\"\nport = {port}\n\
              protocol = \"tcp\"\n[vip.health]\nkind = \"none\"\n"
         );
         for i in 0..backends {
@@ -106,8 +106,8 @@ fn tunnel_vips(backends: usize) -> String {
 }
 
 /// Writes the tunnel VIPs' backends as `forward = "ipip"` / `"gue"` (the agent's half
-/// of the contract, `BackendInfo`), and the outer source.
-fn make_tunnels(inst: &mut Instance) -> Result<()> {
+/// of the contract, `BackendInfo`) with `next_hop` as their MAC, and the outer source.
+pub fn make_tunnels(inst: &mut Instance, next_hop: [u8; 6]) -> Result<()> {
     let mut entries = Vec::new();
     for vip in &inst.model.vips {
         let forward = match vip.config.name.as_str() {
@@ -126,11 +126,7 @@ fn make_tunnels(inst: &mut Instance) -> Result<()> {
                 family: lb_common::ADDR_FAMILY_V4,
                 gue_port_be: GUE_PORT.to_be(),
                 addr,
-                ..lb_common::BackendInfo::l2(
-                    [2, 0, 0, 0, 0, 0xfe],
-                    lb_common::BACKEND_F_SERVES_FLOWS,
-                    vip.id,
-                )
+                ..lb_common::BackendInfo::l2(next_hop, lb_common::BACKEND_F_SERVES_FLOWS, vip.id)
             };
             let identity = lb_common::BackendIdentity {
                 addr,
@@ -568,7 +564,7 @@ pub fn run(opts: &Options) -> Result<Results> {
         // by a thread of its own, as the agent reads it, so that it never fills). The
         // second instance and its reader only when a chosen case runs there: the reader
         // wakes every few milliseconds, which the other cases should not share.
-        let vips = config_text(backends) + &tunnel_vips(backends);
+        let vips = config_text(backends) + &tunnel_vips(VIP4, backends);
         let mut insts = vec![Instance::load(&vips)?];
         let mut exports = None;
         if cases.iter().any(|c| c.cluster) {
@@ -577,7 +573,7 @@ pub fn run(opts: &Options) -> Result<Results> {
             insts.push(inst);
         }
         for inst in insts.iter_mut() {
-            make_tunnels(inst)?;
+            make_tunnels(inst, [2, 0, 0, 0, 0, 0xfe])?;
         }
         for case in &cases {
             let inst = &mut insts[usize::from(case.cluster)];
