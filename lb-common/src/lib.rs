@@ -75,6 +75,9 @@ pub const LAYOUT_VERSION: u64 = 7;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
+/// The test object's global: the Ethernet header (14 bytes) the benchmark generator
+/// writes into every frame it sends; all zeroes: it leaves the frame's own.
+pub const GLOBAL_BENCH_ETH: &str = "BENCH_ETH";
 /// Frames counted by the benchmark programs (test object `lb-test-xdp`), per CPU, at
 /// `BENCH_RECEIVED` and `BENCH_SENT`.
 pub const MAP_BENCH_SINK: &str = "BENCH_SINK";

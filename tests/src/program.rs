@@ -89,12 +89,25 @@ pub static TEST_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("LB_TEST_OBJECT
 /// benchmark generator set to cycle through `bench_flows` flows
 /// (`lb_common::GLOBAL_BENCH_FLOWS`).
 pub fn load_test_program(name: &str, bench_flows: u64) -> Result<aya::Ebpf> {
+    load_test_program_with_eth(name, bench_flows, [0; 14])
+}
+
+/// `load_test_program`, with the generator writing `bench_eth` as every frame's
+/// Ethernet header (`lb_common::GLOBAL_BENCH_ETH`): for frames the receiver rewrites
+/// beyond the MACs (a tunnel's outer headers), which live frames would otherwise carry
+/// into the next batch.
+pub fn load_test_program_with_eth(
+    name: &str,
+    bench_flows: u64,
+    bench_eth: [u8; 14],
+) -> Result<aya::Ebpf> {
     ensure!(
         !TEST_OBJECT.is_empty(),
         "the test eBPF object is empty (built with AYA_BUILD_SKIP=1?)"
     );
     let mut ebpf = aya::EbpfLoader::new()
         .override_global(lb_common::GLOBAL_BENCH_FLOWS, &bench_flows, true)
+        .override_global(lb_common::GLOBAL_BENCH_ETH, &bench_eth, true)
         .load(TEST_OBJECT)
         .context("load the test eBPF object")?;
     let program: &mut aya::programs::Xdp = ebpf

@@ -28,6 +28,14 @@ mod program {
     #[unsafe(no_mangle)]
     static BENCH_FLOWS: u64 = 16384;
 
+    /// The Ethernet header the generator writes into every frame before it sends it;
+    /// set at load time (`lb_common::GLOBAL_BENCH_ETH`); all zeroes: the frame's own.
+    /// Live frames keep what the receiver wrote into them: on a veth a frame's page
+    /// comes back to the generator's pool as the balancer left it, and a tunnel's outer
+    /// headers lie where the frame's Ethernet header was.
+    #[unsafe(no_mangle)]
+    static BENCH_ETH: [u8; 14] = [0; 14];
+
     /// Returns XDP_PASS. Native XDP_TX on a veth needs a program on the peer; this is it.
     /// The packet benchmark's empty program, too.
     /// Multi-buffer aware, so the peer may have an MTU of 9000.
@@ -54,6 +62,10 @@ mod program {
         // checked: a plain `%` by a variable carries a panic path the verifier rejects.
         let port = 1024 + bump(BENCH_SENT).checked_rem(flows).unwrap_or(0) as u16;
         unsafe {
+            let eth = core::ptr::read_volatile(&BENCH_ETH);
+            if eth[12] | eth[13] != 0 {
+                core::ptr::write_unaligned(start as *mut [u8; 14], eth);
+            }
             core::ptr::write_unaligned((start + SRC_PORT_AT) as *mut [u8; 2], port.to_be_bytes())
         };
         xdp_action::XDP_TX

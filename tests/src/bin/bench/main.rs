@@ -18,7 +18,6 @@ mod frames;
 mod openloop;
 mod packet;
 mod procs;
-mod rawgen;
 mod report;
 mod requests;
 mod veth;

@@ -4,13 +4,13 @@
 //!   gen ns: eth0 (xdp_bench_sink)  <== veth ==>  lb ns: eth0 (lb_xdp, or xdp_mac_swap)
 //! ```
 //!
-//! The generator (`rawgen`: the test object's `xdp_bench_tx` that also writes the
-//! Ethernet header again, which the tunnel cases need; see there why) runs with
-//! BPF_PROG_TEST_RUN live frames on the gen side: each run rewrites the source port
-//! (through the flow count's values) and returns XDP_TX, which sends the frame out
-//! of gen's eth0 to the lb side. The program there sends it back (`lb_xdp`: to the
-//! backend's MAC, which is gen's; `xdp_mac_swap`: to the sender), and the sink on gen's
-//! eth0 counts and drops it. The sink is also what makes native XDP_TX on the lb side
+//! `xdp_bench_tx` runs with BPF_PROG_TEST_RUN live frames on the gen side: each run
+//! writes the frame's Ethernet header again (a wrapped frame's page comes back to the
+//! generator's pool with the tunnel's outer headers where the Ethernet header was),
+//! rewrites the source port (through the flow count's values) and returns XDP_TX,
+//! which sends the frame out of gen's eth0 to the lb side. The program there sends it
+//! back (`lb_xdp`: to the backend's MAC, which is gen's; `xdp_mac_swap`: to the
+//! sender), and the sink on gen's eth0 counts and drops it. The sink is also what makes native XDP_TX on the lb side
 //! work at all: a veth delivers XDP frames only to a peer that has an XDP program.
 //! The tunnel cases (TCP to VIPs whose backends are reached by ipip / gue, their next
 //! hop gen's MAC) come back wrapped, and the sink counts them the same way.
@@ -19,9 +19,9 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
 use aya::maps::PerCpuArray;
-use aya::programs::XdpMode;
+use aya::programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp, XdpMode};
 use lb_common::{BENCH_RECEIVED, BENCH_SENT, MAP_BENCH_SINK, stat};
 use lb_tests::Netns;
 use lb_tests::netns::ip;
@@ -30,7 +30,6 @@ use serde_json::{Value, json};
 
 use crate::frames::{Frame, L4, TCP_ACK};
 use crate::packet::{GUE_PORT_VIP, IPIP_PORT, load_program, make_tunnels, tunnel_vips, xdp};
-use crate::rawgen::Generator;
 use crate::report::{Table, median, num, range};
 use lb_tests::program::Instance;
 
@@ -247,20 +246,17 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
     } = bed;
     let (gen_ns, lb_ns, gen_ifindex) = (*gen_ns, *lb_ns, *gen_ifindex);
     let mut out = Measured::default();
-    // Generator and sink share one BENCH_SINK for both counts.
-    let mut gen_ebpf = lb_tests::program::load_test_program("xdp_bench_sink", flows)?;
-    let generator = match gen_ebpf.map(MAP_BENCH_SINK) {
-        Some(aya::maps::Map::PerCpuArray(sink)) => {
-            // The Ethernet header of every frame below.
-            let eth: Vec<u8> = [LB_MAC, GEN_MAC].concat();
-            let eth: [u8; 14] = [&eth[..], &0x0800u16.to_be_bytes()]
-                .concat()
-                .try_into()
-                .expect("14 bytes");
-            Generator::load(sink.fd(), BENCH_SENT, flows, &eth)?
-        }
-        _ => bail!("no per-CPU array {MAP_BENCH_SINK} in the test object"),
-    };
+    // Generator and sink share one object instance, so one BENCH_SINK for both counts.
+    // The Ethernet header of every frame below (IPv4).
+    let mut eth = [0u8; 14];
+    eth[..6].copy_from_slice(&LB_MAC);
+    eth[6..12].copy_from_slice(&GEN_MAC);
+    eth[12..].copy_from_slice(&0x0800u16.to_be_bytes());
+    let mut gen_ebpf = lb_tests::program::load_test_program_with_eth("xdp_bench_sink", flows, eth)?;
+    {
+        let tx: &mut Xdp = xdp(&mut gen_ebpf, "xdp_bench_tx")?;
+        tx.load().context("load xdp_bench_tx")?;
+    }
     let sink_link = {
         let sink = xdp(&mut gen_ebpf, "xdp_bench_sink")?;
         gen_ns.run(|| sink.attach(IFACE, XdpMode::Driver))?
@@ -303,9 +299,20 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
     let send = |frame: &[u8]| -> Result<Run> {
         let ctx = ctx_for(frame.len());
         let (sent0, recv0) = (sum(&counters, BENCH_SENT)?, sum(&counters, BENCH_RECEIVED)?);
+        let tx = gen_ebpf
+            .program("xdp_bench_tx")
+            .ok_or_else(|| anyhow!("no xdp_bench_tx"))?;
+        let tx: &Xdp = tx.try_into()?;
         let seconds = gen_ns.run(|| -> Result<f64> {
             let start = Instant::now();
-            generator.send(frame, &ctx, opts.frames, opts.batch)?;
+            tx.test_run(TestRunOptions {
+                data_in: Some(frame),
+                ctx_in: Some(&ctx),
+                repeat: opts.frames,
+                attrs: TestRunAttrs::new().xdp_live_frames(opts.batch),
+                ..TestRunOptions::default()
+            })
+            .context("BPF_PROG_TEST_RUN live frames")?;
             Ok(start.elapsed().as_secs_f64())
         })??;
         // Frames still in the veth rings land within microseconds.
