@@ -154,15 +154,27 @@ pub fn export_flow(stats: &Stats, key: &FlowKey, entry: &FlowEntry) {
     }
     match LB_EXPORT.reserve::<ExportRecord>(0) {
         Some(mut slot) => {
-            slot.write(ExportRecord {
-                key: *key,
-                backend_id: entry.backend_id,
-                flags: entry.flags,
-            });
+            let record = slot.as_mut_ptr();
+            unsafe {
+                copy_key(&raw mut (*record).key, key);
+                (*record).backend_id = entry.backend_id;
+                (*record).flags = entry.flags;
+            }
             slot.submit(BPF_RB_NO_WAKEUP);
             stats.count(stat::CLUSTER_EXPORTED);
         }
         None => stats.count(stat::CLUSTER_EXPORT_DROPPED),
+    }
+}
+
+/// Copies a flow key a word at a time (it is 8-aligned): `*to = *from` between two map
+/// values compiles to a call to a byte-wise `memmove` (the compiler cannot tell that
+/// they do not overlap), 40 rounds of its loop per record.
+#[inline(always)]
+fn copy_key(to: *mut FlowKey, from: &FlowKey) {
+    let (to, from) = (to as *mut u64, from as *const FlowKey as *const u64);
+    for i in 0..size_of::<FlowKey>() / 8 {
+        unsafe { to.add(i).write_volatile(from.add(i).read_volatile()) };
     }
 }
 
