@@ -76,7 +76,8 @@ pub const LAYOUT_VERSION: u64 = 7;
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
 /// The test object's global: the Ethernet header (14 bytes) the benchmark generator
-/// writes into every frame it sends; all zeroes: it leaves the frame's own.
+/// writes into every frame it sends; with EtherType 0 (the default, all zeroes) it
+/// leaves the frame's own.
 pub const GLOBAL_BENCH_ETH: &str = "BENCH_ETH";
 /// Frames counted by the benchmark programs (test object `lb-test-xdp`), per CPU, at
 /// `BENCH_RECEIVED` and `BENCH_SENT`.

@@ -272,6 +272,25 @@ impl Lab {
         &self.backends
     }
 
+    /// Adds (`present`) or removes `vip` on backend `i`'s `lo`: a backend that holds the
+    /// VIP, or one that lost it (which only checks through the VIP notice).
+    pub fn set_vip_on_lo(&self, i: usize, vip: IpAddr, present: bool) -> Result<()> {
+        let prefix = if vip.is_ipv4() { 32 } else { 128 };
+        let action = if present { "add" } else { "del" };
+        let address = format!("{vip}/{prefix}");
+        let mut args = vec!["-n", self.backends[i].name(), "addr", action, &address];
+        args.extend(["dev", "lo"]);
+        if present && vip.is_ipv6() {
+            args.push("nodad");
+        }
+        ip(&args).map(drop).with_context(|| {
+            format!(
+                "ip addr {action} {address} dev lo in {}",
+                self.backend_name(i)
+            )
+        })
+    }
+
     /// The name the lab's servers use for backend `i` (0-based): `backend-1`...
     pub fn backend_name(&self, i: usize) -> String {
         format!("backend-{}", i + 1)

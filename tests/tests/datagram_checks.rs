@@ -259,16 +259,8 @@ fn a_backend_without_the_vip_fails_checks_through_the_vip_only() {
     );
 
     // backend-1 loses the VIP.
-    lb_tests::netns::ip(&[
-        "-n",
-        lab.backend(0).name(),
-        "addr",
-        "del",
-        &format!("{}/32", lab.vip4()),
-        "dev",
-        "lo",
-    ])
-    .expect("remove the VIP from backend-1's lo");
+    lab.set_vip_on_lo(0, lab.vip4(), false)
+        .expect("remove the VIP from backend-1's lo");
     let s = wait(&lab, "backend-1 down through the VIP (tcp and udp)", |s| {
         backend(s, "tcpvip", addr(0))["health"] == "down"
             && backend(s, "udpvip", addr(0))["health"] == "down"

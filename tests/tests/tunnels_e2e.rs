@@ -401,21 +401,6 @@ fn health_of(status: &serde_json::Value, name: &str, address: IpAddr) -> (String
     (b.health.clone(), b.last_error.clone().unwrap_or_default())
 }
 
-/// `ip addr add|del VIP dev lo` in backend `i`.
-fn vip_on_lo(lab: &Lab, i: usize, action: &str, vip: IpAddr) {
-    let prefix = if vip.is_ipv4() { 32 } else { 128 };
-    lb_tests::netns::ip(&[
-        "-n",
-        lab.backends()[i].name(),
-        "addr",
-        action,
-        &format!("{vip}/{prefix}"),
-        "dev",
-        "lo",
-    ])
-    .unwrap_or_else(|e| panic!("ip addr {action} {vip} dev lo in backend {i}: {e:#}"));
-}
-
 /// Checks through the VIP of tunnelled VIPs (issue 19): tcp and udp, IPv4 and IPv6,
 /// through ipip (4in4, 6in6, 6in4, 4in6) and gue (v4, v6), wrapped as the traffic is and
 /// unwrapped by `lb decap`. Every backend comes up; backend 1 losing both VIPs from its
@@ -554,8 +539,10 @@ fn checks_through_the_vip_follow_the_tunnel() {
 
     // Backend 1 loses both VIPs: checks through the VIP fail, its own address answers.
     let (v4, v6) = (lab.vip4(), lab.vip6());
-    vip_on_lo(&lab, 0, "del", v4);
-    vip_on_lo(&lab, 0, "del", v6);
+    lab.set_vip_on_lo(0, v4, false)
+        .expect("the VIP on backend 1's lo");
+    lab.set_vip_on_lo(0, v6, false)
+        .expect("the VIP on backend 1's lo");
     let first = |vip: &VipConfig| addresses(vip)[0];
     let through_vip: Vec<&VipConfig> = vips.iter().filter(|v| !v.name.starts_with("own")).collect();
     let s = wait_status(&lab, UP_TIMEOUT, "backend 1 down through the VIP", |s| {
@@ -598,8 +585,10 @@ fn checks_through_the_vip_follow_the_tunnel() {
     }
 
     // The VIPs back on its lo: it comes up again.
-    vip_on_lo(&lab, 0, "add", v4);
-    vip_on_lo(&lab, 0, "add", v6);
+    lab.set_vip_on_lo(0, v4, true)
+        .expect("the VIP on backend 1's lo");
+    lab.set_vip_on_lo(0, v6, true)
+        .expect("the VIP on backend 1's lo");
     wait_status(
         &lab,
         UP_TIMEOUT,

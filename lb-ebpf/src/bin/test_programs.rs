@@ -29,7 +29,8 @@ mod program {
     static BENCH_FLOWS: u64 = 16384;
 
     /// The Ethernet header the generator writes into every frame before it sends it;
-    /// set at load time (`lb_common::GLOBAL_BENCH_ETH`); all zeroes: the frame's own.
+    /// set at load time (`lb_common::GLOBAL_BENCH_ETH`); with EtherType 0 (the default,
+    /// all zeroes) the frame's own is left.
     /// Live frames keep what the receiver wrote into them: on a veth a frame's page
     /// comes back to the generator's pool as the balancer left it, and a tunnel's outer
     /// headers lie where the frame's Ethernet header was.
