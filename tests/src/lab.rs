@@ -583,19 +583,7 @@ fn fabric_port_on(switch: &Netns, bridge: &str, ns: &Netns, port: &str, dev: &st
 /// A routed lab's router: `eth0` on `BRIDGE`, `eth1` on `BACKEND_BRIDGE` (made here),
 /// forwarding both families; the balancer `lb` routes the backends' subnet through it.
 fn router(switch: &Netns, lb: &Netns) -> Result<Netns> {
-    let sw = switch.name();
-    ip(&[
-        "-n",
-        sw,
-        "link",
-        "add",
-        BACKEND_BRIDGE,
-        "type",
-        "bridge",
-        "mcast_snooping",
-        "0",
-    ])?;
-    ip(&["-n", sw, "link", "set", BACKEND_BRIDGE, "up"])?;
+    bridge(switch, BACKEND_BRIDGE)?;
     let router = host(switch, "rtr", "p-rtr", ROUTER4, ROUTER6)?;
     fabric_port_on(switch, BACKEND_BRIDGE, &router, "p-rtr1", "eth1")?;
     let r = router.name();
@@ -774,20 +762,27 @@ pub fn switch_namespace() -> Result<Netns> {
     let switch = Netns::new("sw")?;
     switch.sysctl("net.ipv6.conf.default.disable_ipv6", "1")?;
     switch.sysctl("net.ipv6.conf.all.disable_ipv6", "1")?;
+    bridge(&switch, BRIDGE)?;
+    Ok(switch)
+}
+
+/// Bridge `name` in the switch namespace, up, without multicast snooping (so IPv6
+/// neighbour discovery reaches every port at once).
+fn bridge(switch: &Netns, name: &str) -> Result<()> {
     let sw = switch.name();
     ip(&[
         "-n",
         sw,
         "link",
         "add",
-        BRIDGE,
+        name,
         "type",
         "bridge",
         "mcast_snooping",
         "0",
     ])?;
-    ip(&["-n", sw, "link", "set", BRIDGE, "up"])?;
-    Ok(switch)
+    ip(&["-n", sw, "link", "set", name, "up"])?;
+    Ok(())
 }
 
 /// A DSR backend's ARP settings: never answer ARP for (or announce) the VIP held on `lo`.

@@ -16,6 +16,7 @@ use lb_common::{
     ADDR_FAMILY_V4, ADDR_FAMILY_V6, BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo,
     FORWARD_GUE, FORWARD_IPIP, TunnelConfig, stat,
 };
+use lb_tests::client::checksum;
 use lb_tests::program::{IFACE_MAC, Instance};
 use lb_userspace::{EBPF_OBJECT, dataplane::Dataplane};
 
@@ -118,19 +119,6 @@ const TUNNELS: [(&str, u8, &str); 6] = [
 
 // ---- bytes ---------------------------------------------------------------------------
 
-/// RFC 1071, over bytes.
-fn internet_checksum(data: &[u8]) -> u16 {
-    let mut sum = 0u32;
-    for pair in data.chunks(2) {
-        let word = u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)]);
-        sum += word as u32;
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
 fn v4(text: &str) -> [u8; 4] {
     text.parse::<Ipv4Addr>().unwrap().octets()
 }
@@ -159,7 +147,7 @@ fn ipv4_header(
     h[9] = proto;
     h[12..16].copy_from_slice(&src);
     h[16..20].copy_from_slice(&dst);
-    let sum = internet_checksum(&h);
+    let sum = checksum(&h);
     h[10..12].copy_from_slice(&sum.to_be_bytes());
     h
 }
@@ -616,7 +604,7 @@ fn too_big_answer(sent: &[u8], vlan: Option<u16>, usable: u32) -> Vec<u8> {
         let mut icmp = vec![3, 4, 0, 0, 0, 0];
         icmp.extend_from_slice(&(usable as u16).to_be_bytes());
         icmp.extend_from_slice(quoted);
-        let sum = internet_checksum(&icmp);
+        let sum = checksum(&icmp);
         icmp[2..4].copy_from_slice(&sum.to_be_bytes());
         let mut ip = ipv4_header(v4("10.0.0.100"), CLIENT4, 1, icmp.len(), 0, false);
         ip.extend(icmp);
@@ -630,7 +618,7 @@ fn too_big_answer(sent: &[u8], vlan: Option<u16>, usable: u32) -> Vec<u8> {
         pseudo.extend_from_slice(&(icmp.len() as u32).to_be_bytes());
         pseudo.extend_from_slice(&[0, 0, 0, 58]);
         pseudo.extend_from_slice(&icmp);
-        let sum = internet_checksum(&pseudo);
+        let sum = checksum(&pseudo);
         icmp[2..4].copy_from_slice(&sum.to_be_bytes());
         let mut ip = ipv6_header(v6("fd00::100"), client6(), 58, icmp.len(), 0, 0);
         ip.extend(icmp);
