@@ -325,6 +325,7 @@ fn attach_hints(report: &doctor::Report) -> AttachHints {
             .and_then(|l| l.attached.iter().find(|p| Some(p.id) != l.pinned_program))
             .map(|p| p.to_string()),
         native_refused: report.native_refusal(),
+        native_known: doctor::native_known(&report.facts),
     }
 }
 

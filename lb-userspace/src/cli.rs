@@ -131,6 +131,10 @@ pub enum Command {
     /// "gue") in XDP and pass the inner packet to the stack, where the VIP on lo takes it.
     #[command(subcommand)]
     Decap(DecapCommand),
+    /// On the peer of a veth the balancer runs on: an XDP program that passes every frame,
+    /// which native XDP_TX on a veth needs on the other end.
+    #[command(subcommand)]
+    Peer(PeerCommand),
     /// Show VIPs, backends, health and counters of the running agent.
     Status {
         /// Print the status as JSON (the control API's `GET /status`; fields in the
@@ -211,6 +215,32 @@ pub enum DecapCommand {
         #[command(flatten)]
         pins: DecapPins,
     },
+}
+
+#[derive(Subcommand)]
+pub enum PeerCommand {
+    /// Attach the XDP_PASS program to IFACE in native mode (pinned: it stays after this
+    /// command); then the balancer on IFACE's peer can run native.
+    Attach {
+        /// The veth the balancer's interface is paired with.
+        iface: String,
+        #[command(flatten)]
+        pins: PeerPins,
+    },
+    /// Detach it from IFACE. Exit 1 when it was not attached.
+    Detach {
+        /// The interface it is attached to.
+        iface: String,
+        #[command(flatten)]
+        pins: PeerPins,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct PeerPins {
+    /// Where the program's link is pinned (on a bpffs).
+    #[arg(long, value_name = "DIR", default_value = crate::dataplane::peer::DEFAULT_PIN_DIR)]
+    pin_path: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -348,6 +378,7 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             crate::top::run(&target.socket()?, options).await?
         }
         Command::Decap(command) => return decap(command),
+        Command::Peer(command) => return peer(command),
         Command::Status { json, target } => {
             let socket = target.socket()?;
             if json {
@@ -415,6 +446,30 @@ fn decap(command: DecapCommand) -> anyhow::Result<ExitCode> {
                     }
                 );
             }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `lb peer attach|detach`.
+fn peer(command: PeerCommand) -> anyhow::Result<ExitCode> {
+    use crate::dataplane::peer;
+    match command {
+        PeerCommand::Attach { iface, pins } => {
+            agent::ensure_bpffs(&pins.pin_path)?;
+            let mode = peer::attach(&iface, &pins.pin_path)
+                .with_context(|| format!("attaching the XDP_PASS program to {iface}"))?;
+            println!("xdp_pass on {iface} (xdp mode {mode})");
+        }
+        PeerCommand::Detach { iface, pins } => {
+            if !peer::detach(&iface, &pins.pin_path)? {
+                eprintln!(
+                    "lb peer: nothing attached to {iface} (no pin in {})",
+                    pins.pin_path.display()
+                );
+                return Ok(ExitCode::from(EXIT_REFUSED));
+            }
+            println!("detached from {iface}");
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -580,7 +635,10 @@ mod tests {
     /// The README's command table: per command (`backend add`), the options its row
     /// names.
     fn readme_commands() -> BTreeMap<String, BTreeSet<String>> {
-        let readme = include_str!("../../README.md");
+        let readme = include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/src/commands.md"
+        ));
         let section = readme
             .split("\n## Command line")
             .nth(1)

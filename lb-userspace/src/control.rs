@@ -127,7 +127,9 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
 async fn unknown_path(method: Method, uri: Uri) -> Refusal {
     refusal(
         StatusCode::NOT_FOUND,
-        format!("no such request: {method} {uri} (see the README's control socket table)"),
+        format!(
+            "no such request: {method} {uri} (see the control socket table in docs/src/commands.md)"
+        ),
     )
 }
 
@@ -409,7 +411,10 @@ mod tests {
     /// The requests the README's control socket table lists are the ones served.
     #[tokio::test]
     async fn the_readme_lists_every_request_served() {
-        let readme = include_str!("../../README.md");
+        let readme = include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/src/commands.md"
+        ));
         let section = readme
             .split("\n## Control socket")
             .nth(1)

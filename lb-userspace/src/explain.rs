@@ -43,6 +43,7 @@ impl VipTarget {
 
 /// The object form of a VIP in JSON.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct VipTargetObject {
     address: IpAddr,
     port: u16,
@@ -132,6 +133,7 @@ impl std::fmt::Display for VipTarget {
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ExplainRequest {
     pub vip: VipTarget,
     pub source: SocketAddr,

@@ -14,6 +14,11 @@
 //!
 //! Each listener counts on its own, so a flood on the metrics port leaves the control
 //! socket its own connections, and health checks their descriptors.
+//!
+//! Every refusal is a JSON `{"error": "..."}`, also those hyper writes by itself when a
+//! request head does not parse (a Content-Length that is not a number, a head too large):
+//! hyper has no hook for them and sends an empty body, so [`JsonRefusals`] rewrites
+//! those answers on their way out.
 
 use std::{
     convert::Infallible,
@@ -31,7 +36,7 @@ use hyper_util::{
     service::TowerToHyperService,
 };
 use tokio::{
-    io::{AsyncRead, AsyncWrite},
+    io::{AsyncRead, AsyncWrite, ReadBuf},
     sync::Semaphore,
     task::JoinSet,
 };
@@ -162,7 +167,7 @@ where
         .timer(TokioTimer::new())
         .header_read_timeout(limits.request_timeout)
         .max_buf_size(limits.max_head_bytes)
-        .serve_connection(TokioIo::new(io), service);
+        .serve_connection(TokioIo::new(JsonRefusals::new(io, limits)), service);
     tokio::pin!(connection);
     let lifetime = tokio::time::sleep(limits.max_connection_time);
     tokio::pin!(lifetime);
@@ -223,7 +228,130 @@ async fn answer(
 /// An answer after which the connection is closed: the rest of what the client sent
 /// cannot be trusted to be a request.
 fn refuse(code: StatusCode, why: String) -> axum::response::Response {
-    (code, [(axum::http::header::CONNECTION, "close")], why).into_response()
+    (
+        code,
+        [(axum::http::header::CONNECTION, "close")],
+        axum::Json(serde_json::json!({ "error": why })),
+    )
+        .into_response()
+}
+
+/// A connection's stream, passed through but for one thing: the answer hyper writes by
+/// itself to a request head that does not parse (a 4xx or 5xx head with
+/// `content-length: 0` and no content type, which no handler of ours sends) is replaced
+/// by the same status with a JSON `{"error": "..."}` body. Hyper closes the connection
+/// after it.
+struct JsonRefusals<Io> {
+    io: Io,
+    limits: Limits,
+    /// A replacement being written, and how much of it is out.
+    replacing: Option<(Vec<u8>, usize)>,
+}
+
+impl<Io> JsonRefusals<Io> {
+    fn new(io: Io, limits: Limits) -> Self {
+        Self {
+            io,
+            limits,
+            replacing: None,
+        }
+    }
+}
+
+/// The JSON answer for hyper's own refusal `head`, if it is one.
+fn json_refusal(head: &[u8], limits: Limits) -> Option<Vec<u8>> {
+    let text = std::str::from_utf8(head).ok()?;
+    let rest = text.strip_prefix("HTTP/1.1 ")?;
+    if !text.ends_with("\r\n\r\n") || text[..text.len() - 4].contains("\r\n\r\n") {
+        return None;
+    }
+    let code: u16 = rest.get(..3)?.parse().ok()?;
+    let lower = text.to_ascii_lowercase();
+    if !(400..600).contains(&code)
+        || !lower.contains("\r\ncontent-length: 0\r\n")
+        || lower.contains("\r\ncontent-type:")
+    {
+        return None;
+    }
+    let status = StatusCode::from_u16(code).ok()?;
+    let error = match status {
+        StatusCode::BAD_REQUEST => {
+            "malformed request: the request line or a header does not parse (such as a \
+             Content-Length that is not a number)"
+                .to_string()
+        }
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => {
+            format!("request head over {} bytes", limits.max_head_bytes)
+        }
+        other => format!(
+            "request refused: {}",
+            other.canonical_reason().unwrap_or("malformed")
+        ),
+    };
+    let body = serde_json::to_vec(&serde_json::json!({ "error": error })).ok()?;
+    let mut out = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
+        body.len()
+    )
+    .into_bytes();
+    out.extend(body);
+    Some(out)
+}
+
+impl<Io: AsyncRead + Unpin> AsyncRead for JsonRefusals<Io> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<Io: AsyncWrite + Unpin> AsyncWrite for JsonRefusals<Io> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        if this.replacing.is_none() {
+            match json_refusal(buf, this.limits) {
+                Some(answer) => this.replacing = Some((answer, 0)),
+                None => return std::pin::Pin::new(&mut this.io).poll_write(cx, buf),
+            }
+        }
+        // Write the replacement whole; hyper is told its own head went out.
+        let (answer, sent) = this.replacing.as_mut().expect("set above");
+        while *sent < answer.len() {
+            match std::pin::Pin::new(&mut this.io).poll_write(cx, &answer[*sent..]) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(n)) => *sent += n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        this.replacing = None;
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 /// Counts events and says when one may be logged: the first, then one per
@@ -343,12 +471,55 @@ mod tests {
         );
         let (answer, _) = exchange(address, request.as_bytes()).await;
         assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert_eq!(
+            json_error(&answer),
+            format!("request body over {} bytes", TEST_LIMITS.max_body_bytes)
+        );
         let head = format!(
             "GET / HTTP/1.1\r\nhost: x\r\nx-big: {}\r\n\r\n",
             "y".repeat(TEST_LIMITS.max_head_bytes)
         );
         let (answer, _) = exchange(address, head.as_bytes()).await;
         assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+        assert_eq!(
+            json_error(&answer),
+            format!("request head over {} bytes", TEST_LIMITS.max_head_bytes)
+        );
+    }
+
+    /// The JSON error of an answer, which must be `application/json`.
+    fn json_error(answer: &str) -> String {
+        let (head, body) = answer.split_once("\r\n\r\n").expect("a head");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("content-type: application/json"),
+            "{answer}"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {answer}"));
+        json["error"].as_str().expect("an error string").to_string()
+    }
+
+    #[tokio::test]
+    async fn heads_that_do_not_parse_are_refused_in_json() {
+        let (address, _stop) = server(TEST_LIMITS).await;
+        for request in [
+            &b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\nhi"[..],
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nhi",
+            b"GET / HTTP/1.1\r\nho st: x\r\n\r\n",
+        ] {
+            let (answer, _) = exchange(address, request).await;
+            assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+            assert!(
+                json_error(&answer).starts_with("malformed request"),
+                "{answer}"
+            );
+        }
+        // A handler's own answers pass untouched, empty ones included.
+        let empty =
+            b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n";
+        let (answer, _) = exchange(address, empty).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
 
     #[tokio::test]

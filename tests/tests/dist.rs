@@ -1,10 +1,12 @@
 //! The Debian package (`cargo xtask dist`), installed into a scratch root with `dpkg -x`:
 //! the binary runs from there, its example configuration passes `lb check`, and the
-//! systemd unit, man pages and completions are where the unit and the README say.
+//! systemd unit, man pages and completions are where the unit and the docs say; its
+//! control data (maintainer, scripts, changelog) is a real package's; its unit passes
+//! `systemd-analyze verify` and is hardened.
 //! `cargo xtask test` builds the package from the debug profile (a release build would
 //! double the tests' build time) and passes its path in `LB_DEB`. No root needed.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use lb_tests::skip;
@@ -32,6 +34,7 @@ fn the_package_installs_and_runs_from_a_clean_root() {
     let root = tempfile::tempdir().unwrap();
     let root = root.path();
     run(Command::new("dpkg").arg("-x").arg(&deb).arg(root));
+    let deb = PathBuf::from(deb);
 
     let lb = root.join("usr/bin/lb");
     let help = run(Command::new(&lb).arg("--help"));
@@ -79,6 +82,11 @@ fn the_package_installs_and_runs_from_a_clean_root() {
         );
     }
     for path in [
+        "usr/share/man/man8/lb.8.gz",
+        "usr/share/man/man5/lb.toml.5.gz",
+        "usr/share/doc/lb/docs/SUMMARY.md",
+        "usr/share/doc/lb/docs/configuration.md",
+        "usr/share/doc/lb/docs/operations/health.md",
         "usr/share/man/man1/lb-run.1.gz",
         "usr/share/man/man1/lb-backend-add.1.gz",
         "usr/share/bash-completion/completions/lb",
@@ -100,4 +108,223 @@ fn the_package_installs_and_runs_from_a_clean_root() {
         bash.contains("complete -F _lb"),
         "bash completions:\n{bash}"
     );
+}
+
+/// The package's control data: a maintainer who can be written to, a changelog, and
+/// maintainer scripts that tell systemd, stop the service on removal and take the data
+/// path off on purge.
+#[test]
+fn the_package_has_a_maintainer_a_changelog_and_maintainer_scripts() {
+    let test = "the_package_has_a_maintainer_a_changelog_and_maintainer_scripts";
+    let Some(deb) = std::env::var_os("LB_DEB") else {
+        return skip(
+            test,
+            "LB_DEB is not set (`cargo xtask test` builds the package)",
+        );
+    };
+    let field = |name: &str| {
+        run(Command::new("dpkg-deb").arg("-f").arg(&deb).arg(name))
+            .trim()
+            .to_string()
+    };
+    let maintainer = field("Maintainer");
+    let (name, mail) = maintainer
+        .strip_suffix('>')
+        .and_then(|m| m.split_once(" <"))
+        .unwrap_or_else(|| panic!("Maintainer is not `Name <address>`: {maintainer}"));
+    assert!(
+        !name.trim().is_empty() && mail.contains('@') && !mail.ends_with("@localhost"),
+        "Maintainer: {maintainer}"
+    );
+
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root));
+    let changelog =
+        run(Command::new("zcat").arg(root.join("usr/share/doc/lb/changelog.Debian.gz")));
+    let version = field("Version");
+    assert!(
+        changelog.starts_with(&format!("lb ({version})")),
+        "the changelog's first entry is this version ({version}):\n{changelog}"
+    );
+    assert!(
+        changelog.contains(&format!(" -- {maintainer}  ")),
+        "{changelog}"
+    );
+
+    let control = tempfile::tempdir().unwrap();
+    run(Command::new("dpkg-deb")
+        .arg("-e")
+        .arg(&deb)
+        .arg(control.path()));
+    let script = |name: &str| {
+        let path = control.path().join(name);
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("no {name} maintainer script: {e}"));
+        let mode = std::os::unix::fs::PermissionsExt::mode(&path.metadata().unwrap().permissions());
+        assert_eq!(mode & 0o755, 0o755, "{name} is executable");
+        run(Command::new("sh").arg("-n").arg(&path));
+        // What runs: the lines that are not comments.
+        text.lines()
+            .map(str::trim)
+            .filter(|l| !l.starts_with('#'))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let postinst = script("postinst");
+    assert!(postinst.contains("systemctl daemon-reload"), "{postinst}");
+    let prerm = script("prerm");
+    assert!(
+        prerm.contains(r#""$1" = "remove""#) && prerm.contains("systemctl stop lb.service"),
+        "{prerm}"
+    );
+    let postrm = script("postrm");
+    assert!(postrm.contains("systemctl daemon-reload"), "{postrm}");
+    let purge = postrm
+        .split("purge)")
+        .nth(1)
+        .expect("a purge branch in postrm");
+    assert!(
+        purge.contains("/sys/fs/bpf/lb ") && purge.contains("rm -rf \"$pins\""),
+        "purge removes the default pins:\n{postrm}"
+    );
+}
+
+/// The man pages say more than `--help`: lb(8) has the files, exit codes and examples,
+/// lb.toml(5) every section of the configuration reference; groff finds nothing wrong.
+#[test]
+fn the_man_pages_document_the_service_and_the_file() {
+    let test = "the_man_pages_document_the_service_and_the_file";
+    let Some(deb) = std::env::var_os("LB_DEB") else {
+        return skip(
+            test,
+            "LB_DEB is not set (`cargo xtask test` builds the package)",
+        );
+    };
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root));
+    let page = |path: &str| run(Command::new("zcat").arg(root.join(path)));
+    let lb8 = page("usr/share/man/man8/lb.8.gz");
+    for section in [
+        ".SH DESCRIPTION",
+        ".SH FILES",
+        ".SH EXIT STATUS",
+        ".SH EXAMPLES",
+    ] {
+        assert!(lb8.contains(section), "lb(8) lacks {section}");
+    }
+    let lb_toml5 = page("usr/share/man/man5/lb.toml.5.gz");
+    for text in [
+        ".SH DESCRIPTION",
+        ".SH OPTIONAL SECTIONS",
+        "maglev_table_size",
+        "key_file",
+        "expect_status",
+    ] {
+        assert!(
+            lb_toml5.contains(text),
+            "lb.toml(5) lacks {text}:\n{lb_toml5}"
+        );
+    }
+    if Command::new("groff").arg("--version").output().is_err() {
+        return skip(test, "groff is not installed: the pages were not rendered");
+    }
+    for (name, text) in [("lb.8", &lb8), ("lb.toml.5", &lb_toml5)] {
+        let source = root.join(name);
+        std::fs::write(&source, text).unwrap();
+        let warnings = run(Command::new("groff")
+            .args(["-man", "-ww", "-z"])
+            .arg(&source));
+        assert!(
+            warnings.trim().is_empty(),
+            "{name}: groff says:\n{warnings}"
+        );
+    }
+}
+
+/// The unit passes `systemd-analyze verify` in the package's root and is bounded: the
+/// capabilities the agent uses and no others, a read-only file system but for its own
+/// directories, no new privileges. (A real systemd cannot start it here: PID 1 of these
+/// machines is not systemd.)
+#[test]
+fn the_unit_verifies_and_is_hardened() {
+    let test = "the_unit_verifies_and_is_hardened";
+    let Some(deb) = std::env::var_os("LB_DEB") else {
+        return skip(
+            test,
+            "LB_DEB is not set (`cargo xtask test` builds the package)",
+        );
+    };
+    let unit_dir = Path::new("/usr/lib/systemd/system");
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_err()
+        || !unit_dir.join("sysinit.target").exists()
+    {
+        return skip(
+            test,
+            "systemd-analyze or systemd's units are missing (the bootstrap installs systemd)",
+        );
+    }
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root));
+    // The root needs systemd's own units (the targets lb.service orders against) and
+    // the ExecReload= command.
+    for entry in std::fs::read_dir(unit_dir).unwrap().flatten() {
+        let to = root.join("usr/lib/systemd/system").join(entry.file_name());
+        if !to.exists() && entry.path().is_file() {
+            std::fs::copy(entry.path(), to).unwrap();
+        }
+    }
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::copy("/bin/kill", root.join("bin/kill")).unwrap();
+    // Man pages are checked by the test above (the host's `man` does not see this root).
+    let said = run(Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .arg(format!("--root={}", root.display()))
+        .arg("lb.service"));
+    assert!(
+        said.trim().is_empty(),
+        "systemd-analyze verify lb.service says:\n{said}"
+    );
+
+    let unit = std::fs::read_to_string(root.join("usr/lib/systemd/system/lb.service")).unwrap();
+    let value = |key: &str| {
+        unit.lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("lb.service has no {key}="))
+            .to_string()
+    };
+    let wanted = "CAP_BPF CAP_NET_ADMIN CAP_NET_RAW CAP_PERFMON CAP_SYS_ADMIN";
+    for key in ["CapabilityBoundingSet", "AmbientCapabilities"] {
+        let mut caps: Vec<String> = value(key).split_whitespace().map(String::from).collect();
+        caps.sort();
+        assert_eq!(caps.join(" "), wanted, "{key}");
+    }
+    assert_eq!(value("NoNewPrivileges"), "yes");
+    assert_eq!(value("ProtectSystem"), "strict");
+    assert_eq!(value("ProtectHome"), "yes");
+    let writable = value("ReadWritePaths");
+    for path in ["/run/lb", "/sys/fs/bpf"] {
+        assert!(
+            writable.split_whitespace().any(|p| p == path),
+            "ReadWritePaths={writable}"
+        );
+    }
+    // And systemd reads them so: the exposure it computes is far below a bare unit's 9.6.
+    let security = run(Command::new("systemd-analyze")
+        .args(["security", "--offline=yes"])
+        .arg(format!("--root={}", root.display()))
+        .arg("lb.service"));
+    let exposure: f64 = security
+        .lines()
+        .find_map(|l| l.split("Overall exposure level for lb.service: ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no exposure level in:\n{security}"));
+    println!("systemd-analyze security: exposure {exposure}");
+    assert!(exposure < 5.0, "exposure {exposure}:\n{security}");
 }

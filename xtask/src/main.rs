@@ -23,9 +23,23 @@ const BPF_LINKER_VERSION: &str = "0.10.4";
 /// cargo-deb, which `cargo xtask dist` builds the Debian package with: the newest release,
 /// whose rust-version (1.85) the installed stable toolchain meets.
 const CARGO_DEB_VERSION: &str = "3.8.0";
-/// Debian packages the tests and the lab call: ip, ethtool, tcpdump, bpftool, and bird (the
-/// routing daemon of the ECMP/BGP test).
-const APT_PACKAGES: &[&str] = &["iproute2", "ethtool", "tcpdump", "bpftool", "bird2"];
+/// mdBook, which builds the book under docs/ (`cargo xtask test` builds it): the newest
+/// release, whose rust-version (1.88) the installed stable toolchain meets. Without its
+/// default features (the `serve` and `watch` commands' web server and file watcher):
+/// `build` is all that is used, and it installs in half the time.
+const MDBOOK_VERSION: &str = "0.5.4";
+/// Debian packages the tests and the lab call: ip, ethtool, tcpdump, bpftool, bird (the
+/// routing daemon of the ECMP/BGP test), systemd (`systemd-analyze verify` of the unit)
+/// and groff (the man pages checked).
+const APT_PACKAGES: &[&str] = &[
+    "iproute2",
+    "ethtool",
+    "tcpdump",
+    "bpftool",
+    "bird2",
+    "systemd",
+    "groff-base",
+];
 /// Debian packages only the benchmarks use: the load generator and what lb is compared
 /// with (HAProxy) and balances to (nginx).
 const BENCH_APT_PACKAGES: &[&str] = &["wrk", "haproxy", "nginx"];
@@ -50,8 +64,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install what is missing (rust-src for nightly, bpf-linker, cargo-deb, apt packages,
-    /// bpffs).
+    /// Install what is missing (rust-src for nightly, bpf-linker, cargo-deb, mdbook, apt
+    /// packages, bpffs).
     Bootstrap,
     /// Bootstrap, then build the workspace (the eBPF object included).
     Build {
@@ -240,6 +254,7 @@ fn bootstrap(ctx: &Ctx, scope: Scope) -> Result<()> {
     bpf_linker(ctx)?;
     if scope == Scope::All {
         cargo_deb(ctx)?;
+        mdbook(ctx)?;
         apt_packages(ctx)?;
         bpffs(ctx)?;
     }
@@ -318,6 +333,7 @@ fn bpf_linker(ctx: &Ctx) -> Result<()> {
         BPF_LINKER_VERSION,
         ctx.command("bpf-linker").arg("--version"),
         "(0.11+ cannot find libLLVM here), installing (about a minute)",
+        &[],
     )
 }
 
@@ -328,18 +344,37 @@ fn cargo_deb(ctx: &Ctx) -> Result<()> {
         CARGO_DEB_VERSION,
         ctx.cargo().args(["deb", "--version"]),
         "installing (a few minutes)",
+        &[],
     )
 }
 
-/// Installs `name@version` with `cargo install --locked` unless `version_cmd` (which
-/// prints the version) already says `version`. `other`: what to say when another
-/// version is found.
+fn mdbook(ctx: &Ctx) -> Result<()> {
+    cargo_tool(
+        ctx,
+        "mdbook",
+        MDBOOK_VERSION,
+        ctx.command("mdbook").arg("--version"),
+        "installing (a few minutes)",
+        &["--no-default-features", "--features", "search"],
+    )
+}
+
+/// `mdbook build docs`: the book, into docs/book/. Its links are checked by the docs
+/// test (lb-userspace/tests/docs.rs).
+fn book(ctx: &Ctx) -> Result<()> {
+    run_cmd(ctx.command("mdbook").args(["build", "docs"]))
+}
+
+/// Installs `name@version` with `cargo install --locked` (and `install_args`) unless
+/// `version_cmd` (which prints the version, bare or as `vX.Y.Z`) already says `version`.
+/// `other`: what to say when another version is found.
 fn cargo_tool(
     ctx: &Ctx,
     name: &str,
     version: &str,
     version_cmd: &mut Command,
     other: &str,
+    install_args: &[&str],
 ) -> Result<()> {
     let what = format!("{name} {version}");
     let mut found = || -> Option<String> {
@@ -349,7 +384,10 @@ fn cargo_tool(
             .flatten()
             .map(|v| v.trim().to_string())
     };
-    let wanted = |v: &str| v.split_whitespace().any(|w| w == version);
+    let wanted = |v: &str| {
+        v.split_whitespace()
+            .any(|w| w.strip_prefix('v').unwrap_or(w) == version)
+    };
     match found() {
         Some(v) if wanted(&v) => {
             step(&what, "already installed");
@@ -360,7 +398,8 @@ fn cargo_tool(
     }
     run_cmd(
         ctx.cargo()
-            .args(["install", &format!("{name}@{version}"), "--locked"]),
+            .args(["install", &format!("{name}@{version}"), "--locked"])
+            .args(install_args),
     )?;
     match found() {
         Some(v) if wanted(&v) => {
@@ -563,8 +602,10 @@ fn test(ctx: &Ctx, test_args: &[OsString]) -> Result<()> {
         ]);
     }
 
-    // The package of this build, for the test that installs it in a scratch root.
+    // The package of this build, for the test that installs it in a scratch root; the
+    // book, which must build.
     let deb = dist(ctx, false)?;
+    book(ctx)?;
     let mut cmd = ctx.cargo();
     // --no-fail-fast: one failing unit test must not hide what the root tiers found.
     cmd.args(["test", "--workspace", "--no-fail-fast"])

@@ -23,6 +23,9 @@ pub struct AttachHints {
     /// `auto`: why native mode cannot serve here, known before trying (a veth peer
     /// without a program, a driver without native XDP); generic is attached at once.
     pub native_refused: Option<String>,
+    /// `auto`: native mode is known to serve here (`doctor::native_known`): a pinned
+    /// link in generic mode is moved to native rather than adopted as it is.
+    pub native_known: bool,
 }
 
 /// The errno behind an attach error, wherever aya put it.
@@ -114,6 +117,7 @@ mod tests {
             veth_peer: Some("p-lb".into()),
             attached: Some("xdp_filter (id 42, native)".into()),
             native_refused: None,
+            native_known: false,
         }
     }
 

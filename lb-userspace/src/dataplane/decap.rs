@@ -17,7 +17,7 @@ use std::{
 use aya::{
     EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray},
-    programs::{Xdp, links::FdLink},
+    programs::Xdp,
 };
 use lb_common::{
     ADDR_FAMILY_V4, ADDR_FAMILY_V6,
@@ -85,27 +85,7 @@ pub fn attach(
     let link_path = dir.join(pins::LINK_PIN);
     let mut config = open_config(&dir)?;
     // Already attached here: the new program takes the old one's link in one step.
-    let fresh = !link_path.exists() || {
-        let link = pins::open_pinned_link(&link_path)?;
-        match program.attach_to_link(link) {
-            Ok(id) => {
-                // Closing our descriptor leaves the pinned link (and the program) in place.
-                let link = program.take_link(id).map_err(program_error)?;
-                drop(
-                    FdLink::try_from(link).map_err(|source| DataplaneError::Link {
-                        path: link_path.clone(),
-                        source,
-                    })?,
-                );
-                false
-            }
-            // The interface the link was on is gone: attach afresh.
-            Err(_) => {
-                pins::remove_pin(&link_path)?;
-                true
-            }
-        }
-    };
+    let fresh = !pins::replace_pinned(program, PROGRAM, &link_path)?;
     if fresh {
         let (attachment, id) = attach_xdp(program, interface, mode, &AttachHints::default())?;
         pins::pin_link(program.take_link(id).map_err(program_error)?, &link_path)?;
@@ -157,7 +137,7 @@ pub fn status(pin_dir: &Path) -> Result<Vec<DecapStatus>, DataplaneError> {
 
 /// The pin directory of `interface`: one path component, so a name cannot point
 /// elsewhere.
-fn interface_dir(pin_dir: &Path, interface: &str) -> Result<PathBuf, DataplaneError> {
+pub(super) fn interface_dir(pin_dir: &Path, interface: &str) -> Result<PathBuf, DataplaneError> {
     if interface.is_empty() || interface.contains('/') || interface.starts_with('.') {
         return Err(DataplaneError::Pin {
             path: pin_dir.join(interface),

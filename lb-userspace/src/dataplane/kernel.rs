@@ -269,7 +269,20 @@ impl AyaDataplane {
             XdpModeSetting::Native => m == AttachedMode::Native,
             XdpModeSetting::Generic => m == AttachedMode::Generic,
         };
-        if let Some(mode) = self.link_mode.filter(|m| wanted(*m))
+        // Generic because native could not serve when it was attached (a veth's peer
+        // without a program): once native is known to serve, move to it. The kernel
+        // holds one mode at a time, so the interface is without a program for the
+        // moment between the two.
+        let to_native = |m: AttachedMode| {
+            mode == XdpModeSetting::Auto && m == AttachedMode::Generic && hints.native_known
+        };
+        if self.link_mode.is_some_and(to_native) && link_path.exists() {
+            tracing::warn!(
+                "the pinned program runs in generic mode and native mode can serve {interface} \
+                 now: moving it to native (a moment without a program on the interface)"
+            );
+        }
+        if let Some(mode) = self.link_mode.filter(|m| wanted(*m) && !to_native(*m))
             && link_path.exists()
         {
             let link = pins::open_pinned_link(&link_path)?;

@@ -22,6 +22,7 @@ pub mod decap;
 mod kernel;
 #[cfg(test)]
 mod memory;
+pub mod peer;
 mod pins;
 mod slots;
 

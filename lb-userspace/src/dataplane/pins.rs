@@ -174,6 +174,38 @@ pub(super) fn open_pinned_link(path: &Path) -> Result<XdpLink, DataplaneError> {
     })
 }
 
+/// Puts `program` (loaded, named `name` in errors) on the link pinned at `path`, in one
+/// step, leaving the link pinned. False when there is no such link, or its interface is
+/// gone (its pin is then removed): the caller attaches afresh.
+pub(super) fn replace_pinned(
+    program: &mut aya::programs::Xdp,
+    name: &'static str,
+    path: &Path,
+) -> Result<bool, DataplaneError> {
+    if !path.exists() {
+        return Ok(false);
+    }
+    let link = open_pinned_link(path)?;
+    let Ok(id) = program.attach_to_link(link) else {
+        remove_pin(path)?;
+        return Ok(false);
+    };
+    // Closing our descriptor leaves the pinned link (and the program) in place.
+    let link = program
+        .take_link(id)
+        .map_err(|source| DataplaneError::Program {
+            program: name,
+            source,
+        })?;
+    drop(
+        FdLink::try_from(link).map_err(|source| DataplaneError::Link {
+            path: path.to_path_buf(),
+            source,
+        })?,
+    );
+    Ok(true)
+}
+
 /// Pins `link` at `path`, so the program stays attached after this process exits.
 pub(super) fn pin_link(link: XdpLink, path: &Path) -> Result<(), DataplaneError> {
     let fd_link = FdLink::try_from(link).map_err(|source| DataplaneError::Link {

@@ -158,6 +158,18 @@ fn obstacles(facts: &Facts) -> Vec<(String, bool)> {
     found
 }
 
+/// Whether native mode is known to serve here: the driver declares native XDP, nothing
+/// known stands in its way, and on a veth the peer is readable (so it has a program). A
+/// pinned program in generic mode is then moved to native (`auto`).
+pub fn native_known(facts: &Facts) -> bool {
+    let Some(link) = facts.link.as_ref() else {
+        return false;
+    };
+    let declared = link.xdp_features.is_some_and(|f| f.has(XdpFeatures::BASIC));
+    let peer_seen = !is_veth(link) || link.peer.as_ref().is_some_and(|p| p.name.is_some());
+    declared && peer_seen && obstacles(facts).is_empty()
+}
+
 /// Whether the program will run in native mode as far as the facts tell.
 fn native_expected(facts: &Facts) -> bool {
     match facts.xdp_mode {
@@ -860,17 +872,36 @@ fn veth_checksum(link: &Link) -> Finding {
                 tx checksum offload left to the hardware (CHECKSUM_PARTIAL): backends drop such \
                 TCP segments (TcpInCsumErrors). Senders on veths must turn it off: \
                 ethtool -K DEV tx off";
+    // Every frame that reaches this veth is sent by its peer, and a device without tx
+    // checksum offload gets complete checksums: the kernel computes a CHECKSUM_PARTIAL
+    // frame's before it transmits it (validate_xmit_skb). So the peer's offload is the
+    // one that counts, also when it is a bridge port that forwards other senders' frames.
     match &link.peer {
-        Some(peer) if peer.name.is_some() && !peer.enslaved && peer.tx_checksum == Some(false) => {
-            finding(
-                NAME,
-                Level::Ok,
+        Some(peer) if peer.name.is_some() && peer.tx_checksum == Some(false) => {
+            let detail = if peer.enslaved {
+                format!(
+                    "peer {}, the bridge port every frame to {} leaves by, has tx checksum \
+                     offload off: the kernel completes other senders' checksums before it",
+                    peer_name(peer),
+                    link.name
+                )
+            } else {
                 format!(
                     "the only sender, peer {}, has tx checksum offload off",
                     peer_name(peer)
-                ),
-            )
+                )
+            };
+            finding(NAME, Level::Ok, detail)
         }
+        Some(peer) if peer.name.is_some() && peer.tx_checksum.is_none() => finding(
+            NAME,
+            Level::Warn,
+            format!(
+                "cannot read the tx checksum offload of peer {} (another network namespace): \
+                 {note}",
+                peer_name(peer)
+            ),
+        ),
         _ => finding(NAME, Level::Warn, note),
     }
 }

@@ -243,7 +243,7 @@ fn veth_at_1500_with_a_peer_program_passes_with_the_checksum_note() {
         Level::Ok,
         &["p-lb", "xdp_pass (id 7, native)"],
     );
-    // Bridged: other senders' offloads are unknown.
+    // The peer is in another namespace: its offload cannot be read.
     assert_level(
         &report,
         "veth-checksum",
@@ -264,6 +264,37 @@ fn veth_at_1500_with_a_peer_program_passes_with_the_checksum_note() {
     assert!(vlan.detail.contains("ethtool -K eth0 rxvlan off"), "{vlan}");
     assert_level(&report, "lro", Level::Ok, &[]);
     assert_eq!(report.native_refusal(), None);
+}
+
+#[test]
+fn veth_checksum_clears_when_the_peer_bridge_port_has_tx_checksum_off() {
+    // The peer in this namespace, a bridge port, tx checksum offload off (as `ethtool -K
+    // p-lb tx off` leaves it): every frame reaching eth0 leaves by it, checksummed.
+    let text = VETH.replace(
+        "peer: p-lb netns 0 attached 7 xdp_pass native enslaved",
+        "peer: p-lb attached 7 xdp_pass native enslaved tx-checksum off",
+    );
+    let report = checked(&text, Native);
+    assert_level(
+        &report,
+        "veth-checksum",
+        Level::Ok,
+        &["peer p-lb, the bridge port", "tx checksum offload off"],
+    );
+    // On, it warns; unreadable (another namespace), it says so.
+    let on = text.replace("tx-checksum off", "tx-checksum on");
+    assert_level(
+        &checked(&on, Native),
+        "veth-checksum",
+        Level::Warn,
+        &["ethtool -K DEV tx off"],
+    );
+    assert_level(
+        &checked(VETH, Native),
+        "veth-checksum",
+        Level::Warn,
+        &["cannot read the tx checksum offload of peer p-lb (netns id 0)"],
+    );
 }
 
 #[test]

@@ -19,7 +19,7 @@ mod netlink;
 use serde::Serialize;
 
 pub use checks::{
-    Finding, Level, MIN_KERNEL, SINGLE_BUFFER_MTU, check, driver_note, native_refusal,
+    Finding, Level, MIN_KERNEL, SINGLE_BUFFER_MTU, check, driver_note, native_known, native_refusal,
 };
 pub use facts::Facts;
 pub use gather::gather;

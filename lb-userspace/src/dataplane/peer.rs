@@ -1,0 +1,93 @@
+//! `lb peer`: an XDP program that passes every frame (the object `lb-pass`), attached in
+//! native mode to a veth's peer. Native XDP_TX on a veth drops every frame unless the
+//! peer has an XDP program of its own (the kernel's veth driver hands XDP_TX frames to
+//! the peer's XDP receive path, which exists only with a program), so a balancer on a
+//! veth runs native only with one there. The link is pinned under
+//! `<pin dir>/<interface>/link`, so the program stays after the command exits; removing
+//! the pin detaches it.
+
+use std::path::Path;
+
+use aya::{EbpfLoader, programs::Xdp};
+
+use super::{
+    AttachHints, AttachedMode, DataplaneError, decap::interface_dir, kernel::attach_xdp, pins,
+};
+use crate::config::XdpModeSetting;
+
+/// Where `lb peer` pins without `--pin-path`.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/lb-peer";
+/// The program's name in the object.
+pub const PROGRAM: &str = "xdp_pass";
+/// The object, built with the others by the build script.
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-pass"));
+
+/// Attaches the pass program to `interface` in native mode and pins its link, or, when
+/// it is pinned there already, puts the new program on that link in one step. Returns
+/// the mode attached (always native: generic would not serve the peer's purpose).
+pub fn attach(interface: &str, pin_dir: &Path) -> Result<AttachedMode, DataplaneError> {
+    if OBJECT.is_empty() {
+        return Err(DataplaneError::NoObject);
+    }
+    let dir = interface_dir(pin_dir, interface)?;
+    std::fs::create_dir_all(&dir).map_err(|source| DataplaneError::Pin {
+        path: dir.clone(),
+        source,
+    })?;
+    let mut ebpf = EbpfLoader::new().load(OBJECT)?;
+    let program: &mut Xdp = ebpf
+        .program_mut(PROGRAM)
+        .ok_or(program_error(aya::programs::ProgramError::NotLoaded))?
+        .try_into()
+        .map_err(program_error)?;
+    program.load().map_err(program_error)?;
+    let link_path = dir.join(pins::LINK_PIN);
+    if pins::replace_pinned(program, PROGRAM, &link_path)? {
+        return Ok(AttachedMode::Native);
+    }
+    let (attachment, id) = attach_xdp(
+        program,
+        interface,
+        XdpModeSetting::Native,
+        &AttachHints::default(),
+    )?;
+    pins::pin_link(program.take_link(id).map_err(program_error)?, &link_path)?;
+    Ok(attachment.mode)
+}
+
+/// Detaches the program from `interface` and removes its pin. False when it was not
+/// attached there.
+pub fn detach(interface: &str, pin_dir: &Path) -> Result<bool, DataplaneError> {
+    let dir = interface_dir(pin_dir, interface)?;
+    let removed = pins::remove_pins(&dir)?.link;
+    let _ = std::fs::remove_dir(&dir);
+    Ok(removed)
+}
+
+/// The interfaces the program is pinned on in `pin_dir`, by name.
+pub fn attached(pin_dir: &Path) -> Result<Vec<String>, DataplaneError> {
+    let entries = match std::fs::read_dir(pin_dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(DataplaneError::Pin {
+                path: pin_dir.to_path_buf(),
+                source,
+            });
+        }
+    };
+    let mut found: Vec<String> = entries
+        .flatten()
+        .filter(|entry| entry.path().join(pins::LINK_PIN).exists())
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .collect();
+    found.sort();
+    Ok(found)
+}
+
+fn program_error(source: aya::programs::ProgramError) -> DataplaneError {
+    DataplaneError::Program {
+        program: PROGRAM,
+        source,
+    }
+}
