@@ -166,7 +166,8 @@ fn toml_blocks(markdown: &str) -> Vec<String> {
 }
 
 /// Tables and keys a reference block names, commented out or not: `[a.b]` and
-/// `[[a.b]]` headers (also after `# `), and `key = ...` lines under them.
+/// `[[a.b]]` headers (also after `# `), `key = ...` lines under them, and a comment
+/// saying a table has "the keys of [x.y]" (a table of the same type, listed before).
 fn documented(blocks: &[String]) -> BTreeMap<String, BTreeSet<String>> {
     let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     out.entry(String::new()).or_default();
@@ -175,6 +176,12 @@ fn documented(blocks: &[String]) -> BTreeMap<String, BTreeSet<String>> {
         for line in block.lines() {
             let line = line.trim_start();
             let line = line.strip_prefix('#').unwrap_or(line).trim_start();
+            if let Some(same) = line.split("the keys of [").nth(1) {
+                let other = &same[..same.find(']').expect("a closed table name")];
+                let keys = out.get(other).cloned().unwrap_or_default();
+                out.entry(table.clone()).or_default().extend(keys);
+                continue;
+            }
             if let Some(header) = line.strip_prefix('[') {
                 let name = header.trim_start_matches('[');
                 let name = &name[..name.find(']').expect("a closed header")];
