@@ -328,3 +328,49 @@ fn the_unit_verifies_and_is_hardened() {
     println!("systemd-analyze security: exposure {exposure}");
     assert!(exposure < 5.0, "exposure {exposure}:\n{security}");
 }
+
+/// The package's XDP_PASS object loads with iproute2 (libbpf), not only with aya: in a
+/// namespace of this test, on a veth, in native mode.
+#[test]
+fn the_peer_object_loads_with_iproute2() {
+    let test = "the_peer_object_loads_with_iproute2";
+    let Some(deb) = std::env::var_os("LB_DEB") else {
+        return skip(
+            test,
+            "LB_DEB is not set (`cargo xtask test` builds the package)",
+        );
+    };
+    if !nix::unistd::geteuid().is_root() {
+        return skip(test, "needs root (a network namespace, XDP)");
+    }
+    let root = tempfile::tempdir().unwrap();
+    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root.path()));
+    let object = root.path().join("usr/lib/lb/xdp-pass.o");
+    assert!(object.is_file(), "no /usr/lib/lb/xdp-pass.o in the package");
+    let ns = lb_tests::Netns::new("peer-obj").expect("a namespace");
+    let ip = |args: &[&str]| {
+        ns.exec("ip", args)
+            .unwrap_or_else(|e| panic!("ip {args:?}: {e:#}"))
+    };
+    ip(&[
+        "link", "add", "name", "va", "type", "veth", "peer", "name", "vb",
+    ]);
+    ip(&["link", "set", "va", "up"]);
+    ip(&["link", "set", "vb", "up"]);
+    ip(&[
+        "link",
+        "set",
+        "dev",
+        "va",
+        "xdpdrv",
+        "obj",
+        object.to_str().unwrap(),
+        "sec",
+        "xdp.frags",
+    ]);
+    let shown = ip(&["-d", "link", "show", "va"]);
+    assert!(
+        shown.contains("prog/xdp") && shown.contains("name xdp_pass"),
+        "not attached:\n{shown}"
+    );
+}

@@ -1,12 +1,14 @@
-//! `lb-gen-docs DIR`: writes the man pages and the shell completions for the Debian
-//! package (`cargo xtask dist`):
+//! `lb-gen-docs DIR`: writes the man pages, the shell completions and the peer's XDP
+//! object for the Debian package (`cargo xtask dist`):
 //! - `DIR/man/lb.1`, `lb-run.1`, ...: one per command, generated from the `lb` command
 //!   line itself;
 //! - `DIR/man/lb.8`: the administrator's page (what lb is, its files, exit codes,
 //!   examples), written by hand in `scripts/man/lb.8`;
 //! - `DIR/man/lb.toml.5`: the configuration file, generated from the book's configuration
 //!   reference (`docs/src/configuration.md`), so the two never differ;
-//! - `DIR/completions/lb.bash`, `_lb`, `lb.fish`.
+//! - `DIR/completions/lb.bash`, `_lb`, `lb.fish`;
+//! - `DIR/lib/xdp-pass.o`: the veth peer's XDP_PASS object (`lb peer attach` embeds the
+//!   same), for iproute2: `ip link set dev PEER xdpdrv obj xdp-pass.o sec xdp.frags`.
 
 use std::path::PathBuf;
 
@@ -42,6 +44,13 @@ fn main() -> anyhow::Result<()> {
         clap_complete::generate_to(shell, &mut command.clone(), "lb", &completions)
             .with_context(|| format!("writing {shell} completions"))?;
     }
+    let lib = dir.join("lib");
+    std::fs::create_dir_all(&lib).with_context(|| format!("creating {}", lib.display()))?;
+    std::fs::write(
+        lib.join("xdp-pass.o"),
+        lb_userspace::dataplane::peer::OBJECT,
+    )
+    .context("writing xdp-pass.o")?;
     println!("{}", dir.display());
     Ok(())
 }
