@@ -266,6 +266,32 @@ fn the_documented_configurations_pass_the_checks() {
     Config::from_toml(&example).unwrap_or_else(|e| panic!("scripts/lb.toml: {e}"));
 }
 
+/// The example file names every kind of health check the parser knows (asked of the
+/// parser: an unknown kind is refused with the list).
+#[test]
+fn the_example_file_lists_every_health_check_kind() {
+    let text = MINIMAL.replace(r#"kind = "tcp""#, r#"kind = "zz_no_kind""#);
+    let error = toml::from_str::<Config>(&text).expect_err("an unknown kind is refused");
+    let error = error.to_string();
+    let kinds: Vec<&str> = error
+        .split("unknown variant `zz_no_kind`, expected ")
+        .nth(1)
+        .and_then(|rest| rest.lines().next())
+        .unwrap_or_else(|| panic!("no list of kinds in: {error}"))
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .collect();
+    assert!(kinds.contains(&"dns"), "{kinds:?}");
+    let example = read(&workspace().join("scripts/lb.toml"));
+    for kind in kinds {
+        assert!(
+            example.contains(&format!("\"{kind}\"")),
+            "scripts/lb.toml does not list the health check kind {kind:?}"
+        );
+    }
+}
+
 /// Every Markdown file of the book, and the README.
 fn markdown_files() -> Vec<PathBuf> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
