@@ -22,19 +22,28 @@ fn run(command: &mut Command) -> String {
     text
 }
 
-#[test]
-fn the_package_installs_and_runs_from_a_clean_root() {
-    let test = "the_package_installs_and_runs_from_a_clean_root";
+/// The package (`LB_DEB`) unpacked into a scratch root, or None after saying why the
+/// test cannot run.
+fn unpacked(test: &str) -> Option<(PathBuf, tempfile::TempDir)> {
     let Some(deb) = std::env::var_os("LB_DEB") else {
-        return skip(
+        skip(
             test,
             "LB_DEB is not set (`cargo xtask test` builds the package)",
         );
+        return None;
     };
     let root = tempfile::tempdir().unwrap();
+    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root.path()));
+    Some((PathBuf::from(deb), root))
+}
+
+#[test]
+fn the_package_installs_and_runs_from_a_clean_root() {
+    let test = "the_package_installs_and_runs_from_a_clean_root";
+    let Some((deb, root)) = unpacked(test) else {
+        return;
+    };
     let root = root.path();
-    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root));
-    let deb = PathBuf::from(deb);
 
     let lb = root.join("usr/bin/lb");
     let help = run(Command::new(&lb).arg("--help"));
@@ -116,11 +125,8 @@ fn the_package_installs_and_runs_from_a_clean_root() {
 #[test]
 fn the_package_has_a_maintainer_a_changelog_and_maintainer_scripts() {
     let test = "the_package_has_a_maintainer_a_changelog_and_maintainer_scripts";
-    let Some(deb) = std::env::var_os("LB_DEB") else {
-        return skip(
-            test,
-            "LB_DEB is not set (`cargo xtask test` builds the package)",
-        );
+    let Some((deb, root)) = unpacked(test) else {
+        return;
     };
     let field = |name: &str| {
         run(Command::new("dpkg-deb").arg("-f").arg(&deb).arg(name))
@@ -137,9 +143,7 @@ fn the_package_has_a_maintainer_a_changelog_and_maintainer_scripts() {
         "Maintainer: {maintainer}"
     );
 
-    let root = tempfile::tempdir().unwrap();
     let root = root.path();
-    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root));
     let changelog =
         run(Command::new("zcat").arg(root.join("usr/share/doc/lb/changelog.Debian.gz")));
     let version = field("Version");
@@ -195,15 +199,10 @@ fn the_package_has_a_maintainer_a_changelog_and_maintainer_scripts() {
 #[test]
 fn the_man_pages_document_the_service_and_the_file() {
     let test = "the_man_pages_document_the_service_and_the_file";
-    let Some(deb) = std::env::var_os("LB_DEB") else {
-        return skip(
-            test,
-            "LB_DEB is not set (`cargo xtask test` builds the package)",
-        );
+    let Some((_, root)) = unpacked(test) else {
+        return;
     };
-    let root = tempfile::tempdir().unwrap();
     let root = root.path();
-    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root));
     let page = |path: &str| run(Command::new("zcat").arg(root.join(path)));
     let lb8 = page("usr/share/man/man8/lb.8.gz");
     for section in [
@@ -250,11 +249,8 @@ fn the_man_pages_document_the_service_and_the_file() {
 #[test]
 fn the_unit_verifies_and_is_hardened() {
     let test = "the_unit_verifies_and_is_hardened";
-    let Some(deb) = std::env::var_os("LB_DEB") else {
-        return skip(
-            test,
-            "LB_DEB is not set (`cargo xtask test` builds the package)",
-        );
+    let Some((_, root)) = unpacked(test) else {
+        return;
     };
     let unit_dir = Path::new("/usr/lib/systemd/system");
     if Command::new("systemd-analyze")
@@ -268,9 +264,7 @@ fn the_unit_verifies_and_is_hardened() {
             "systemd-analyze or systemd's units are missing (the bootstrap installs systemd)",
         );
     }
-    let root = tempfile::tempdir().unwrap();
     let root = root.path();
-    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root));
     // The root needs systemd's own units (the targets lb.service orders against) and
     // the ExecReload= command.
     for entry in std::fs::read_dir(unit_dir).unwrap().flatten() {
@@ -334,17 +328,12 @@ fn the_unit_verifies_and_is_hardened() {
 #[test]
 fn the_peer_object_loads_with_iproute2() {
     let test = "the_peer_object_loads_with_iproute2";
-    let Some(deb) = std::env::var_os("LB_DEB") else {
-        return skip(
-            test,
-            "LB_DEB is not set (`cargo xtask test` builds the package)",
-        );
+    let Some((_, root)) = unpacked(test) else {
+        return;
     };
     if !nix::unistd::geteuid().is_root() {
         return skip(test, "needs root (a network namespace, XDP)");
     }
-    let root = tempfile::tempdir().unwrap();
-    run(Command::new("dpkg").arg("-x").arg(&deb).arg(root.path()));
     let object = root.path().join("usr/lib/lb/xdp-pass.o");
     assert!(object.is_file(), "no /usr/lib/lb/xdp-pass.o in the package");
     let ns = lb_tests::Netns::new("peer-obj").expect("a namespace");

@@ -9,7 +9,7 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lb_tests::router::PinDir;
 use lb_tests::{
@@ -30,18 +30,9 @@ fn dataplane_field(agent: &Agent, field: &str) -> String {
 
 /// Waits until the VIP's three backends are up (checked backends start down).
 fn wait_all_up(agent: &Agent) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let status = agent.status_json().expect("lb status --json");
-        let up = status["vips"][0]["backends"]
-            .as_array()
-            .map_or(0, |b| b.iter().filter(|b| b["health"] == "up").count());
-        if up == 3 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "backends not up: {status}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let (view, _) = lb_tests::wait_backends_up(agent, "web", Duration::from_secs(10), &|| false)
+        .expect("lb status --json");
+    assert_eq!(view.up(), 3, "backends not up: {view:?}");
 }
 
 /// `lb peer ARGS` in the switch namespace, where the balancer's port is.

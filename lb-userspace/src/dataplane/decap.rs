@@ -66,22 +66,13 @@ pub fn attach(
     if object.is_empty() {
         return Err(DataplaneError::NoObject);
     }
-    let dir = interface_dir(pin_dir, interface)?;
-    std::fs::create_dir_all(&dir).map_err(|source| DataplaneError::Pin {
-        path: dir.clone(),
-        source,
-    })?;
+    let dir = created_interface_dir(pin_dir, interface)?;
     let mut loader = EbpfLoader::new();
     for name in MAPS {
         loader.map_pin_path(name, dir.join(name));
     }
     let mut ebpf = loader.load(object)?;
-    let program: &mut Xdp = ebpf
-        .program_mut(PROGRAM)
-        .ok_or(program_error(aya::programs::ProgramError::NotLoaded))?
-        .try_into()
-        .map_err(program_error)?;
-    program.load().map_err(program_error)?;
+    let program = loaded_xdp(&mut ebpf, PROGRAM)?;
     let link_path = dir.join(pins::LINK_PIN);
     let mut config = open_config(&dir)?;
     // Already attached here: the new program takes the old one's link in one step.
@@ -133,6 +124,37 @@ pub fn status(pin_dir: &Path) -> Result<Vec<DecapStatus>, DataplaneError> {
     }
     found.sort_by(|a, b| a.interface.cmp(&b.interface));
     Ok(found)
+}
+
+/// `interface_dir`, created if missing.
+pub(super) fn created_interface_dir(
+    pin_dir: &Path,
+    interface: &str,
+) -> Result<PathBuf, DataplaneError> {
+    let dir = interface_dir(pin_dir, interface)?;
+    std::fs::create_dir_all(&dir).map_err(|source| DataplaneError::Pin {
+        path: dir.clone(),
+        source,
+    })?;
+    Ok(dir)
+}
+
+/// The XDP program `name` of `ebpf`, loaded into the kernel.
+pub(super) fn loaded_xdp<'a>(
+    ebpf: &'a mut aya::Ebpf,
+    name: &'static str,
+) -> Result<&'a mut Xdp, DataplaneError> {
+    let error = |source| DataplaneError::Program {
+        program: name,
+        source,
+    };
+    let program: &mut Xdp = ebpf
+        .program_mut(name)
+        .ok_or(error(aya::programs::ProgramError::NotLoaded))?
+        .try_into()
+        .map_err(error)?;
+    program.load().map_err(error)?;
+    Ok(program)
 }
 
 /// The pin directory of `interface`: one path component, so a name cannot point

@@ -8,10 +8,13 @@
 
 use std::path::Path;
 
-use aya::{EbpfLoader, programs::Xdp};
+use aya::EbpfLoader;
 
 use super::{
-    AttachHints, AttachedMode, DataplaneError, decap::interface_dir, kernel::attach_xdp, pins,
+    AttachHints, AttachedMode, DataplaneError,
+    decap::{created_interface_dir, interface_dir, loaded_xdp},
+    kernel::attach_xdp,
+    pins,
 };
 use crate::config::XdpModeSetting;
 
@@ -29,18 +32,9 @@ pub fn attach(interface: &str, pin_dir: &Path) -> Result<AttachedMode, Dataplane
     if OBJECT.is_empty() {
         return Err(DataplaneError::NoObject);
     }
-    let dir = interface_dir(pin_dir, interface)?;
-    std::fs::create_dir_all(&dir).map_err(|source| DataplaneError::Pin {
-        path: dir.clone(),
-        source,
-    })?;
+    let dir = created_interface_dir(pin_dir, interface)?;
     let mut ebpf = EbpfLoader::new().load(OBJECT)?;
-    let program: &mut Xdp = ebpf
-        .program_mut(PROGRAM)
-        .ok_or(program_error(aya::programs::ProgramError::NotLoaded))?
-        .try_into()
-        .map_err(program_error)?;
-    program.load().map_err(program_error)?;
+    let program = loaded_xdp(&mut ebpf, PROGRAM)?;
     let link_path = dir.join(pins::LINK_PIN);
     if pins::replace_pinned(program, PROGRAM, &link_path)? {
         return Ok(AttachedMode::Native);
