@@ -58,27 +58,6 @@ pub fn detach(interface: &str, pin_dir: &Path) -> Result<bool, DataplaneError> {
     Ok(removed)
 }
 
-/// The interfaces the program is pinned on in `pin_dir`, by name.
-pub fn attached(pin_dir: &Path) -> Result<Vec<String>, DataplaneError> {
-    let entries = match std::fs::read_dir(pin_dir) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(source) => {
-            return Err(DataplaneError::Pin {
-                path: pin_dir.to_path_buf(),
-                source,
-            });
-        }
-    };
-    let mut found: Vec<String> = entries
-        .flatten()
-        .filter(|entry| entry.path().join(pins::LINK_PIN).exists())
-        .map(|entry| entry.file_name().to_string_lossy().into_owned())
-        .collect();
-    found.sort();
-    Ok(found)
-}
-
 fn program_error(source: aya::programs::ProgramError) -> DataplaneError {
     DataplaneError::Program {
         program: PROGRAM,
