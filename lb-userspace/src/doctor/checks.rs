@@ -860,8 +860,9 @@ fn veth_peer(facts: &Facts, link: &Link) -> Finding {
         NAME,
         format!("its veth peer {name} has no XDP program, so native XDP_TX would drop every frame"),
         &format!(
-            "attach one to {} (any XDP_PASS program, native mode)",
-            peer.name.as_deref().unwrap_or("the peer")
+            "attach one to {peer} (any XDP_PASS program, native mode: `lb peer attach {peer}`, \
+             in the peer's namespace)",
+            peer = peer.name.as_deref().unwrap_or("the peer")
         ),
     )
 }
