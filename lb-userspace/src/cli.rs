@@ -137,8 +137,8 @@ pub enum Command {
     Peer(PeerCommand),
     /// Show VIPs, backends, health and counters of the running agent.
     Status {
-        /// Print the status as JSON (the control API's `GET /status`; fields in the
-        /// README).
+        /// Print the status as JSON (the control API's `GET /status`; its fields are
+        /// listed in the manual's "Seeing what happens").
         #[arg(long)]
         json: bool,
         #[command(flatten)]

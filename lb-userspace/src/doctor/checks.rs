@@ -482,7 +482,7 @@ fn native_xdp(facts: &Facts, link: &Link) -> Finding {
             facts,
             "native-xdp",
             format!("the {driver} driver has no native XDP"),
-            "use a NIC whose driver has it (see README, Running on a real NIC)",
+            "use a NIC whose driver has it (see the manual's \"Running on a real NIC\")",
         ),
         None if NATIVE_DRIVERS.contains(&driver) => finding(
             "native-xdp",
