@@ -32,6 +32,10 @@ use super::{
 };
 use crate::config::XdpModeSetting;
 
+/// How long a link whose pin was removed may take to leave its interface before an
+/// attach in its place gives up (the kernel frees a released link deferred).
+const LINK_RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The real data path: the program loaded into the kernel and its maps.
 pub struct AyaDataplane {
     // Dropping `Ebpf` detaches the program and frees the maps; keep it for our lifetime.
@@ -281,6 +285,7 @@ impl AyaDataplane {
                 "the pinned program runs in generic mode and native mode can serve {interface} \
                  now: moving it to native (a moment without a program on the interface)"
             );
+            return self.move_to_native(interface, &link_path, hints);
         }
         if let Some(mode) = self.link_mode.filter(|m| wanted(*m) && !to_native(*m))
             && link_path.exists()
@@ -309,8 +314,74 @@ impl AyaDataplane {
         link_path: &Path,
         hints: &AttachHints,
     ) -> Result<Attachment, DataplaneError> {
+        let (attachment, id) = if pins::remove_pin(link_path)? {
+            self.attach_link_when_free(interface, mode, hints)?
+        } else {
+            self.attach_link(interface, mode, hints)?
+        };
+        self.pin_attached(id, link_path, attachment)
+    }
+
+    /// Replaces the generic link pinned at `link_path` with a native one; should native
+    /// be refused after all, attaches generic again and says why.
+    fn move_to_native(
+        &mut self,
+        interface: &str,
+        link_path: &Path,
+        hints: &AttachHints,
+    ) -> Result<Attachment, DataplaneError> {
         pins::remove_pin(link_path)?;
-        let (attachment, id) = self.attach_link(interface, mode, hints)?;
+        let removed = std::time::Instant::now();
+        let native = self.attach_link_when_free(interface, XdpModeSetting::Native, hints);
+        let (attachment, id) = match native {
+            Ok(attached) => {
+                tracing::info!(
+                    "{interface}: native mode attached {:.1?} after the generic link was removed",
+                    removed.elapsed()
+                );
+                attached
+            }
+            Err(refused) => {
+                tracing::warn!("native mode refused after all ({refused}): generic again");
+                let (mut attachment, id) =
+                    self.attach_link_when_free(interface, XdpModeSetting::Generic, hints)?;
+                attachment.native_refused = Some(refused.to_string());
+                (attachment, id)
+            }
+        };
+        self.pin_attached(id, link_path, attachment)
+    }
+
+    /// `attach_link`, retried while the interface still holds a program (EBUSY, EEXIST)
+    /// for up to [`LINK_RELEASE_WAIT`]: a link whose last pin was just removed leaves the
+    /// interface when the kernel frees it, a moment later (deferred), not at once.
+    fn attach_link_when_free(
+        &mut self,
+        interface: &str,
+        mode: XdpModeSetting,
+        hints: &AttachHints,
+    ) -> Result<(Attachment, XdpLinkId), DataplaneError> {
+        let deadline = std::time::Instant::now() + LINK_RELEASE_WAIT;
+        loop {
+            match self.attach_link(interface, mode, hints) {
+                Err(DataplaneError::Attach { source, .. })
+                    if matches!(attach::errno(&source), Some(libc::EBUSY | libc::EEXIST))
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                attached => return attached,
+            }
+        }
+    }
+
+    /// Pins the new link `id` at `link_path` and records the mode attached.
+    fn pin_attached(
+        &mut self,
+        id: XdpLinkId,
+        link_path: &Path,
+        attachment: Attachment,
+    ) -> Result<Attachment, DataplaneError> {
         let link = program(&mut self.ebpf)?
             .take_link(id)
             .map_err(lb_xdp_error)?;
