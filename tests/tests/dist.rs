@@ -29,6 +29,9 @@ fn the_package_installs_and_runs_from_a_clean_root() {
             "LB_DEB is not set (`cargo xtask test` builds the package)",
         );
     };
+    if !lb_tests::host::require_tool(test, lb_tests::host::ZCAT) {
+        return;
+    }
     let root = tempfile::tempdir().unwrap();
     let root = root.path();
     run(Command::new("dpkg").arg("-x").arg(&deb).arg(root));

@@ -1860,7 +1860,8 @@ fn new_flows_are_counted_per_client_source() {
 
 #[test]
 fn the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate() {
-    if !can_run("the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate") {
+    let test = "the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate";
+    if !can_run(test) || !lb_tests::host::require_tool(test, lb_tests::host::TCPDUMP) {
         return;
     }
     // One CPU, so the per-CPU rate limit sees every packet.

@@ -348,9 +348,13 @@ fn dashboard_metrics(dashboard: &serde_json::Value) -> std::collections::BTreeSe
 
 #[test]
 fn top_redraws_under_a_pseudo_terminal() {
-    let Some(bin) = require_e2e("top_redraws_under_a_pseudo_terminal") else {
+    let test = "top_redraws_under_a_pseudo_terminal";
+    let Some(bin) = require_e2e(test) else {
         return;
     };
+    if !lb_tests::host::require_tool(test, lb_tests::host::SCRIPT) {
+        return;
+    }
     let lab = lab_with(&bin, |lab| {
         vec![lab.vip("web", false, 80, Protocol::Tcp, lb_tests::Health::None)]
     });
