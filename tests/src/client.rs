@@ -32,10 +32,14 @@ pub fn tcp_request(ns: &Netns, addr: SocketAddr, timeout: Duration) -> io::Resul
 
 /// [`tcp_request`] from the calling thread's namespace.
 pub fn tcp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<String> {
-    let stream = TcpStream::connect_timeout(&addr, timeout)?;
+    greeting(&TcpStream::connect_timeout(&addr, timeout)?, timeout)
+}
+
+/// The first line `stream` receives (the backend's name), within `timeout`.
+fn greeting(stream: &TcpStream, timeout: Duration) -> io::Result<String> {
     stream.set_read_timeout(Some(timeout))?;
     let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line)?;
+    BufReader::new(stream).read_line(&mut line)?;
     if !line.ends_with('\n') {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
@@ -55,16 +59,7 @@ pub fn tcp_request_retransmits(
 ) -> io::Result<(String, u32)> {
     in_ns(ns, || {
         let stream = TcpStream::connect_timeout(&addr, timeout)?;
-        stream.set_read_timeout(Some(timeout))?;
-        let mut line = String::new();
-        BufReader::new(&stream).read_line(&mut line)?;
-        if !line.ends_with('\n') {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("connection closed after {line:?}"),
-            ));
-        }
-        Ok((line.trim_end().to_string(), retransmits(&stream)?))
+        Ok((greeting(&stream, timeout)?, retransmits(&stream)?))
     })
 }
 

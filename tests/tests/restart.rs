@@ -244,15 +244,8 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
     let pins = PinDir::new(&format!("layout-{}", std::process::id())).expect("pin directory");
     let options = |table_size| LoadOptions {
         maglev_table_size: table_size,
-        vip_capacity: 16,
-        iface_mac: [2, 0, 0, 0, 0, 1],
-        conntrack_entries: 1024,
-        flow_idle: Duration::from_secs(30),
-        conntrack_insert_limit: 0,
-        capture_rate: 0,
-        source_sample: 1,
         ifindex: 0,
-        cluster_export: false,
+        ..small_load_options()
     };
     let key = lb_common::FlowKey::between(
         "10.0.0.1:40000".parse().unwrap(),
@@ -348,18 +341,7 @@ fn every_incompatible_pin_is_refused_with_its_reason_and_replaced() {
     if require_e2e(test).is_none() {
         return;
     }
-    let base = LoadOptions {
-        maglev_table_size: 251,
-        vip_capacity: 16,
-        iface_mac: [2, 0, 0, 0, 0, 1],
-        conntrack_entries: 1024,
-        flow_idle: Duration::from_secs(30),
-        conntrack_insert_limit: 0,
-        capture_rate: 0,
-        source_sample: 1,
-        ifindex: 1,
-        cluster_export: false,
-    };
+    let base = small_load_options();
     let key = lb_common::FlowKey::between(
         "10.0.0.1:40000".parse().unwrap(),
         "10.0.0.100:80".parse().unwrap(),
@@ -469,4 +451,21 @@ fn every_incompatible_pin_is_refused_with_its_reason_and_replaced() {
 fn meta_array_of(dir: &Path) -> aya::maps::Array<aya::maps::MapData, u64> {
     let map = aya::maps::MapData::from_pin(dir.join(lb_common::MAP_META)).expect("LB_META");
     aya::maps::Array::try_from(aya::maps::Map::Array(map)).expect("LB_META is an array")
+}
+
+/// A small data path, for the tests that load it directly: a 251-slot table, 16 VIPs,
+/// 1024 connection-table entries, recorded for interface index 1.
+fn small_load_options() -> lb_userspace::dataplane::LoadOptions {
+    lb_userspace::dataplane::LoadOptions {
+        maglev_table_size: 251,
+        vip_capacity: 16,
+        iface_mac: [2, 0, 0, 0, 0, 1],
+        conntrack_entries: 1024,
+        flow_idle: Duration::from_secs(30),
+        conntrack_insert_limit: 0,
+        capture_rate: 0,
+        source_sample: 1,
+        ifindex: 1,
+        cluster_export: false,
+    }
 }
