@@ -1068,72 +1068,121 @@ fn explain_flow(fixture: &Fixture, request: &ExplainRequest) -> explain::Explana
 #[test]
 fn kernel_and_explain_agree_on_random_flows() {
     with_fixture("kernel_and_explain_agree_on_random_flows", |fixture| {
-        let vip: VipTarget = "10.0.0.100:8080/tcp".parse().unwrap();
-        let mut seen = std::collections::HashSet::new();
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        for i in 0..500 {
-            // xorshift: reproducible pseudo-random flows without a dependency.
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
+        agree_on_random_flows(fixture, "three", false);
+    });
+}
+
+/// The same over IPv6: VIP "three6" (fd00::100 port 8080, three backends).
+#[test]
+fn kernel_and_explain_agree_on_random_ipv6_flows() {
+    let test = "kernel_and_explain_agree_on_random_ipv6_flows";
+    if !can_run(test) {
+        return;
+    }
+    let mut fixture = fixture(&format!("{CONFIG}{THREE6}"));
+    agree_on_random_flows(&mut fixture, "three6", true);
+}
+
+const THREE6: &str = r#"
+[[vip]]
+name = "three6"
+address = "fd00::100"
+port = 8080
+protocol = "tcp"
+[vip.health]
+kind = "none"
+[[vip.backend]]
+address = "fd00::21"
+mac = "02:00:00:00:00:15"
+[[vip.backend]]
+address = "fd00::22"
+mac = "02:00:00:00:00:16"
+[[vip.backend]]
+address = "fd00::23"
+mac = "02:00:00:00:00:17"
+"#;
+
+/// 500 pseudo-random flows to port 8080 of VIP `name` (three backends), half starting
+/// with a SYN, half mid-connection: the kernel sends each where `lb explain` said the
+/// table would, and the embryonic table then remembers it there.
+fn agree_on_random_flows(fixture: &mut Fixture, name: &str, v6: bool) {
+    let vip: VipTarget = if v6 {
+        "[fd00::100]:8080/tcp"
+    } else {
+        "10.0.0.100:8080/tcp"
+    }
+    .parse()
+    .unwrap();
+    let mut seen = std::collections::HashSet::new();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for i in 0..500 {
+        // xorshift: reproducible pseudo-random flows without a dependency.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let port = (state >> 32) as u16 | 1024;
+        // Half the flows start with a SYN, half mid-connection (no entry yet).
+        let flags = if i % 2 == 0 { TCP_SYN } else { TCP_ACK };
+        let l4 = L4::Tcp {
+            src: port,
+            dst: 8080,
+            flags,
+        };
+        let (source, frame) = if v6 {
+            let mut src = "fd00::".parse::<std::net::Ipv6Addr>().unwrap().octets();
+            src[8..16].copy_from_slice(&state.to_be_bytes());
+            let mut frame = ipv6(vip6(), l4);
+            frame[14 + 8..14 + 24].copy_from_slice(&src);
+            (std::net::SocketAddr::from((src, port)), frame)
+        } else {
             let src = [
                 10,
                 (state >> 8) as u8,
                 (state >> 16) as u8,
                 (state >> 24) as u8,
             ];
-            let port = (state >> 32) as u16 | 1024;
-            let source = std::net::SocketAddr::from((src, port));
-            let request = ExplainRequest { vip, source };
-            let before = explain_flow(fixture, &request);
-            // Half the flows start with a SYN, half mid-connection (no entry yet).
-            let flags = if i % 2 == 0 { TCP_SYN } else { TCP_ACK };
-            let mut frame = ipv4(
-                VIP,
-                L4::Tcp {
-                    src: port,
-                    dst: 8080,
-                    flags,
-                },
-            );
+            let mut frame = ipv4(VIP, l4);
             frame[14 + 12..14 + 16].copy_from_slice(&src);
-            let result = run(fixture, &frame);
-            assert_eq!(result.action, XDP_TX);
-            let predicted = before.table_backend.expect("three backends");
-            let mac_of = |address: &str| {
-                let vip = fixture
-                    .model
-                    .vips
-                    .iter()
-                    .find(|v| v.config.name == "three")
-                    .unwrap();
-                vip.backends
-                    .iter()
-                    .find(|b| b.config.address.to_string() == address)
-                    .unwrap()
-                    .mac
-                    .unwrap()
-                    .0
-            };
-            assert_eq!(
-                result.output[0..6],
-                mac_of(&predicted),
-                "{source}: kernel and explain disagree"
-            );
-            // A first packet makes no entry: the embryonic table remembers it, and the
-            // next packet goes there.
-            let after = explain_flow(fixture, &request);
-            assert_eq!(after.conntrack_backend, None, "{source}: entry");
-            assert_eq!(
-                after.embryonic_backend.as_deref(),
-                Some(predicted.as_str()),
-                "{source}: remembered"
-            );
-            assert_eq!(after.next_packet_backend, after.embryonic_backend);
-            seen.insert(predicted);
-        }
-        assert_eq!(seen.len(), 3, "500 flows should reach all three backends");
-    });
+            (std::net::SocketAddr::from((src, port)), frame)
+        };
+        let request = ExplainRequest { vip, source };
+        let before = explain_flow(fixture, &request);
+        let result = run(fixture, &frame);
+        assert_eq!(result.action, XDP_TX);
+        let predicted = before.table_backend.expect("three backends");
+        let mac_of = |address: &str| {
+            let vip = fixture
+                .model
+                .vips
+                .iter()
+                .find(|v| v.config.name == name)
+                .unwrap();
+            vip.backends
+                .iter()
+                .find(|b| b.config.address.to_string() == address)
+                .unwrap()
+                .mac
+                .unwrap()
+                .0
+        };
+        assert_eq!(
+            result.output[0..6],
+            mac_of(&predicted),
+            "{source}: kernel and explain disagree"
+        );
+        // A first packet makes no entry: the embryonic table remembers it, and the
+        // next packet goes there.
+        let after = explain_flow(fixture, &request);
+        assert_eq!(after.conntrack_backend, None, "{source}: entry");
+        assert_eq!(
+            after.embryonic_backend.as_deref(),
+            Some(predicted.as_str()),
+            "{source}: remembered"
+        );
+        assert_eq!(after.next_packet_backend, after.embryonic_backend);
+        seen.insert(predicted);
+    }
+    assert_eq!(seen.len(), 3, "500 flows should reach all three backends");
 }
 
 /// The kernel and `lb explain` send the next packet of many flows to the same backend
