@@ -247,16 +247,7 @@ fn pinned_maps_are_adopted_when_compatible_and_replaced_otherwise() {
         ifindex: 0,
         ..small_load_options()
     };
-    let key = lb_common::FlowKey::between(
-        "10.0.0.1:40000".parse().unwrap(),
-        "10.0.0.100:80".parse().unwrap(),
-        lb_common::PROTO_TCP,
-    );
-    let entry = lb_common::FlowEntry {
-        backend_id: 7,
-        flags: 0,
-        last_seen_ns: 1,
-    };
+    let (key, entry) = sample_flow();
     let object = lb_userspace::EBPF_OBJECT;
 
     let (mut first, found) = AyaDataplane::load_pinned(object, options(251), pins.path()).unwrap();
@@ -342,16 +333,7 @@ fn every_incompatible_pin_is_refused_with_its_reason_and_replaced() {
         return;
     }
     let base = small_load_options();
-    let key = lb_common::FlowKey::between(
-        "10.0.0.1:40000".parse().unwrap(),
-        "10.0.0.100:80".parse().unwrap(),
-        lb_common::PROTO_TCP,
-    );
-    let entry = lb_common::FlowEntry {
-        backend_id: 7,
-        flags: 0,
-        last_seen_ns: 1,
-    };
+    let (key, entry) = sample_flow();
     let object = lb_userspace::EBPF_OBJECT;
     // (what differs, how the pins are changed after the first agent, the second agent's
     // options, the reason expected at its start)
@@ -468,4 +450,19 @@ fn small_load_options() -> lb_userspace::dataplane::LoadOptions {
         ifindex: 1,
         cluster_export: false,
     }
+}
+
+/// A connection-table entry to write before a restart and look for after it.
+fn sample_flow() -> (lb_common::FlowKey, lb_common::FlowEntry) {
+    let key = lb_common::FlowKey::between(
+        "10.0.0.1:40000".parse().unwrap(),
+        "10.0.0.100:80".parse().unwrap(),
+        lb_common::PROTO_TCP,
+    );
+    let entry = lb_common::FlowEntry {
+        backend_id: 7,
+        flags: 0,
+        last_seen_ns: 1,
+    };
+    (key, entry)
 }
