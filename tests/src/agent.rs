@@ -298,3 +298,56 @@ fn is_serving_line(line: &str) -> bool {
     line.split(|c: char| !c.is_alphanumeric())
         .any(|w| w == "serving")
 }
+
+/// When the agent wrote a log line, by the timestamp it starts with (tracing's
+/// `2026-12-06T21:40:00.123456Z`, UTC): the agent's own clock for when it decided
+/// something, free of the delays of a test polling `lb status` on a loaded machine.
+pub fn logged_at(line: &str) -> Option<std::time::SystemTime> {
+    let stamp = line.split_whitespace().next()?.strip_suffix('Z')?;
+    let (date, time) = stamp.split_once('T')?;
+    let mut ymd = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (y, m, d) = (ymd.next()??, ymd.next()??, ymd.next()??);
+    let mut hms = time.splitn(3, ':');
+    let (h, min) = (
+        hms.next()?.parse::<u64>().ok()?,
+        hms.next()?.parse::<u64>().ok()?,
+    );
+    let field = hms.next()?;
+    let (secs, fraction) = field.split_once('.').unwrap_or((field, "0"));
+    let secs: u64 = secs.parse().ok()?;
+    // The fraction's digits as nanoseconds (`.25` is 250 ms).
+    let digits = fraction.get(..fraction.len().min(9))?;
+    let nanos = digits.parse::<u32>().ok()? * 10u32.pow(9 - digits.len() as u32);
+    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * ((m + 9) % 12) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = u64::try_from(era * 146_097 + doe - 719_468).ok()?;
+    let whole = days * 86_400 + h * 3600 + min * 60 + secs;
+    Some(std::time::UNIX_EPOCH + Duration::new(whole, nanos))
+}
+
+#[cfg(test)]
+mod log_time_tests {
+    use super::*;
+
+    #[test]
+    fn a_tracing_timestamp_reads_as_the_system_time_it_names() {
+        let line = "2026-12-06T21:40:05.250000Z  INFO lb_userspace::health: backend is UP";
+        let at = logged_at(line).unwrap();
+        let since_epoch = at.duration_since(std::time::UNIX_EPOCH).unwrap();
+        // date -d 2026-12-06T21:40:05Z +%s
+        assert_eq!(since_epoch.as_millis(), 1_796_593_205_250);
+        assert_eq!(
+            logged_at("2000-02-29T00:00:00.000001Z x")
+                .unwrap()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_micros(),
+            951_782_400_000_001
+        );
+        assert_eq!(logged_at("lb: not a timestamp"), None);
+    }
+}

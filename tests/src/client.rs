@@ -32,10 +32,14 @@ pub fn tcp_request(ns: &Netns, addr: SocketAddr, timeout: Duration) -> io::Resul
 
 /// [`tcp_request`] from the calling thread's namespace.
 pub fn tcp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<String> {
-    let stream = TcpStream::connect_timeout(&addr, timeout)?;
+    greeting(&TcpStream::connect_timeout(&addr, timeout)?, timeout)
+}
+
+/// The first line `stream` receives (the backend's name), within `timeout`.
+fn greeting(stream: &TcpStream, timeout: Duration) -> io::Result<String> {
     stream.set_read_timeout(Some(timeout))?;
     let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line)?;
+    BufReader::new(stream).read_line(&mut line)?;
     if !line.ends_with('\n') {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
@@ -43,6 +47,40 @@ pub fn tcp_request_here(addr: SocketAddr, timeout: Duration) -> io::Result<Strin
         ));
     }
     Ok(line.trim_end().to_string())
+}
+
+/// [`tcp_request`], also returning how many segments the client's kernel retransmitted
+/// on the connection (its SYN included): a SYN the data path lost shows as one, however
+/// late the machine's load made the answer.
+pub fn tcp_request_retransmits(
+    ns: &Netns,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> io::Result<(String, u32)> {
+    in_ns(ns, || {
+        let stream = TcpStream::connect_timeout(&addr, timeout)?;
+        Ok((greeting(&stream, timeout)?, retransmits(&stream)?))
+    })
+}
+
+/// Segments the kernel retransmitted on `stream` so far (`tcpi_total_retrans`).
+pub fn retransmits(stream: &TcpStream) -> io::Result<u32> {
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` is a writable tcp_info of `len` bytes, as TCP_INFO wants.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(info.tcpi_total_retrans)
 }
 
 /// A TCP connection to `addr` from the local address `local` (std cannot bind before

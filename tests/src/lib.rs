@@ -15,6 +15,7 @@ pub mod agent;
 pub mod client;
 pub mod config;
 pub mod flood;
+pub mod host;
 pub mod lab;
 pub mod netns;
 pub mod program;

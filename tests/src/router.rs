@@ -69,7 +69,13 @@ pub fn bird_version() -> std::result::Result<String, String> {
         String::from_utf8_lossy(&out.stderr)
     );
     let version = text.trim().rsplit(' ').next().unwrap_or("").to_string();
-    if !out.status.success() || !version.starts_with("2.") {
+    if !out.status.success()
+        || version
+            .split('.')
+            .next()
+            .and_then(|m| m.parse::<u32>().ok())
+            .is_none_or(|major| major < 2)
+    {
         return Err(format!(
             "`bird --version` says {:?}: BIRD 2 is needed (apt-get install bird2)",
             text.trim()

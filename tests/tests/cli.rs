@@ -1,45 +1,32 @@
 //! What the CLI says when it cannot do its job: `lb run` without privileges, a control
 //! socket the user may not open, `lb detach` with nothing attached. Needs a built `lb`;
-//! the first two need root (to run `lb` as nobody with `setpriv`).
+//! the first two need root (to run `lb` as an unprivileged user with `setpriv`).
 //! `cargo test -p lb-tests --test cli`.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use lb_tests::{find_lb_bin, skip};
+use lb_tests::{find_lb_bin, host, skip};
 
-const NOBODY: &str = "65534";
-
-/// A directory everyone may read (tempdir's own is 0700), for files `nobody` reads.
-fn open_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    dir
-}
-
-/// `bin` as `nobody` can run it: in place if it can, else a copy in `dir`.
-fn runnable_by_nobody(bin: &Path, dir: &Path) -> PathBuf {
-    let ok = as_nobody(bin, &["--version"]).status.success();
-    if ok {
-        return bin.to_path_buf();
-    }
-    let copy = dir.join("lb");
-    std::fs::copy(bin, &copy).unwrap();
-    copy
-}
-
-fn as_nobody(bin: &Path, args: &[&str]) -> Output {
-    Command::new("setpriv")
-        .args([
-            &format!("--reuid={NOBODY}"),
-            &format!("--regid={NOBODY}"),
-            "--clear-groups",
-        ])
-        .arg(bin)
-        .args(args)
-        .output()
-        .expect("run setpriv")
+/// `bin` copied where an unprivileged user can run it (the checkout may be under a 0700
+/// home), and a function running it as that user with `setpriv`.
+fn as_unprivileged(bin: &Path, dir: &Path) -> (PathBuf, impl Fn(&Path, &[&str]) -> Output) {
+    let user = host::unprivileged_user().expect("an unprivileged user");
+    let bin = host::copy_out(bin, dir).expect("copy lb where the user can run it");
+    let run = move |bin: &Path, args: &[&str]| {
+        Command::new("setpriv")
+            .args([
+                &format!("--reuid={}", user.uid),
+                &format!("--regid={}", user.gid),
+                "--clear-groups",
+            ])
+            .arg(bin)
+            .args(args)
+            .output()
+            .expect("run setpriv")
+    };
+    (bin, run)
 }
 
 fn text(out: &Output) -> String {
@@ -66,7 +53,14 @@ fn config(dir: &Path, socket: &Path) -> PathBuf {
 
 fn root_and_bin(test: &str) -> Option<PathBuf> {
     if !nix::unistd::geteuid().is_root() {
-        skip(test, "needs root (to run lb as nobody)");
+        skip(test, "needs root (to run lb as an unprivileged user)");
+        return None;
+    }
+    if let Err(why) = host::unprivileged_user() {
+        skip(test, &why);
+        return None;
+    }
+    if !host::require_tool(test, host::SETPRIV) {
         return None;
     }
     match find_lb_bin() {
@@ -87,8 +81,8 @@ fn without_privileges_lb_says_what_it_needs() {
     let Some(bin) = root_and_bin(test) else {
         return;
     };
-    let dir = open_dir();
-    let bin = runnable_by_nobody(&bin, dir.path());
+    let dir = host::open_dir().unwrap();
+    let (bin, as_user) = as_unprivileged(&bin, dir.path());
     // A socket like the agent's: root's, 0600.
     let socket = dir.path().join("lb.sock");
     let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
@@ -96,7 +90,7 @@ fn without_privileges_lb_says_what_it_needs() {
     let config = config(dir.path(), &socket);
     let config = config.to_str().unwrap();
 
-    let run = as_nobody(&bin, &["run", "--config", config]);
+    let run = as_user(&bin, &["run", "--config", config]);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(1), "{}", text(&run));
     assert!(
@@ -106,7 +100,7 @@ fn without_privileges_lb_says_what_it_needs() {
     );
     assert!(!dir.path().join("pins").exists(), "lb run touched the pins");
 
-    let status = as_nobody(&bin, &["status", "--socket", socket.to_str().unwrap()]);
+    let status = as_user(&bin, &["status", "--socket", socket.to_str().unwrap()]);
     let stderr = String::from_utf8_lossy(&status.stderr);
     assert_eq!(status.status.code(), Some(1), "{}", text(&status));
     assert!(

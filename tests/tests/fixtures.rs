@@ -302,14 +302,19 @@ fn quoted_udp(client_port: u16) -> Quoted {
 /// An ICMPv6 "packet too big" (MTU 1280) to the IPv6 VIP, quoting a TCP segment it sent
 /// from port 80 to fd00::1 port `client_port`.
 fn icmp6_too_big(client_port: u16) -> Vec<u8> {
+    icmp6_too_big_quoting(6, 80, client_port)
+}
+
+/// [`icmp6_too_big`] quoting a `proto` packet the VIP sent from `vip_port`.
+fn icmp6_too_big_quoting(proto: u8, vip_port: u16, client_port: u16) -> Vec<u8> {
     let mut quoted = vec![0u8; 40];
     quoted[0] = 0x60;
     quoted[4..6].copy_from_slice(&1400u16.to_be_bytes());
-    quoted[6] = 6;
+    quoted[6] = proto;
     quoted[7] = 64;
     quoted[8..24].copy_from_slice(&vip6());
     quoted[24..40].copy_from_slice(&"fd00::1".parse::<std::net::Ipv6Addr>().unwrap().octets());
-    quoted.extend_from_slice(&80u16.to_be_bytes());
+    quoted.extend_from_slice(&vip_port.to_be_bytes());
     quoted.extend_from_slice(&client_port.to_be_bytes());
     quoted.extend_from_slice(&[0, 0, 0, 1]);
     let mut icmp = vec![2, 0, 0, 0, 0, 0, 0x05, 0x00];
@@ -447,8 +452,26 @@ struct Case {
     frame: Vec<u8>,
     action: u32,
     reason: &'static str,
+    /// The other counters the frame moves, each by one: every counter not named (nor the
+    /// action's, nor `reason`) must stay where it was.
+    also: &'static [&'static str],
     /// None: the frame must come out unchanged.
     output: Option<Vec<u8>>,
+}
+
+impl Case {
+    fn also(self, also: &'static [&'static str]) -> Case {
+        Case { also, ..self }
+    }
+
+    /// Every counter the case moves, each by one, sorted by name.
+    fn counted(&self) -> Vec<(&'static str, u64)> {
+        let mut names = vec![action_name(self.action), self.reason];
+        names.extend(self.also);
+        names.sort();
+        names.dedup();
+        names.into_iter().map(|name| (name, 1)).collect()
+    }
 }
 
 fn cases() -> Vec<Case> {
@@ -459,6 +482,7 @@ fn cases() -> Vec<Case> {
             frame,
             action: XDP_TX,
             reason,
+            also: &[],
             output,
         }
     };
@@ -467,6 +491,7 @@ fn cases() -> Vec<Case> {
         frame,
         action: XDP_PASS,
         reason,
+        also: &[],
         output: None,
     };
     let drop = |what, frame, reason| Case {
@@ -474,13 +499,15 @@ fn cases() -> Vec<Case> {
         frame,
         action: XDP_DROP,
         reason,
+        also: &[],
         output: None,
     };
 
     let syn_frame = ipv4(VIP, syn(80));
     let tcp_l4_offset = 14 + 20;
-    vec![
-        fwd("IPv4 TCP SYN to the VIP", syn_frame.clone(), "xdp_tx"),
+    let mut cases = vec![
+        fwd("IPv4 TCP SYN to the VIP", syn_frame.clone(), "xdp_tx")
+            .also(&["ct_embryonic", "ct_miss_syn"]),
         fwd(
             "IPv4 TCP ACK to the VIP",
             ipv4(
@@ -492,28 +519,34 @@ fn cases() -> Vec<Case> {
                 },
             ),
             "xdp_tx",
-        ),
+        )
+        .also(&["ct_created", "ct_promoted"]),
         fwd(
             "IPv4 UDP to the UDP VIP",
             ipv4(VIP, L4::Udp { src: 5353, dst: 53 }),
             "xdp_tx",
-        ),
-        fwd("IPv6 TCP SYN to the VIP", ipv6(vip6(), syn(80)), "xdp_tx"),
+        )
+        .also(&["ct_embryonic", "ct_miss_udp"]),
+        fwd("IPv6 TCP SYN to the VIP", ipv6(vip6(), syn(80)), "xdp_tx")
+            .also(&["ct_embryonic", "ct_miss_syn"]),
         fwd(
             "IPv6 UDP to the UDP VIP",
             ipv6(vip6(), L4::Udp { src: 5353, dst: 53 }),
             "xdp_tx",
-        ),
+        )
+        .also(&["ct_embryonic", "ct_miss_udp"]),
         fwd(
             "802.1Q-tagged IPv4 TCP to the VIP keeps its tag",
             tagged(syn_frame.clone(), 0x8100),
             "seen_vlan",
-        ),
+        )
+        .also(&["ct_embryonic", "ct_miss_syn"]),
         fwd(
             "IPv4 with 8 bytes of options is parsed past",
             ipv4_full(VIP, syn(80), &[1, 1, 1, 1, 1, 1, 1, 0], 0),
             "seen_ipv4_options",
-        ),
+        )
+        .also(&["ct_embryonic", "ct_miss_syn"]),
         pass(
             "QinQ (802.1ad outer tag) is not parsed",
             tagged(syn_frame.clone(), 0x88a8),
@@ -560,7 +593,8 @@ fn cases() -> Vec<Case> {
                 &[1, 1, 1, 0],
             ),
             "seen_ipv4_options",
-        ),
+        )
+        .also(&["seen_icmp_too_big"]),
         fwd(
             "ICMP fragmentation needed quoting a header with IPv4 options",
             icmp4(
@@ -581,7 +615,8 @@ fn cases() -> Vec<Case> {
                 0x8100,
             ),
             "seen_vlan",
-        ),
+        )
+        .also(&["seen_icmp_too_big"]),
         pass(
             "ICMP fragmentation needed quoting a later fragment (no ports)",
             icmp4(
@@ -757,13 +792,127 @@ fn cases() -> Vec<Case> {
             "VIP whose only backend is in maintenance",
             ipv4(EMPTY_VIP, syn(80)),
             "drop_no_backend",
+        )
+        .also(&["ct_miss_syn"]),
+        // TCP flag combinations: only a SYN without ACK is a connection attempt (SYN|ACK
+        // and no flags are non-SYN misses, remembered as first packets); a SYN with RST
+        // is balanced as a SYN but, as any RST, leaves no state; SYN|FIN is a SYN.
+        fwd(
+            "IPv4 TCP SYN|ACK to the VIP",
+            ipv4(VIP, tcp_flags(41001, TCP_SYN | TCP_ACK)),
+            "xdp_tx",
+        )
+        .also(&["ct_embryonic", "ct_miss_non_syn"]),
+        fwd(
+            "IPv4 TCP SYN|RST to the VIP",
+            ipv4(VIP, tcp_flags(41002, TCP_SYN | TCP_RST)),
+            "xdp_tx",
+        )
+        .also(&["ct_miss_syn"]),
+        fwd(
+            "IPv4 TCP SYN|FIN to the VIP",
+            ipv4(VIP, tcp_flags(41003, TCP_SYN | TCP_FIN)),
+            "xdp_tx",
+        )
+        .also(&["ct_embryonic", "ct_miss_syn"]),
+        fwd(
+            "IPv4 TCP with no flag to the VIP",
+            ipv4(VIP, tcp_flags(41004, 0)),
+            "xdp_tx",
+        )
+        .also(&["ct_embryonic", "ct_miss_non_syn"]),
+        fwd(
+            "802.1Q-tagged IPv6 TCP to the VIP keeps its tag",
+            tagged(ipv6(vip6(), syn(80)), 0x8100),
+            "seen_vlan",
+        )
+        .also(&["ct_embryonic", "ct_miss_syn"]),
+        pass(
+            "802.1Q-tagged ARP",
+            {
+                let mut f = ethernet(0x0806);
+                f.extend([0u8; 28]);
+                tagged(f, 0x8100)
+            },
+            "pass_not_ip",
         ),
-    ]
+        pass(
+            "ICMP fragmentation needed quoting an IPv4 header length below 20 bytes",
+            {
+                let mut f = icmp4(VIP, ICMP_UNREACHABLE, ICMP_FRAG_NEEDED, quoted_tcp(40000));
+                // The quoted header's version and length: after Ethernet, IPv4, ICMP.
+                f[14 + 20 + 8] = 0x44;
+                f
+            },
+            "pass_other_proto",
+        ),
+        // A UDP flow with an entry (its second datagram makes it), then an ICMPv6 too big
+        // about it, and one about a UDP flow the balancer does not hold.
+        fwd(
+            "IPv6 UDP, first datagram of port 5454",
+            ipv6(vip6(), L4::Udp { src: 5454, dst: 53 }),
+            "xdp_tx",
+        )
+        .also(&["ct_embryonic", "ct_miss_udp"]),
+        fwd(
+            "IPv6 UDP, second datagram of port 5454",
+            ipv6(vip6(), L4::Udp { src: 5454, dst: 53 }),
+            "xdp_tx",
+        )
+        .also(&["ct_created", "ct_promoted"]),
+        fwd(
+            "ICMPv6 packet too big about a UDP flow of the VIP goes to its backend",
+            icmp6_too_big_quoting(17, 53, 5454),
+            "seen_icmp_too_big",
+        ),
+        pass(
+            "ICMPv6 packet too big about a UDP flow without an entry",
+            icmp6_too_big_quoting(17, 53, 5455),
+            "pass_other_proto",
+        ),
+    ];
+    // Every IPv6 extension header the parser knows but hop-by-hop (above).
+    for (next, what) in [
+        (43, "IPv6 with a routing header"),
+        (44, "IPv6 with a fragment header"),
+        (50, "IPv6 with ESP"),
+        (51, "IPv6 with AH"),
+        (60, "IPv6 with destination options"),
+        (135, "IPv6 with a mobility header"),
+        (139, "IPv6 with a HIP header"),
+        (140, "IPv6 with a shim6 header"),
+    ] {
+        let header = [6, 0, 1, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        cases.push(pass(
+            what,
+            ipv6_with_next(vip6(), next, &header),
+            "pass_ipv6_ext",
+        ));
+    }
+    cases
 }
 
+/// A TCP segment from port `src` to port 80 with `flags`.
+fn tcp_flags(src: u16, flags: u8) -> L4 {
+    L4::Tcp {
+        src,
+        dst: 80,
+        flags,
+    }
+}
+
+const TCP_FIN: u8 = 0x01;
+
+/// Every case, in order, on an instance of its own (the shared one's connection table
+/// depends on which tests ran before): the action, the output frame, and exactly the
+/// counters the case names moved.
 #[test]
 fn packet_fixtures() {
-    with_fixture("packet_fixtures", |fixture| {
+    if !can_run("packet_fixtures") {
+        return;
+    }
+    let fixture = &mut fixture(CONFIG);
+    {
         let mut failures = Vec::new();
         for case in cases() {
             let result = run(fixture, &case.frame);
@@ -775,14 +924,12 @@ fn packet_fixtures() {
                     action_name(case.action)
                 ));
             }
-            let action_counted = result.counted.contains(&(action_name(case.action), 1));
-            let reason_counted = result.counted.contains(&(case.reason, 1));
-            if !action_counted || !reason_counted {
+            let mut counted = result.counted.clone();
+            counted.sort();
+            if counted != case.counted() {
                 problems.push(format!(
-                    "counters {:?}, expected {} and {} each +1",
-                    result.counted,
-                    action_name(case.action),
-                    case.reason
+                    "counters moved {counted:?}, expected exactly {:?}",
+                    case.counted()
                 ));
             }
             let want = case.output.clone().unwrap_or_else(|| case.frame.clone());
@@ -802,7 +949,7 @@ fn packet_fixtures() {
             failures.len(),
             failures.join("\n")
         );
-    });
+    }
 }
 
 /// The ids of VIP "web" and of its one backend.
@@ -921,72 +1068,121 @@ fn explain_flow(fixture: &Fixture, request: &ExplainRequest) -> explain::Explana
 #[test]
 fn kernel_and_explain_agree_on_random_flows() {
     with_fixture("kernel_and_explain_agree_on_random_flows", |fixture| {
-        let vip: VipTarget = "10.0.0.100:8080/tcp".parse().unwrap();
-        let mut seen = std::collections::HashSet::new();
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        for i in 0..500 {
-            // xorshift: reproducible pseudo-random flows without a dependency.
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
+        agree_on_random_flows(fixture, "three", false);
+    });
+}
+
+/// The same over IPv6: VIP "three6" (fd00::100 port 8080, three backends).
+#[test]
+fn kernel_and_explain_agree_on_random_ipv6_flows() {
+    let test = "kernel_and_explain_agree_on_random_ipv6_flows";
+    if !can_run(test) {
+        return;
+    }
+    let mut fixture = fixture(&format!("{CONFIG}{THREE6}"));
+    agree_on_random_flows(&mut fixture, "three6", true);
+}
+
+const THREE6: &str = r#"
+[[vip]]
+name = "three6"
+address = "fd00::100"
+port = 8080
+protocol = "tcp"
+[vip.health]
+kind = "none"
+[[vip.backend]]
+address = "fd00::21"
+mac = "02:00:00:00:00:15"
+[[vip.backend]]
+address = "fd00::22"
+mac = "02:00:00:00:00:16"
+[[vip.backend]]
+address = "fd00::23"
+mac = "02:00:00:00:00:17"
+"#;
+
+/// 500 pseudo-random flows to port 8080 of VIP `name` (three backends), half starting
+/// with a SYN, half mid-connection: the kernel sends each where `lb explain` said the
+/// table would, and the embryonic table then remembers it there.
+fn agree_on_random_flows(fixture: &mut Fixture, name: &str, v6: bool) {
+    let vip: VipTarget = if v6 {
+        "[fd00::100]:8080/tcp"
+    } else {
+        "10.0.0.100:8080/tcp"
+    }
+    .parse()
+    .unwrap();
+    let mut seen = std::collections::HashSet::new();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for i in 0..500 {
+        // xorshift: reproducible pseudo-random flows without a dependency.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let port = (state >> 32) as u16 | 1024;
+        // Half the flows start with a SYN, half mid-connection (no entry yet).
+        let flags = if i % 2 == 0 { TCP_SYN } else { TCP_ACK };
+        let l4 = L4::Tcp {
+            src: port,
+            dst: 8080,
+            flags,
+        };
+        let (source, frame) = if v6 {
+            let mut src = "fd00::".parse::<std::net::Ipv6Addr>().unwrap().octets();
+            src[8..16].copy_from_slice(&state.to_be_bytes());
+            let mut frame = ipv6(vip6(), l4);
+            frame[14 + 8..14 + 24].copy_from_slice(&src);
+            (std::net::SocketAddr::from((src, port)), frame)
+        } else {
             let src = [
                 10,
                 (state >> 8) as u8,
                 (state >> 16) as u8,
                 (state >> 24) as u8,
             ];
-            let port = (state >> 32) as u16 | 1024;
-            let source = std::net::SocketAddr::from((src, port));
-            let request = ExplainRequest { vip, source };
-            let before = explain_flow(fixture, &request);
-            // Half the flows start with a SYN, half mid-connection (no entry yet).
-            let flags = if i % 2 == 0 { TCP_SYN } else { TCP_ACK };
-            let mut frame = ipv4(
-                VIP,
-                L4::Tcp {
-                    src: port,
-                    dst: 8080,
-                    flags,
-                },
-            );
+            let mut frame = ipv4(VIP, l4);
             frame[14 + 12..14 + 16].copy_from_slice(&src);
-            let result = run(fixture, &frame);
-            assert_eq!(result.action, XDP_TX);
-            let predicted = before.table_backend.expect("three backends");
-            let mac_of = |address: &str| {
-                let vip = fixture
-                    .model
-                    .vips
-                    .iter()
-                    .find(|v| v.config.name == "three")
-                    .unwrap();
-                vip.backends
-                    .iter()
-                    .find(|b| b.config.address.to_string() == address)
-                    .unwrap()
-                    .mac
-                    .unwrap()
-                    .0
-            };
-            assert_eq!(
-                result.output[0..6],
-                mac_of(&predicted),
-                "{source}: kernel and explain disagree"
-            );
-            // A first packet makes no entry: the embryonic table remembers it, and the
-            // next packet goes there.
-            let after = explain_flow(fixture, &request);
-            assert_eq!(after.conntrack_backend, None, "{source}: entry");
-            assert_eq!(
-                after.embryonic_backend.as_deref(),
-                Some(predicted.as_str()),
-                "{source}: remembered"
-            );
-            assert_eq!(after.next_packet_backend, after.embryonic_backend);
-            seen.insert(predicted);
-        }
-        assert_eq!(seen.len(), 3, "500 flows should reach all three backends");
-    });
+            (std::net::SocketAddr::from((src, port)), frame)
+        };
+        let request = ExplainRequest { vip, source };
+        let before = explain_flow(fixture, &request);
+        let result = run(fixture, &frame);
+        assert_eq!(result.action, XDP_TX);
+        let predicted = before.table_backend.expect("three backends");
+        let mac_of = |address: &str| {
+            let vip = fixture
+                .model
+                .vips
+                .iter()
+                .find(|v| v.config.name == name)
+                .unwrap();
+            vip.backends
+                .iter()
+                .find(|b| b.config.address.to_string() == address)
+                .unwrap()
+                .mac
+                .unwrap()
+                .0
+        };
+        assert_eq!(
+            result.output[0..6],
+            mac_of(&predicted),
+            "{source}: kernel and explain disagree"
+        );
+        // A first packet makes no entry: the embryonic table remembers it, and the
+        // next packet goes there.
+        let after = explain_flow(fixture, &request);
+        assert_eq!(after.conntrack_backend, None, "{source}: entry");
+        assert_eq!(
+            after.embryonic_backend.as_deref(),
+            Some(predicted.as_str()),
+            "{source}: remembered"
+        );
+        assert_eq!(after.next_packet_backend, after.embryonic_backend);
+        seen.insert(predicted);
+    }
+    assert_eq!(seen.len(), 3, "500 flows should reach all three backends");
 }
 
 /// The kernel and `lb explain` send the next packet of many flows to the same backend
@@ -1860,7 +2056,8 @@ fn new_flows_are_counted_per_client_source() {
 
 #[test]
 fn the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate() {
-    if !can_run("the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate") {
+    let test = "the_debug_capture_writes_non_syn_misses_as_pcap_at_a_bounded_rate";
+    if !can_run(test) || !lb_tests::host::require_tool(test, lb_tests::host::TCPDUMP) {
         return;
     }
     // One CPU, so the per-CPU rate limit sees every packet.

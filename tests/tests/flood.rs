@@ -22,7 +22,12 @@ const PORT: u16 = 80;
 const TIMEOUT: Duration = Duration::from_secs(3);
 /// Small, so the flood is many times its size.
 const CONNTRACK_ENTRIES: u32 = 8192;
-const FLOOD_FOR: Duration = Duration::from_secs(6);
+/// The flood goes on until the program has seen this many of its frames (the agent's own
+/// counter, `ct_embryonic`): what the test needs is an amount, not a time, so a loaded
+/// machine that floods slower floods longer.
+const FLOOD_FRAMES: u64 = 20 * CONNTRACK_ENTRIES as u64;
+/// At most this long (the achieved rate is reported; the busy connections chat for 40 s).
+const FLOOD_CAP: Duration = Duration::from_secs(30);
 /// Per CPU: well under the flood guard's default (100,000 inserts per second per CPU),
 /// as in the measurement that found the defect, and gentle on a 2-core machine.
 const FLOOD_RATE: u64 = 60_000;
@@ -106,24 +111,50 @@ fn a_spoofed_flood_larger_than_the_table_breaks_no_connection_busy_or_idle() {
         port: PORT,
         kinds: vec![Spoofed::Syn, Spoofed::Ack],
         rate: FLOOD_RATE,
-        duration: FLOOD_FOR,
+        duration: FLOOD_CAP,
     };
     let cpus: Vec<usize> =
         (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect();
     let started = Instant::now();
     let flood = Flood::start(lab.client(), &spec, &cpus).expect("start the flood");
-    sleep(FLOOD_FOR / 2);
-    let out = agent
-        .cli(&[
-            "drain",
-            &format!("{vip_addr}/tcp"),
-            &drained_addr.to_string(),
-        ])
-        .expect("lb drain");
-    assert!(out.success(), "lb drain: {out}");
-    sleep(FLOOD_FOR.saturating_sub(started.elapsed()));
+    // Frames of the flood the program saw so far, by its own counter.
+    let seen = || {
+        let now = agent.status_json().expect("status");
+        counter(&now, "ct_embryonic") - counter(&before, "ct_embryonic")
+    };
+    let mut drained_at = None;
+    while started.elapsed() < FLOOD_CAP {
+        let seen = seen();
+        // The table change halfway through the flood's amount.
+        if drained_at.is_none() && seen >= FLOOD_FRAMES / 2 {
+            let out = agent
+                .cli(&[
+                    "drain",
+                    &format!("{vip_addr}/tcp"),
+                    &drained_addr.to_string(),
+                ])
+                .expect("lb drain");
+            assert!(out.success(), "lb drain: {out}");
+            drained_at = Some(seen);
+        }
+        if seen >= FLOOD_FRAMES {
+            break;
+        }
+        sleep(Duration::from_millis(200));
+    }
+    let flooded_for = started.elapsed();
     let sent: u64 = flood.stop().expect("flood").iter().sum();
-    eprintln!("flood: {sent} frames sent on {} CPUs", cpus.len());
+    eprintln!(
+        "flood: {sent} frames sent on {} CPUs in {flooded_for:.1?} ({:.0} frames/s achieved), \
+         the drain after {drained_at:?} of them",
+        cpus.len(),
+        sent as f64 / flooded_for.as_secs_f64()
+    );
+    assert!(
+        drained_at.is_some(),
+        "the flood never reached half its amount ({FLOOD_FRAMES} frames) in {FLOOD_CAP:?}: \
+         {sent} sent; the machine floods too slowly for this test"
+    );
     let after = agent.status_json().expect("status");
 
     // Every connection, busy or idle for the whole flood, is intact and where it was.

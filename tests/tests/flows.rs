@@ -958,3 +958,97 @@ fn reload_refuses_a_broken_file_and_applies_a_good_one() {
     let s = spread_ok(&lab, 60, "after the reload undid the drain");
     assert_eq!(s.counts.len(), 4, "{}", s.table());
 }
+
+/// Every setting fixed at start, changed in the file: `lb reload` refuses it naming the
+/// field, and nothing changes (status, traffic, the agent's own config). Twelve fields,
+/// one agent: each variant is the running file plus one change.
+#[test]
+fn reload_refuses_each_setting_fixed_at_start_and_changes_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    let test = "reload_refuses_each_setting_fixed_at_start_and_changes_nothing";
+    let Some(bin) = require_e2e(test) else { return };
+    let (lab, config) = start(&bin, 3, 3, None);
+    let path = agent(&lab).config_path().to_path_buf();
+    let running = config.to_toml();
+    let key = lab.dir().join("cluster.key");
+    std::fs::write(&key, [7u8; 32]).expect("write a cluster key");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let before = shape(&status(&lab));
+    let dataplane =
+        |line: &str| running.replacen("[dataplane]\n", &format!("[dataplane]\n{line}\n"), 1);
+    let control = |from: &str, to: &str| {
+        assert!(
+            running.contains(from),
+            "{from:?} not in the file:\n{running}"
+        );
+        running.replacen(from, to, 1)
+    };
+    let socket = format!("socket = \"{}\"", lab.socket_path().display());
+    let variants = [
+        (
+            "dataplane.interface",
+            running.replacen("interface = \"", "interface = \"x", 1),
+        ),
+        (
+            "dataplane.xdp_mode",
+            running.replacen("xdp_mode = \"native\"", "xdp_mode = \"generic\"", 1),
+        ),
+        (
+            "dataplane.maglev_table_size",
+            dataplane("maglev_table_size = 251"),
+        ),
+        (
+            "dataplane.conntrack_entries",
+            dataplane("conntrack_entries = 4096"),
+        ),
+        (
+            "dataplane.flow_idle_timeout",
+            dataplane("flow_idle_timeout = \"17s\""),
+        ),
+        (
+            "dataplane.conntrack_insert_limit",
+            dataplane("conntrack_insert_limit = 1234"),
+        ),
+        (
+            "dataplane.pin_path",
+            dataplane("pin_path = \"/sys/fs/bpf/lb-elsewhere\""),
+        ),
+        ("debug", format!("{running}\n[debug]\ncapture_rate = 3\n")),
+        (
+            "control.socket",
+            control(&socket, &socket.replacen(".sock\"", "-2.sock\"", 1)),
+        ),
+        (
+            "control.metrics",
+            control("metrics = \"off\"", "metrics = \"127.0.0.1:9651\""),
+        ),
+        (
+            "announce (table, protocol, device)",
+            format!("{running}\n[announce]\n"),
+        ),
+        (
+            "cluster (all but peers)",
+            format!(
+                "{running}\n[cluster]\npeers = [\"10.99.0.250\"]\nkey_file = \"{}\"\n",
+                key.display()
+            ),
+        ),
+    ];
+    for (field, text) in &variants {
+        assert_ne!(text, &running, "{field}: the variant changes nothing");
+        std::fs::write(&path, text).expect("write the config");
+        let out = refused(&lab, &["reload"], &[field, "restart"]);
+        assert!(!out.stdout.contains("reloaded"), "{field}: {out}");
+        assert_eq!(
+            shape(&status(&lab)),
+            before,
+            "{field}: a refused reload changed the backends"
+        );
+    }
+    // The agent still serves by the file it started with, and reloads it.
+    std::fs::write(&path, &running).expect("write the config");
+    let out = ok(&lab, &["reload"]);
+    assert_eq!(out.stdout.trim(), "reloaded: no change", "{out}");
+    let s = spread_ok(&lab, 30, "after the refused reloads");
+    assert_eq!(s.counts.len(), 3, "{}", s.table());
+}

@@ -27,8 +27,6 @@ const VIP: &str = "web";
 const PORT: u16 = 80;
 /// Where the agent serves metrics, inside the balancer's namespace.
 const METRICS: &str = "127.0.0.1:9650";
-/// `nobody`: an unprivileged local user.
-const NOBODY: u32 = 65534;
 const UP_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the agent may take to notice a change of its interface (it is told over
 /// netlink at once, and looks every second anyway).
@@ -105,7 +103,7 @@ fn summary_field(summary: &str, key: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {key} in {summary:?}"))
 }
 
-/// A local user (`nobody`, from inside the balancer's namespace) holds thousands of
+/// A local user (`nobody` or another unprivileged account, from inside the balancer's namespace) holds thousands of
 /// connections to the metrics port, half of them with a partial request, and opens new
 /// ones as the agent closes them, while the agent has 1024 descriptors. Meanwhile every
 /// health check passes, the control socket answers, the agent's descriptors stay within
@@ -138,20 +136,29 @@ fn a_local_user_holding_metrics_connections_costs_no_check_and_no_control() {
 
     const CONNECTIONS: &str = "3000";
     const SECONDS: &str = "7";
+    // Looked up, not assumed; and the helper copied out of the checkout, which may be
+    // under a home directory (0700) the user cannot traverse.
+    let user = lb_tests::host::unprivileged_user().expect("an unprivileged user");
+    let dir = lb_tests::host::open_dir().expect("a directory the user can enter");
+    let holder = lb_tests::host::copy_out(
+        Path::new(env!("CARGO_BIN_EXE_hold-connections")),
+        dir.path(),
+    )
+    .expect("copy hold-connections out of the checkout");
     let abuser = lab
         .lb()
         .run(|| {
-            Command::new(env!("CARGO_BIN_EXE_hold-connections"))
+            Command::new(&holder)
                 .args([METRICS, CONNECTIONS, SECONDS])
                 // std drops root's supplementary groups with the uid.
-                .uid(NOBODY)
-                .gid(NOBODY)
+                .uid(user.uid)
+                .gid(user.gid)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
         })
         .unwrap()
-        .expect("start hold-connections as nobody");
+        .unwrap_or_else(|e| panic!("start hold-connections as {}: {e}", user.name));
     let started = Instant::now();
     let (mut rss_max, mut fds_max, mut slowest_status) = (0, 0, Duration::ZERO);
     let mut samples = 0;
@@ -187,10 +194,11 @@ fn a_local_user_holding_metrics_connections_costs_no_check_and_no_control() {
     let (rss_after, fds_after) = rss_and_fds(pid);
     let scrape = lab.lb().run(|| http_get(metrics, "/metrics")).unwrap();
     eprintln!(
-        "metrics abuse by nobody: {summary}\n  agent RSS {rss_before} KiB before, {rss_max} KiB \
+        "metrics abuse by {}: {summary}\n  agent RSS {rss_before} KiB before, {rss_max} KiB \
          at most during, {rss_after} KiB after; open descriptors {fds_before} before, \
          {fds_max} at most during, {fds_after} after; slowest `lb status` {:.0} ms over \
          {samples} samples",
+        user.name,
         slowest_status.as_secs_f64() * 1000.0
     );
     assert_eq!(scrape.ok(), Some(200), "a scrape after the abuse");

@@ -98,26 +98,45 @@ fn slow_start_ramps_a_returning_backends_share() {
             .is_some_and(|r| r.starts_with("slow start")),
         "{b:#}"
     );
-    let early = share_of(&lab, 60, &name, "first second of the ramp");
+    // The share is judged against the agent's own table, read after the sample: a
+    // loaded machine that samples slowly lets the ramp advance, and the table says by
+    // how much (a wall-clock "first second" would not).
+    let early = share_of(&lab, 60, &name, "early in the ramp");
     let early_took = back.elapsed();
+    let table = status(&lab)["dataplane"]["maglev_table_size"]
+        .as_f64()
+        .expect("maglev_table_size");
+    let b = backend(&status(&lab), returning);
+    let early_slots = b["slots"].as_f64().expect("slots") / table;
+    let still_ramping = b["effective_weight"].as_f64().is_some_and(|w| w < 1.0);
     sleep(Duration::from_secs(6).saturating_sub(back.elapsed()) + Duration::from_millis(500));
     let b = backend(&status(&lab), returning);
     assert_eq!(b["effective_weight"], 1.0, "ramped to its weight: {b:#}");
     assert_eq!(b["weight_reason"], "configured", "{b:#}");
+    let full_slots = b["slots"].as_f64().expect("slots") / table;
     let late = share_of(&lab, 60, &name, "after the ramp");
     eprintln!(
-        "slow start: {:.0}% of new flows in the first {early_took:?}, {:.0}% after the ramp \
-         (an equal share is 33%)",
+        "slow start: {:.0}% of new flows in the first {early_took:?} (its table share then \
+         {:.0}%, still ramping: {still_ramping}), {:.0}% after the ramp (table share {:.0}%; \
+         an equal share is 33%)",
         early * 100.0,
-        late * 100.0
+        early_slots * 100.0,
+        late * 100.0,
+        full_slots * 100.0
+    );
+    // 0.16: three standard deviations of a share of 60 flows near a third.
+    assert!(
+        early <= early_slots + 0.16,
+        "early share {early:.2} above what the agent's table gave it ({early_slots:.2}) by \
+         the end of the sample"
     );
     assert!(
-        early < 0.2,
-        "early share {early:.2}: the ramp did not hold it back"
+        early_slots * 2.0 < full_slots || !still_ramping,
+        "the ramp did not hold its table share back: {early_slots:.2} then {full_slots:.2}"
     );
     assert!(
-        late > early && late > 0.15,
-        "late share {late:.2} after {early:.2}"
+        (late - full_slots).abs() <= 0.16,
+        "late share {late:.2}, table share {full_slots:.2}"
     );
 }
 

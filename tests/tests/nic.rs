@@ -236,6 +236,37 @@ fn doctor_checks_the_lab_and_fixes_its_offloads() {
     );
 }
 
+/// `--fix` beyond VLAN offload: with a generic attach, GRO merges segments before the
+/// program sees them; the doctor warns with the fix, `--fix` turns `rx-gro` off through
+/// ethtool netlink, and the check passes afterwards (as `ethtool -k` confirms).
+#[test]
+fn doctor_fixes_gro_under_a_generic_attach() {
+    let test = "doctor_fixes_gro_under_a_generic_attach";
+    let Some(bin) = require_e2e(test) else { return };
+    let lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.lb()
+        .exec("ethtool", &["-K", IFACE, "gro", "on"])
+        .expect("turn GRO on");
+    let path = write_config(&lab, XdpMode::Generic);
+    let out = doctor(&lab, &bin, &path, &[]);
+    eprintln!("{test}:\n{}", out.stdout);
+    assert!(out.success(), "{out}");
+    assert_line(&out, "gro", "warn", &["generic", "rx-gro", "--fix"]);
+
+    let fixed = doctor(&lab, &bin, &path, &["--fix"]);
+    assert!(fixed.success(), "{fixed}");
+    assert!(fixed.stdout.contains("fixed eth0: rx-gro off"), "{fixed}");
+    assert_line(&fixed, "gro", "ok", &["GRO off"]);
+    let features = lab
+        .lb()
+        .exec("ethtool", &["-k", IFACE])
+        .expect("ethtool -k");
+    assert!(
+        features.contains("generic-receive-offload: off"),
+        "ethtool still shows:\n{features}"
+    );
+}
+
 /// A veth whose peer has no XDP program: native mode would drop every frame, so the
 /// doctor fails it and `lb run` refuses with the fix, attaching nothing; `auto` attaches
 /// in generic mode at once, says why in its log and in `lb status`, and serves.

@@ -263,9 +263,13 @@ fn status_json_has_every_documented_field() {
     let web6 = format!("vip web6 [{}]:80/tcp", lab.vip6());
     assert!(text.contains(&web6), "no {web6:?} in:\n{text}");
 
+    // The documented lists, both ways, against this real status and exposition.
+    let (_, body) = fetch(&lab, None);
+    documented_status_fields_match(&status);
+    documented_metrics_match(&body);
+
     // Every metric the Grafana dashboard queries is in a real exposition (health checks
     // ran, so the histogram and the transitions have series).
-    let (_, body) = fetch(&lab, None);
     let exposed = series_names(&body);
     let dashboard: serde_json::Value =
         serde_json::from_str(include_str!("../../scripts/grafana-dashboard.json"))
@@ -314,6 +318,195 @@ fn series_names(exposition: &str) -> std::collections::BTreeSet<&str> {
         .collect()
 }
 
+/// The book's chapters that list the status JSON's fields (the list after the paragraph
+/// that starts with `` `lb status --json` ``, one `- `path`: what` item per field) and the
+/// metrics (the list under "Metric list"), from the workspace root.
+const STATUS_FIELDS_DOC: &str = "docs/src/operations/seeing-what-happens.md";
+const METRICS_DOC: &str = "docs/src/operations/metrics.md";
+
+/// Names the list has that the status of this lab cannot show (the test checks they
+/// are still named, and that nothing else is missing from the JSON).
+const STATUS_ONLY_SOMETIMES: &[&str] = &[
+    // Settings the list mentions, not fields.
+    "hot_source_share",
+    "rise",
+    "fall",
+    // Only for `forward = "gue"` VIPs.
+    "gue_port",
+    // A field of `hot_sources` entries: this lab has no hot source.
+    "share",
+];
+/// Fields the agent has that the list does not name yet: the text for them is in the
+/// Docs section of issue 39's report. Once listed, the test says to remove them here.
+const NOT_YET_LISTED: &[&str] = &[];
+/// Subtrees whose keys the list does not enumerate: the counters are the data path's
+/// counter names, `node` and `cluster` have sections of their own.
+const STATUS_SUBTREES_ELSEWHERE: &[&str] = &["counters", "node", "cluster"];
+
+/// The `` `name` `` words (JSON-key or metric shaped) of `text`.
+fn backticked_names(text: &str) -> std::collections::BTreeSet<String> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|word| {
+            !word.is_empty()
+                && word
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '*')
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// The status list's items (`` - `vips[].backends[].address`: what ``): every key of
+/// each item's path, the fields the list promises; and with them the key-shaped words
+/// its descriptions quote (sub-fields such as `latency_ms`, and values), which count as
+/// named but are not required to be in the JSON.
+fn status_list_names(
+    section: &str,
+) -> (
+    std::collections::BTreeSet<String>,
+    std::collections::BTreeSet<String>,
+) {
+    let mut paths = std::collections::BTreeSet::new();
+    for line in section.lines() {
+        let Some(path) = line.strip_prefix("- `").and_then(|rest| rest.split('`').next()) else {
+            continue;
+        };
+        for key in path.split('.') {
+            paths.insert(key.trim_end_matches("[]").to_string());
+        }
+    }
+    let mut named = backticked_names(section);
+    named.extend(paths.iter().cloned());
+    (paths, named)
+}
+
+/// The lines of `doc` (under the workspace root) from the first that `starts` to the
+/// next heading.
+fn doc_section(doc: &str, starts: impl Fn(&str) -> bool) -> String {
+    let path = lb_tests::workspace_root().join(doc);
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let section: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !starts(l))
+        .take_while({
+            let mut first = true;
+            move |l| std::mem::take(&mut first) || !l.starts_with('#')
+        })
+        .collect();
+    assert!(
+        !section.is_empty(),
+        "{}: the section the test reads is gone",
+        path.display()
+    );
+    section.join("\n")
+}
+
+/// Every key of `value`'s objects, at any depth, but inside `STATUS_SUBTREES_ELSEWHERE`.
+fn json_keys(value: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (key, v) in map {
+                out.insert(key.clone());
+                if !STATUS_SUBTREES_ELSEWHERE.contains(&key.as_str()) {
+                    json_keys(v, out);
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| json_keys(v, out)),
+        _ => {}
+    }
+}
+
+/// The status fields the documentation lists are in `status`, and every field of
+/// `status` is listed.
+fn documented_status_fields_match(status: &serde_json::Value) {
+    let section = doc_section(STATUS_FIELDS_DOC, |l| l.starts_with("`lb status --json`"));
+    let (listed, named) = status_list_names(&section);
+    let mut present = std::collections::BTreeSet::new();
+    json_keys(status, &mut present);
+    let unlisted: Vec<&String> = present
+        .difference(&named)
+        .filter(|name| !NOT_YET_LISTED.contains(&name.as_str()))
+        .collect();
+    let absent: Vec<&String> = listed
+        .difference(&present)
+        .filter(|name| !STATUS_ONLY_SOMETIMES.contains(&name.as_str()))
+        .collect();
+    assert!(
+        unlisted.is_empty() && absent.is_empty(),
+        "{STATUS_FIELDS_DOC}'s list of status fields and lb status --json differ:\n  in the \
+         JSON, not listed: {unlisted:?}\n  listed, not in the JSON: {absent:?}\nstatus:\n\
+         {status:#}"
+    );
+    for name in STATUS_ONLY_SOMETIMES {
+        assert!(
+            named.contains(*name),
+            "{name} is no longer listed: drop it from STATUS_ONLY_SOMETIMES"
+        );
+    }
+    for name in NOT_YET_LISTED {
+        assert!(
+            !named.contains(*name),
+            "{name} is listed now: drop it from NOT_YET_LISTED"
+        );
+    }
+}
+
+/// Metrics the agent exposes that the table does not list yet (the Docs section of
+/// issue 39's report has their row). Once listed, the test says to remove them here.
+const METRICS_NOT_YET_LISTED: &[&str] = &[];
+
+/// The metrics the documentation's table lists are in the exposition `body`, and every
+/// `lb_` metric of it is listed (`lb_cluster_*` stands for the cluster's, which need a
+/// `[cluster]`).
+fn documented_metrics_match(body: &str) {
+    let section = doc_section(METRICS_DOC, |l| l == "## Metric list");
+    let listed = backticked_names(&section);
+    let listed: std::collections::BTreeSet<&str> = listed
+        .iter()
+        .map(String::as_str)
+        .filter(|name| name.starts_with("lb_"))
+        .collect();
+    let prefixes: Vec<&str> = listed.iter().filter_map(|n| n.strip_suffix('*')).collect();
+    // A histogram's series carry suffixes; the family is what is listed.
+    let family = |series: &str| {
+        ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| series.strip_suffix(suffix))
+            .filter(|base| listed.contains(base))
+            .unwrap_or(series)
+            .to_string()
+    };
+    let exposed: std::collections::BTreeSet<String> = series_names(body)
+        .into_iter()
+        .filter(|n| n.starts_with("lb_"))
+        .map(family)
+        .collect();
+    let unlisted: Vec<&String> = exposed
+        .iter()
+        .filter(|n| !listed.contains(n.as_str()) && !prefixes.iter().any(|p| n.starts_with(p)))
+        .filter(|n| !METRICS_NOT_YET_LISTED.contains(&n.as_str()))
+        .collect();
+    let absent: Vec<&&str> = listed
+        .iter()
+        .filter(|n| !n.ends_with('*') && !exposed.contains(**n))
+        .collect();
+    assert!(
+        unlisted.is_empty() && absent.is_empty(),
+        "{METRICS_DOC}'s metrics table and /metrics differ:\n  exposed, not listed: \
+         {unlisted:?}\n  listed, not exposed: {absent:?}"
+    );
+    for name in METRICS_NOT_YET_LISTED {
+        assert!(
+            !listed.contains(*name),
+            "{name} is listed now: drop it from METRICS_NOT_YET_LISTED"
+        );
+    }
+}
+
 /// Every `lb_...` name in the dashboard's queries (panel targets and variables).
 fn dashboard_metrics(dashboard: &serde_json::Value) -> std::collections::BTreeSet<String> {
     fn walk(value: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
@@ -348,9 +541,13 @@ fn dashboard_metrics(dashboard: &serde_json::Value) -> std::collections::BTreeSe
 
 #[test]
 fn top_redraws_under_a_pseudo_terminal() {
-    let Some(bin) = require_e2e("top_redraws_under_a_pseudo_terminal") else {
+    let test = "top_redraws_under_a_pseudo_terminal";
+    let Some(bin) = require_e2e(test) else {
         return;
     };
+    if !lb_tests::host::require_tool(test, lb_tests::host::SCRIPT) {
+        return;
+    }
     let lab = lab_with(&bin, |lab| {
         vec![lab.vip("web", false, 80, Protocol::Tcp, lb_tests::Health::None)]
     });

@@ -681,6 +681,39 @@ fn packets_too_big_once_wrapped_are_answered_with_the_usable_mtu() {
     );
 }
 
+/// An ICMP "fragmentation needed" about a tunnelled flow that is itself too big for the
+/// tunnel is dropped (`drop_too_big`), not answered: an ICMP error never answers an ICMP
+/// error, and it is not wrapped past the MTU either.
+#[test]
+fn an_icmp_error_too_big_to_wrap_is_dropped_not_answered() {
+    with_balancer(
+        "an_icmp_error_too_big_to_wrap_is_dropped_not_answered",
+        |lb| {
+            // A router's error quoting 1462 bytes of a segment the VIP sent to the client:
+            // 1490 bytes of IP, above the 1480 a 4in4 tunnel leaves.
+            let mut quoted = ipv4_header(v4("10.0.0.100"), CLIENT4, 6, 1440, 0, true);
+            quoted.extend_from_slice(&tcp(80, CLIENT_PORT, 0)[..8]);
+            quoted.resize(1462, 0);
+            let mut icmp = vec![3, 4, 0, 0, 0, 0, 0x05, 0xdc];
+            icmp.extend(quoted);
+            let sum = checksum(&icmp);
+            icmp[2..4].copy_from_slice(&sum.to_be_bytes());
+            let mut packet =
+                ipv4_header(v4("10.0.0.254"), v4("10.0.0.100"), 1, icmp.len(), 0, true);
+            packet.extend(icmp);
+            let sent = from_client(None, &packet);
+            let ran = run(lb, &sent);
+            assert_all(vec![check(
+                "ICMP error too big for its 4in4 tunnel",
+                &ran,
+                XDP_DROP,
+                &["xdp_drop", "seen_icmp_too_big", "drop_too_big"],
+                &sent,
+            )]);
+        },
+    );
+}
+
 #[test]
 fn a_family_without_a_tunnel_source_is_dropped() {
     with_balancer("a_family_without_a_tunnel_source_is_dropped", |lb| {

@@ -29,8 +29,10 @@ const CARGO_DEB_VERSION: &str = "3.8.0";
 /// `build` is all that is used, and it installs in half the time.
 const MDBOOK_VERSION: &str = "0.5.4";
 /// Debian packages the tests and the lab call: ip, ethtool, tcpdump, bpftool, bird (the
-/// routing daemon of the ECMP/BGP test), systemd (`systemd-analyze verify` of the unit)
-/// and groff (the man pages checked).
+/// routing daemon of the ECMP/BGP test), systemd (`systemd-analyze verify` of the unit),
+/// groff (the man pages checked), setpriv (util-linux: `lb` run unprivileged), script
+/// (bsdutils: `lb top` on a pseudo-terminal) and zcat (gzip: the man pages).
+/// lb-tests' `host` module names the same packages when a tool is missing.
 const APT_PACKAGES: &[&str] = &[
     "iproute2",
     "ethtool",
@@ -39,6 +41,9 @@ const APT_PACKAGES: &[&str] = &[
     "bird2",
     "systemd",
     "groff-base",
+    "util-linux",
+    "bsdutils",
+    "gzip",
 ];
 /// Debian packages only the benchmarks use: the load generator and what lb is compared
 /// with (HAProxy) and balances to (nginx).
@@ -622,43 +627,99 @@ fn test(ctx: &Ctx, test_args: &[OsString]) -> Result<()> {
 
 /// Runs `cargo test`, passing its output through, and ends with one line that totals
 /// every test binary's `test result:` line (cargo's own last line is often the 0-test
-/// summary of a doc-test run).
+/// summary of a doc-test run). A test that could not run returns early and the harness
+/// counts it as passed; lb-tests' `skip` says so on stderr (`*** SKIPPED: name: why ***`),
+/// so those are counted here as skipped, not passed.
 fn run_tests(cmd: &mut Command) -> Result<()> {
     use std::io::{BufRead, BufReader};
     let shown = show(cmd);
     println!("xtask: $ {shown}");
     let mut child = cmd
-        .stdout(std::process::Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .with_context(|| format!("cannot start `{shown}`"))?;
-    let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+    let stderr = BufReader::new(child.stderr.take().expect("piped"));
+    // Passed through as it comes (compiler messages, skips, panics), names of skipped
+    // tests kept.
+    let skips = std::thread::spawn(move || {
+        let mut skipped = std::collections::BTreeSet::new();
+        for line in stderr.lines().map_while(Result::ok) {
+            eprintln!("{line}");
+            if let Some(name) = skipped_test(&line) {
+                skipped.insert(name.to_string());
+            }
+        }
+        skipped
+    });
+    let mut totals = Totals::default();
     for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line.context("reading cargo test's output")?;
         println!("{line}");
-        if let Some(summary) = line.strip_prefix("test result: ") {
-            // "ok. 11 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; ..."
-            for part in summary.split(['.', ';']) {
-                let mut words = part.split_whitespace();
-                if let (Some(n), Some(what)) = (words.next(), words.next()) {
-                    let n: u64 = n.parse().unwrap_or(0);
-                    match what {
-                        "passed" => passed += n,
-                        "failed" => failed += n,
-                        "ignored" => ignored += n,
-                        _ => {}
-                    }
-                }
-            }
-        }
+        totals.add(&line);
     }
     let status = child
         .wait()
         .with_context(|| format!("waiting for `{shown}`"))?;
-    println!("tests: {passed} passed, {failed} failed, {ignored} skipped");
+    let skipped = skips.join().unwrap_or_default();
+    println!("{}", totals.summary(&skipped));
     if !status.success() {
         bail!("`{shown}` failed ({status})");
     }
     Ok(())
+}
+
+/// The name of the test a line of lb-tests' `skip` names.
+fn skipped_test(line: &str) -> Option<&str> {
+    let rest = line.trim().strip_prefix("*** SKIPPED: ")?;
+    rest.split_once(": ").map(|(name, _)| name)
+}
+
+/// The sums of the harness's `test result:` lines.
+#[derive(Debug, Default, PartialEq)]
+struct Totals {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+}
+
+impl Totals {
+    /// Adds a `test result: ok. 11 passed; 0 failed; 0 ignored; ...` line (others are
+    /// left alone).
+    fn add(&mut self, line: &str) {
+        let Some(summary) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in summary.split(['.', ';']) {
+            let mut words = part.split_whitespace();
+            if let (Some(n), Some(what)) = (words.next(), words.next()) {
+                let n: u64 = n.parse().unwrap_or(0);
+                match what {
+                    "passed" => self.passed += n,
+                    "failed" => self.failed += n,
+                    "ignored" => self.ignored += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// The closing line: tests that returned early after a skip count as skipped.
+    fn summary(&self, skipped: &std::collections::BTreeSet<String>) -> String {
+        let early = skipped.len() as u64;
+        let mut line = format!(
+            "tests: {} passed, {} failed, {} skipped (could not run here), {} ignored",
+            self.passed.saturating_sub(early),
+            self.failed,
+            early,
+            self.ignored
+        );
+        if !skipped.is_empty() {
+            let names: Vec<&str> = skipped.iter().map(String::as_str).collect();
+            line.push_str(&format!("\ntests skipped: {}", names.join(", ")));
+        }
+        line
+    }
 }
 
 fn run(ctx: &Ctx, args: RunArgs) -> Result<()> {
@@ -828,4 +889,42 @@ fn warn_loud(lines: &[String]) {
         eprintln!("xtask: WARNING: {line}");
     }
     eprintln!("xtask: {bar}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn early_returning_skips_count_as_skipped_not_passed() {
+        let mut totals = Totals::default();
+        totals.add("test result: ok. 11 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s");
+        totals.add("test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured");
+        totals.add("running 3 tests");
+        assert_eq!(
+            totals,
+            Totals {
+                passed: 14,
+                failed: 2,
+                ignored: 1
+            }
+        );
+        let lines = [
+            "",
+            "*** SKIPPED: nic_doctor_fix: needs root (network namespaces, XDP) ***",
+            "*** SKIPPED: restart_adopts: no bpffs at /sys/fs/bpf and mounting one failed ***",
+            "*** SKIPPED: nic_doctor_fix: needs root (network namespaces, XDP) ***",
+            "warning: unused variable",
+        ];
+        let skipped: std::collections::BTreeSet<String> = lines
+            .iter()
+            .filter_map(|l| skipped_test(l))
+            .map(String::from)
+            .collect();
+        assert_eq!(
+            totals.summary(&skipped),
+            "tests: 12 passed, 2 failed, 2 skipped (could not run here), 1 ignored\n\
+             tests skipped: nic_doctor_fix, restart_adopts"
+        );
+    }
 }

@@ -40,7 +40,7 @@ pub use batch::{FlowReader, FlowWriter};
 pub use kernel::AyaDataplane;
 #[cfg(test)]
 pub use memory::{MemoryDataplane, Write};
-pub use pins::{RemovedPins, remove_pins};
+pub use pins::{PINNED_MAPS, RemovedPins, remove_pins};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {

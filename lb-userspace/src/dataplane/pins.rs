@@ -22,7 +22,7 @@ use super::{AttachedMode, DataplaneError, Found, LoadOptions, in_map};
 /// The name the link is pinned under, next to the maps.
 pub(super) const LINK_PIN: &str = "link";
 /// Maps pinned (shared with a restarted agent); the rest are per program instance.
-pub(super) const PINNED_MAPS: [&str; 13] = [
+pub const PINNED_MAPS: [&str; 13] = [
     MAP_VIPS,
     MAP_VIP_SLOTS,
     MAP_MAGLEV,
