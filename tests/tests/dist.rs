@@ -33,7 +33,7 @@ fn unpacked(test: &str) -> Option<(PathBuf, tempfile::TempDir)> {
         return None;
     };
     if !lb_tests::host::require_tool(test, lb_tests::host::ZCAT) {
-        return;
+        return None;
     }
     let root = tempfile::tempdir().unwrap();
     run(Command::new("dpkg").arg("-x").arg(&deb).arg(root.path()));
