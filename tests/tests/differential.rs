@@ -730,8 +730,8 @@ fn can_run(test: &str) -> bool {
 }
 
 #[test]
-fn the_program_and_lb_commons_decision_agree_on_random_frames_and_maps() {
-    if !can_run("the_program_and_lb_commons_decision_agree_on_random_frames_and_maps") {
+fn differential_the_program_and_lb_common_decide_agree_on_random_frames() {
+    if !can_run("differential_the_program_and_lb_common_decide_agree_on_random_frames") {
         return;
     }
     let frames = setting(
