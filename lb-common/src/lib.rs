@@ -3,13 +3,16 @@
 //! Everything that lives in BPF map memory is `#[repr(C)]` with its padding written out,
 //! `Pod`, and has its size asserted, so both sides agree on every byte. The flow hash is
 //! here too: the agent predicts where a flow goes (`lb explain`) with the very function
-//! the kernel runs, and so is what a connection-table entry decides (`flow`).
+//! the kernel runs, and so is the whole decision order of a packet (`decide`, over what
+//! a connection-table entry decides, `flow`): the kernel, `lb explain` and the
+//! differential test run the one function.
 #![cfg_attr(not(any(feature = "std", test)), no_std)]
 
 #[cfg(feature = "user")]
 pub mod maglev;
 
 pub mod addr;
+pub mod decide;
 pub mod flow;
 mod hash;
 pub use hash::{FlowTuple, finish as fmix32, flow_hash, stable_hash64, table_hash};

@@ -17,18 +17,23 @@ mod too_big;
 
 #[cfg(target_arch = "bpf")]
 mod program {
+    use core::{
+        ops::{Deref, DerefMut},
+        ptr::NonNull,
+    };
+
     use aya_ebpf::{
-        bindings::xdp_action,
         helpers::{bpf_xdp_get_buff_len, bpf_xdp_load_bytes},
         macros::xdp,
         maps::PerCpuArray,
         programs::XdpContext,
     };
     use lb_common::{
-        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, FORWARD_L2, FlowKey, PROTO_UDP,
-        RateWindow, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
-        flow::{self, Lookup},
-        maglev_slot, stat, table_hash,
+        BACKEND_NONE, BackendInfo, CAPTURE_BYTES, CaptureRecord, Embryo, FORWARD_L2, FlowEntry,
+        FlowKey, FlowTuple, RateWindow, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
+        decide::{Choice, Packet, Tables, Verdict, decide},
+        flow::Lookup,
+        stat,
     };
 
     use crate::maps::{
@@ -36,7 +41,7 @@ mod program {
         LB_FLOOD, LB_MAGLEV, LB_SCRATCH, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source,
         count_traffic, export_flow, hot_source,
     };
-    use crate::parse::{Packet, Verdict, ethernet, parse};
+    use crate::parse::{ethernet, parse};
     use crate::{encap, too_big};
 
     /// Slots per VIP table; set by the agent at load time (`lb_common::GLOBAL_MAGLEV_SIZE`).
@@ -80,257 +85,161 @@ mod program {
         verdict.action
     }
 
-    /// `Ok` when forwarded (XDP_TX); `Err` for everything else, with its reason.
-    ///
-    /// A packet that is not a SYN follows its connection-table entry while the entry's
-    /// backend still serves flows (and, for UDP, while the entry is not idle-expired, for
-    /// TCP while no SYN reused its tuple).
-    /// State is made only for flows seen twice: a flow's first packet (always a SYN)
-    /// takes the VIP's Maglev table and is remembered in the embryonic table; its second
-    /// packet goes where the first went and enters the flow into the connection table
-    /// (a RST never creates an entry). An entry whose backend no longer serves it is
-    /// re-written to the table's choice.
+    /// `Ok` when forwarded (XDP_TX); `Err` for everything else, with its reason. Where
+    /// a packet goes is `lb_common::decide`'s, which `lb explain` and the differential
+    /// test run too; this program only parses and sends.
     #[inline(always)]
-    // Keys go to the maps by reference: by value, each call copies them again on the stack.
-    #[allow(clippy::needless_borrows_for_generic_args)]
     fn balance(ctx: &XdpContext, stats: &Stats) -> Result<Verdict, Verdict> {
         let packet = parse(ctx)?;
         // One place that sends: `forward` (and the tunnels' code it calls) inlined once,
         // not at every decision.
-        let choice = choose(ctx, stats, &packet)?;
+        let choice = decide(&Kernel { ctx, stats }, &packet)?;
         forward(ctx, stats, &packet, &choice)
     }
 
-    /// Where a VIP packet goes, and what it does to the tables on the way.
-    #[derive(Clone, Copy)]
-    struct Choice {
-        vip_id: u32,
-        backend_id: u32,
-        new_flow: bool,
+    /// What `lb_common::decide` reads and writes: this program's maps, globals and
+    /// per-CPU state.
+    struct Kernel<'a> {
+        ctx: &'a XdpContext,
+        stats: &'a Stats,
     }
 
-    /// `balance`'s decision for a parsed packet: `Ok` to forward, `Err` for everything
-    /// else, with its reason.
-    #[inline(always)]
+    /// An element of a map, read and written in place.
+    struct InMap<T>(NonNull<T>);
+
+    impl<T> InMap<T> {
+        #[inline(always)]
+        fn new(element: *mut T) -> Option<Self> {
+            NonNull::new(element).map(Self)
+        }
+    }
+
+    impl<T> Deref for InMap<T> {
+        type Target = T;
+        #[inline(always)]
+        fn deref(&self) -> &T {
+            unsafe { self.0.as_ref() }
+        }
+    }
+
+    impl<T> DerefMut for InMap<T> {
+        #[inline(always)]
+        fn deref_mut(&mut self) -> &mut T {
+            unsafe { self.0.as_mut() }
+        }
+    }
+
+    impl Lookup for Kernel<'_> {
+        #[inline(always)]
+        fn backend(&self, id: u32) -> Option<&BackendInfo> {
+            LB_BACKENDS.get(id)
+        }
+
+        #[inline(always)]
+        fn udp_idle_ns(&self) -> u64 {
+            read(&UDP_IDLE_NS)
+        }
+    }
+
+    // Keys go to the maps by reference: by value, each call copies them again on the stack.
     #[allow(clippy::needless_borrows_for_generic_args)]
-    fn choose(ctx: &XdpContext, stats: &Stats, packet: &Packet) -> Result<Choice, Verdict> {
-        let vip_key = VipKey {
-            addr: packet.dst_addr,
-            port: packet.dst_port_be,
-            proto: packet.proto,
-            family: packet.family,
-        };
-        // Most traffic of a host is not for a VIP: one array read and a key compare
-        // send it on, before any hash-map lookup.
-        let Some(vip) = vip_of(&vip_key) else {
-            return Err(Verdict::pass(stat::PASS_NOT_VIP));
-        };
-        let cpu = Cpu::get();
-        // Coarse time: entries age in seconds.
-        let now = cpu.now_ns();
+    impl Tables for Kernel<'_> {
+        type Entry = InMap<FlowEntry>;
+        type Embryo = InMap<Embryo>;
+
+        #[inline(always)]
+        fn vip(&self, key: &VipKey) -> Option<VipInfo> {
+            vip_of(key)
+        }
+
+        #[inline(always)]
+        fn now_ns(&self) -> u64 {
+            Cpu::get().now_ns()
+        }
+
         // Built in this CPU's scratch slot, not on the stack: the balancer and the
         // tunnels' functions share 512 bytes of stack.
-        let Some(scratch) = LB_SCRATCH.get_ptr_mut(0) else {
-            return Err(Verdict::pass(stat::PASS_NOT_VIP));
-        };
-        let flow_key = unsafe { &mut (*scratch).key };
-        *flow_key = FlowKey {
-            src: packet.src_addr,
-            dst: packet.dst_addr,
-            src_port: packet.src_port_be,
-            dst_port: packet.dst_port_be,
-            proto: packet.proto,
-            family: packet.family,
-            _pad: [0; 2],
-        };
-        let flow_key: &FlowKey = flow_key;
-        // A SYN reads no entry (the lookup would be most of what a spoofed SYN costs): it
-        // takes the table, and an entry an earlier connection left on its tuple gives way
-        // at the new connection's next packet (`flow::follow`'s `CT_REUSED`).
-        let entry = if packet.syn {
-            None
-        } else {
-            LB_CONNTRACK.get_ptr_mut(flow_key)
-        };
-        if packet.icmp_too_big {
-            // To where the flow's packets go, without touching its entry: an error is
-            // not a packet of the flow. TCP: the entry's backend, else the table's; the
-            // backend's kernel checks the quoted sequence number, so a forged error
-            // cannot touch a connection. UDP: only a live entry's, or the backend the
-            // embryonic table remembers for the flow's first datagram (a flow of one
-            // request has no entry); nothing checks a UDP error, so it must at least name
-            // a flow seen.
-            let held = match entry {
-                Some(entry) => flow::held(&Maps, unsafe { &*entry }, packet.proto, vip.vip_id, now),
-                None => {
-                    let (index, tag) = flow::embryo_place(flow_key);
-                    LB_EMBRYONIC
-                        .get(index)
-                        .and_then(|embryo| flow::remembered(&Maps, embryo, tag, vip.vip_id))
-                }
-            };
-            let backend_id = match held {
-                Some(held) => held,
-                None if packet.proto == PROTO_UDP => {
-                    return Err(Verdict::pass(stat::PASS_OTHER_PROTO));
-                }
-                None => table_choice(packet, &vip)?,
-            };
-            stats.count(stat::SEEN_ICMP_TOO_BIG);
-            return Ok(Choice {
-                vip_id: vip.vip_id,
-                backend_id,
-                new_flow: false,
-            });
-        }
-        let udp = packet.proto == PROTO_UDP;
-        let mut miss = if packet.syn {
-            stat::CT_MISS_SYN
-        } else if udp {
-            stat::CT_MISS_UDP
-        } else {
-            stat::CT_MISS_NON_SYN
-        };
-        if let Some(entry) = entry {
-            let entry = unsafe { &mut *entry };
-            // Asked only of an entry idle past a second or closing.
-            let syn_since = || {
-                let (index, tag) = flow::embryo_place(flow_key);
-                LB_EMBRYONIC
-                    .get(index)
-                    .is_some_and(|embryo| flow::syn_since(embryo, tag))
-            };
-            match flow::follow(
-                &Maps,
-                entry,
-                packet.proto,
-                packet.closing(),
-                vip.vip_id,
-                now,
-                syn_since,
-            ) {
-                Ok(backend_id) => {
-                    stats.count(stat::CT_HIT);
-                    return Ok(Choice {
-                        vip_id: vip.vip_id,
-                        backend_id,
-                        new_flow: false,
-                    });
-                }
-                Err(reason) => miss = reason,
+        #[inline(always)]
+        fn flow_key(&self, packet: &Packet) -> Option<&FlowKey> {
+            let scratch = LB_SCRATCH.get_ptr_mut(0)?;
+            unsafe {
+                (*scratch).key = packet.flow_key();
+                Some(&(*scratch).key)
             }
         }
-        let (embryo_index, tag) = flow::embryo_place(flow_key);
-        let embryo = LB_EMBRYONIC.get_ptr_mut(embryo_index);
-        // The second packet of a flow the connection table does not hold, whose first
-        // packet the embryonic table remembers (a handshake's ACK, a UDP flow's second
-        // datagram): the flow is real, and enters the connection table with the backend
-        // its first packet took. A flood of random tuples never gets here.
-        if !packet.syn && entry.is_none() {
-            let remembered = embryo
-                .and_then(|embryo| flow::remembered(&Maps, unsafe { &*embryo }, tag, vip.vip_id));
-            if let Some(backend_id) = remembered {
-                stats.count(stat::CT_PROMOTED);
-                if !udp {
-                    sample_source(&cpu, vip.vip_id, packet);
-                }
-                // A RST ends the flow: it goes where the SYN went, and makes no entry.
-                if !packet.rst && may_insert(stats, now) {
-                    let fresh = flow::entry_for(backend_id, packet.closing(), now);
-                    if LB_CONNTRACK.insert(flow_key, &fresh, 0).is_ok() {
-                        stats.count(stat::CT_CREATED);
-                        // A new entry: the cluster's peers learn it from here.
-                        export_flow(stats, flow_key, &fresh);
-                    }
-                    // The entry is newer than the SYN now.
-                    if let Some(embryo) = embryo {
-                        unsafe { (*embryo).flags = 0 };
-                    }
-                }
-                return Ok(Choice {
-                    vip_id: vip.vip_id,
-                    backend_id,
-                    new_flow: false,
-                });
-            }
-        }
-        stats.count(miss);
-        if miss == stat::CT_MISS_NON_SYN {
-            capture(ctx, stats, now);
-        }
-        let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
-        // An entry that gives way (reused, or its backend gone) to a connection whose SYN
-        // came since: that connection goes where its SYN went.
-        let syn_since = entry.is_some()
-            && embryo.is_some_and(|embryo| flow::syn_since(unsafe { &*embryo }, tag));
-        let reused_to = match embryo {
-            Some(embryo) if syn_since => {
-                flow::remembered(&Maps, unsafe { &*embryo }, tag, vip.vip_id)
-            }
-            _ => None,
-        };
-        let backend_id = match reused_to {
-            Some(choice) => choice,
-            None => table_choice(packet, &vip)?,
-        };
-        match entry {
-            // A first packet (a SYN, a new UDP flow, an ACK of a flow the connection table
-            // lost) is remembered for the flow's second packet, and makes no entry: a flood
-            // of spoofed first packets costs no established flow its entry. A RST ends a
-            // flow: it is never remembered.
-            None => {
-                if !packet.rst
-                    && let Some(embryo) = embryo
-                {
-                    unsafe { *embryo = flow::embryo_for(tag, backend_id, packet.syn) };
-                    stats.count(stat::CT_EMBRYONIC);
-                }
-            }
-            // A flow the table holds, whose backend no longer serves it, an idle UDP flow,
-            // or a reused tuple's new connection: a real flow, re-written to its backend,
-            // in place when the backend is the entry's, else through the map (a pointer
-            // into the LRU may meanwhile name a node recycled for another flow).
-            Some(entry) => {
-                let fresh = flow::entry_for(backend_id, packet.closing(), now);
-                if unsafe { (*entry).backend_id } == backend_id {
-                    unsafe { *entry = fresh };
-                    stats.count(stat::CT_CREATED);
-                } else if may_insert(stats, now) && LB_CONNTRACK.insert(flow_key, &fresh, 0).is_ok()
-                {
-                    stats.count(stat::CT_CREATED);
-                    // Another backend for the flow: the peers learn that too.
-                    export_flow(stats, flow_key, &fresh);
-                }
-                if let Some(embryo) = embryo
-                    && syn_since
-                {
-                    unsafe { (*embryo).flags = 0 };
-                }
-            }
+        #[inline(always)]
+        fn flow(&self, key: &FlowKey) -> Option<InMap<FlowEntry>> {
+            InMap::new(LB_CONNTRACK.get_ptr_mut(key)?)
         }
-        // A UDP flow counts for its source at its first datagram (many send only one);
-        // a TCP flow at its handshake's ACK, above.
-        if udp && new_flow {
-            sample_source(&cpu, vip.vip_id, packet);
-        }
-        Ok(Choice {
-            vip_id: vip.vip_id,
-            backend_id,
-            new_flow,
-        })
-    }
 
-    /// Counts a new flow for its client source (heavy hitters), sampled: one new flow in
-    /// SOURCE_SAMPLE is counted, with that weight, so most new flows skip the map. A TCP
-    /// flow counts once its handshake completes, so spoofed SYNs, which would each insert a
-    /// new source into the map, neither cost that nor crowd the real sources out.
-    #[inline(always)]
-    fn sample_source(cpu: &Cpu, vip_id: u32, packet: &Packet) {
-        let sample = read(&SOURCE_SAMPLE).max(1);
-        if cpu.one_in(sample) {
-            let weight = sample as u64;
-            count_source(vip_id, packet.src_addr, packet.family, weight);
+        #[inline(always)]
+        fn embryo(&self, index: u32) -> Option<InMap<Embryo>> {
+            InMap::new(LB_EMBRYONIC.get_ptr_mut(index)?)
+        }
+
+        #[inline(always)]
+        fn flow_tuple(&self, packet: &Packet) -> Option<&FlowTuple> {
+            let scratch = LB_SCRATCH.get_ptr_mut(0)?;
+            unsafe {
+                (*scratch).tuple = packet.flow_tuple();
+                Some(&(*scratch).tuple)
+            }
+        }
+
+        #[inline(always)]
+        fn is_hot_source(&self, vip_id: u32, packet: &Packet) -> bool {
+            hot_source(vip_id, packet.src_addr, packet.family)
+        }
+
+        #[inline(always)]
+        fn maglev_size(&self) -> u32 {
+            read(&MAGLEV_SIZE)
+        }
+
+        #[inline(always)]
+        fn maglev(&self, vip: &VipInfo, table_size: u32, slot: u32) -> u32 {
+            let index = vip.table_base(table_size) + slot;
+            LB_MAGLEV.get(index).copied().unwrap_or(BACKEND_NONE)
+        }
+
+        #[inline(always)]
+        fn count(&self, stat: u32) {
+            self.stats.count(stat);
+        }
+
+        #[inline(always)]
+        fn insert_allowed(&self, now: u64) -> bool {
+            let limit = read(&CT_INSERT_LIMIT);
+            limit == 0 || within_rate(&LB_FLOOD, limit, now)
+        }
+
+        #[inline(always)]
+        fn insert_flow(&self, key: &FlowKey, entry: &FlowEntry) -> bool {
+            LB_CONNTRACK.insert(key, entry, 0).is_ok()
+        }
+
+        #[inline(always)]
+        fn export_flow(&self, key: &FlowKey, entry: &FlowEntry) {
+            export_flow(self.stats, key, entry);
+        }
+
+        /// Counted for heavy hitters, sampled: one new flow in SOURCE_SAMPLE is counted,
+        /// with that weight, so most new flows skip the map. A TCP flow counts once its
+        /// handshake completes, so spoofed SYNs, which would each insert a new source
+        /// into the map, neither cost that nor crowd the real sources out.
+        #[inline(always)]
+        fn new_source(&self, vip_id: u32, packet: &Packet) {
+            let sample = read(&SOURCE_SAMPLE).max(1);
+            if Cpu::get().one_in(sample) {
+                let weight = sample as u64;
+                count_source(vip_id, packet.src_addr, packet.family, weight);
+            }
+        }
+
+        #[inline(always)]
+        fn capture(&self, now: u64) {
+            capture(self.ctx, self.stats, now);
         }
     }
 
@@ -372,52 +281,6 @@ mod program {
         unsafe { LB_VIPS.get(key) }.copied()
     }
 
-    /// The backend the VIP's Maglev table gives the packet's flow. A hot source of a
-    /// src-ip VIP with hot sources is hashed per connection (`lb_common::table_hash`).
-    #[inline(always)]
-    fn table_choice(packet: &Packet, vip: &VipInfo) -> Result<u32, Verdict> {
-        match table_backend(packet, vip) {
-            BACKEND_NONE => Err(Verdict::drop(stat::DROP_NO_BACKEND)),
-            id => Ok(id),
-        }
-    }
-
-    /// `table_choice`'s lookup, `BACKEND_NONE` for none.
-    #[inline(always)]
-    fn table_backend(packet: &Packet, vip: &VipInfo) -> u32 {
-        let table_size = read(&MAGLEV_SIZE);
-        let Some(scratch) = LB_SCRATCH.get_ptr_mut(0) else {
-            return BACKEND_NONE;
-        };
-        let tuple = unsafe { &mut (*scratch).tuple };
-        *tuple = packet.flow_tuple();
-        let (hash, spread) = table_hash(tuple, vip.flags, || {
-            hot_source(vip.vip_id, packet.src_addr, packet.family)
-        });
-        if spread {
-            // Rare (hot sources only): the counters are looked up again rather than
-            // passed through every caller.
-            Stats::get().count(stat::HOT_SOURCE_SPREAD);
-        }
-        let table_slot = vip.table_base(table_size) + maglev_slot(hash, table_size);
-        LB_MAGLEV.get(table_slot).copied().unwrap_or(BACKEND_NONE)
-    }
-
-    /// What `lb_common::flow`'s decisions read: this program's maps and globals.
-    struct Maps;
-
-    impl Lookup for Maps {
-        #[inline(always)]
-        fn backend(&self, id: u32) -> Option<&BackendInfo> {
-            LB_BACKENDS.get(id)
-        }
-
-        #[inline(always)]
-        fn udp_idle_ns(&self) -> u64 {
-            read(&UDP_IDLE_NS)
-        }
-    }
-
     /// Sends the frame to `backend`: its MAC as destination, ours as source, and counts
     /// it for the VIP and the backend. A tunnelled backend's frame is first wrapped in
     /// the outer headers (`encap`), or answered when it would then be too big.
@@ -432,6 +295,7 @@ mod program {
             vip_id,
             backend_id,
             new_flow,
+            ..
         } = *choice;
         // Read where it is, not copied: each decision above passes on only the id.
         let Some(backend) = LB_BACKENDS.get(backend_id) else {
@@ -449,10 +313,7 @@ mod program {
                 stat::TX_IPIP | stat::TX_GUE => stats.count(outcome),
                 // The frame is the answer now, to the client.
                 stat::TX_ICMP_TOO_BIG => {
-                    return Err(Verdict {
-                        action: xdp_action::XDP_TX,
-                        reason: outcome,
-                    });
+                    return Err(Verdict::tx(outcome));
                 }
                 _ => return Err(Verdict::drop(outcome)),
             }
@@ -476,10 +337,7 @@ mod program {
         if packet.ipv4_options {
             stats.count(stat::SEEN_IPV4_OPTIONS);
         }
-        Ok(Verdict {
-            action: xdp_action::XDP_TX,
-            reason: stat::XDP_TX,
-        })
+        Ok(Verdict::tx(stat::XDP_TX))
     }
 
     /// Copies the frame's first `CAPTURE_BYTES` to the debug capture, at most
@@ -535,19 +393,6 @@ mod program {
         }
         window.events += 1;
         true
-    }
-
-    /// The flood guard: at most `CT_INSERT_LIMIT` inserts per second on this CPU, so even
-    /// a flood of complete handshakes (or of each spoofed tuple sent twice) turns the LRU
-    /// over slowly.
-    #[inline(always)]
-    fn may_insert(stats: &Stats, now: u64) -> bool {
-        let limit = read(&CT_INSERT_LIMIT);
-        if limit == 0 || within_rate(&LB_FLOOD, limit, now) {
-            return true;
-        }
-        stats.count(stat::CT_INSERT_SKIPPED);
-        false
     }
 
     /// The whole frame's length: with multi-buffer frames `data_end` ends the first

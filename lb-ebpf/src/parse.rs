@@ -21,8 +21,9 @@
 
 use aya_ebpf::programs::XdpContext;
 use core::mem::size_of;
+pub use lb_common::decide::{Packet, Verdict};
 use lb_common::{
-    ADDR_FAMILY_V4, ADDR_FAMILY_V6, FlowTuple, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, stat,
+    ADDR_FAMILY_V4, ADDR_FAMILY_V6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, stat,
 };
 use network_types::{
     eth::EthHdr,
@@ -46,94 +47,6 @@ const ICMPV6_TOO_BIG: u8 = 2;
 /// An ICMP error's header (type, code, checksum, and 4 bytes: the MTU for ours) before
 /// the packet it quotes.
 const ICMP_HDR_LEN: usize = 8;
-
-/// Why a packet is not forwarded: the XDP action and the counter that says why.
-#[derive(Clone, Copy)]
-pub struct Verdict {
-    pub action: u32,
-    pub reason: u32,
-}
-
-impl Verdict {
-    pub const fn pass(reason: u32) -> Self {
-        Self {
-            action: aya_ebpf::bindings::xdp_action::XDP_PASS,
-            reason,
-        }
-    }
-    pub const fn drop(reason: u32) -> Self {
-        Self {
-            action: aya_ebpf::bindings::xdp_action::XDP_DROP,
-            reason,
-        }
-    }
-}
-
-/// A parsed packet that may be for a VIP.
-pub struct Packet {
-    /// The addresses as they sit in the packet (IPv4: first 4 bytes, the rest zero).
-    pub src_addr: [u8; 16],
-    pub dst_addr: [u8; 16],
-    /// `ADDR_FAMILY_V4` or `ADDR_FAMILY_V6`.
-    pub family: u8,
-    /// `PROTO_TCP` or `PROTO_UDP`.
-    pub proto: u8,
-    /// Network order, as in the packet.
-    pub src_port_be: u16,
-    pub dst_port_be: u16,
-    /// A TCP SYN without ACK: a connection attempt.
-    pub syn: bool,
-    /// A TCP RST: never creates a connection-table entry.
-    pub rst: bool,
-    /// A TCP FIN: the client is closing.
-    pub fin: bool,
-    pub vlan: bool,
-    pub ipv4_options: bool,
-    /// An ICMP "fragmentation needed" / ICMPv6 "packet too big" about this flow: the
-    /// addresses and ports are those of the flow it quotes, client to VIP.
-    pub icmp_too_big: bool,
-}
-
-impl Packet {
-    /// A TCP FIN or RST: the client is closing (or aborting) the connection.
-    #[inline(always)]
-    pub fn closing(&self) -> bool {
-        self.fin || self.rst
-    }
-
-    /// A packet of the flow from `src_addr` to `dst_addr` (ports in network order), no
-    /// flag set.
-    #[inline(always)]
-    fn of_flow(
-        (src_addr, dst_addr): ([u8; 16], [u8; 16]),
-        (family, proto): (u8, u8),
-        (src_port_be, dst_port_be): (u16, u16),
-    ) -> Self {
-        Packet {
-            src_addr,
-            dst_addr,
-            family,
-            proto,
-            src_port_be,
-            dst_port_be,
-            syn: false,
-            rst: false,
-            fin: false,
-            vlan: false,
-            ipv4_options: false,
-            icmp_too_big: false,
-        }
-    }
-
-    /// The fields the flow hash takes, in host order. Built only when a packet is
-    /// balanced by the table: an established flow's packets never need it.
-    #[inline(always)]
-    pub fn flow_tuple(&self) -> FlowTuple {
-        let ports = (self.src_port_be, self.dst_port_be);
-        let addresses = (&self.src_addr, &self.dst_addr);
-        FlowTuple::of_map(addresses, ports, self.proto, self.family)
-    }
-}
 
 /// A pointer to a `T` at `offset` bytes into the frame, if the frame is long enough.
 #[inline(always)]

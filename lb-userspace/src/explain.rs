@@ -7,9 +7,9 @@ use std::{
 };
 
 use lb_common::{
-    BACKEND_NONE, BackendInfo, FlowKey, FlowTuple, SourceKey, VIP_F_HOT_SOURCES,
-    flow::{self, Lookup},
-    maglev_slot, table_hash,
+    BACKEND_NONE, FlowKey, FlowTuple, SourceKey, VIP_F_HOT_SOURCES, VipInfo,
+    decide::{Packet, Source, memory::MemoryTables},
+    flow, maglev_slot, table_hash,
 };
 use serde::{Deserialize, Serialize};
 
@@ -223,17 +223,32 @@ pub struct View<'a> {
     pub flow_idle: Duration,
 }
 
-/// What the program's decisions read, as the agent writes it: `LB_BACKENDS` is the
-/// desired tables' backends, the UDP idle time the configured flow idle time.
-impl Lookup for View<'_> {
-    fn backend(&self, id: u32) -> Option<&BackendInfo> {
-        self.desired.backends.get(&id).map(|b| &b.info)
+/// What the program's decisions read, as the agent writes it (`LB_VIPS`,
+/// `LB_BACKENDS`, `LB_MAGLEV`: the desired tables; the UDP idle time: the configured
+/// flow idle time), for `lb_common::decide`; the connection, embryonic and hot-source
+/// tables are the caller's to fill from what it reads of the data path.
+pub fn decision_tables(desired: &Desired, flow_idle: Duration, now_ns: u64) -> MemoryTables {
+    let mut tables = MemoryTables::default();
+    for vip in &desired.vips {
+        let info = VipInfo {
+            vip_id: vip.vip_id,
+            generation: 0,
+            flags: vip.flags,
+            _pad: 0,
+        };
+        tables.vips.insert(vip.key, info);
+        tables.maglev.insert(vip.vip_id, vip.table.clone());
+        tables.maglev_size = vip.table.len() as u32;
     }
-
-    fn udp_idle_ns(&self) -> u64 {
-        // As the loader sets `GLOBAL_UDP_IDLE_NS`.
-        self.flow_idle.as_nanos().min(u64::MAX as u128) as u64
-    }
+    tables.backends = desired
+        .backends
+        .iter()
+        .map(|(id, b)| (*id, b.info))
+        .collect();
+    // As the loader sets `GLOBAL_UDP_IDLE_NS`.
+    tables.udp_idle_ns = flow_idle.as_nanos().min(u64::MAX as u128) as u64;
+    tables.now_ns = now_ns;
+    tables
 }
 
 pub fn explain(
@@ -283,29 +298,28 @@ pub fn explain(
     let key = flow_key(&target, request.source);
     let entry = view.dataplane.flow(&key)?;
     let idle_ns = entry.map(|e| flow::age(&e, now_ns));
-    // What the program does with the next non-SYN packet (neither FIN nor RST): follow
-    // the entry, decided by the program's own code, else the table. On a copy: explain
-    // writes nothing.
-    let (index, tag) = flow::embryo_place(&key);
-    let embryo = view.dataplane.embryo(index)?;
-    let followed = entry.map(|mut e| {
-        let proto = target.protocol.number();
-        flow::follow(view, &mut e, proto, false, vip.id, now_ns, || {
-            flow::syn_since(&embryo, tag)
-        })
-    });
-    // No entry, or one that gives way to a connection whose SYN came since: the backend
-    // the flow's first packet took, if the embryonic table still remembers it, as the
-    // program decides.
-    let remembered = match followed {
-        None => flow::remembered(view, &embryo, tag, vip.id),
-        Some(Err(_)) if flow::syn_since(&embryo, tag) => {
-            flow::remembered(view, &embryo, tag, vip.id)
-        }
-        Some(_) => None,
-    };
-    let followed = followed.and_then(Result::ok);
-    let next_id = followed.or(remembered).unwrap_or(table_id);
+    // What the program does with the flow's next packet that is not a SYN (neither FIN
+    // nor RST), decided by the program's own code over the tables as they are. On a
+    // copy: explain writes nothing.
+    let mut tables = decision_tables(view.desired, view.flow_idle, now_ns);
+    tables.set_flow(&key, entry);
+    let (index, _) = flow::embryo_place(&key);
+    tables.set_embryo(index, view.dataplane.embryo(index)?);
+    let packet = Packet::of_flow(
+        (key.src, key.dst),
+        (key.family, key.proto),
+        (key.src_port, key.dst_port),
+    );
+    if hot_source {
+        let source = SourceKey::new(vip.id, packet.src_addr, packet.family);
+        tables.hot_sources.insert(source);
+    }
+    let next = tables.decide(&packet).ok();
+    let next_id = next.map_or(BACKEND_NONE, |choice| choice.backend_id);
+    // The backend the flow's first packet took, where the next packet goes for it.
+    let remembered = next
+        .filter(|choice| choice.by == Source::Embryo)
+        .map(|choice| choice.backend_id);
     let next_hop = vip.backends.iter().find(|b| b.id == next_id).and_then(|b| {
         Some(NextHop {
             address: b.next_hop?.to_string(),

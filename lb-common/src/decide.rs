@@ -1,0 +1,993 @@
+//! The kernel's decision order, written once: which backend a parsed packet goes to,
+//! and what it does to the connection and embryonic tables on the way. The XDP program
+//! runs `decide` on every packet over its maps; `lb explain` runs it over what the agent
+//! reads of them; the differential test (`tests/tests/differential.rs`) runs it against
+//! the program through BPF_PROG_TEST_RUN. So the three cannot disagree.
+//!
+//! `decide` reads and writes only through `Tables`, whose methods are called only where
+//! the decision needs them: the kernel does no lookup it did not do before. Tables hand
+//! out entries as handles (`Tables::Entry`): the kernel's are pointers into its maps,
+//! written in place; `lb explain`'s are copies, so explaining writes nothing.
+
+use core::ops::DerefMut;
+
+use crate::{
+    BACKEND_NONE, Embryo, FlowEntry, FlowKey, FlowTuple, PROTO_UDP, VipInfo, VipKey,
+    flow::{self, Lookup},
+    maglev_slot, stat, table_hash,
+};
+
+/// A parsed packet that may be for a VIP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Packet {
+    /// The addresses as they sit in the packet (IPv4: first 4 bytes, the rest zero).
+    pub src_addr: [u8; 16],
+    pub dst_addr: [u8; 16],
+    /// `ADDR_FAMILY_V4` or `ADDR_FAMILY_V6`.
+    pub family: u8,
+    /// `PROTO_TCP` or `PROTO_UDP`.
+    pub proto: u8,
+    /// Network order, as in the packet.
+    pub src_port_be: u16,
+    pub dst_port_be: u16,
+    /// A TCP SYN without ACK: a connection attempt.
+    pub syn: bool,
+    /// A TCP RST: never creates a connection-table entry.
+    pub rst: bool,
+    /// A TCP FIN: the client is closing.
+    pub fin: bool,
+    pub vlan: bool,
+    pub ipv4_options: bool,
+    /// An ICMP "fragmentation needed" / ICMPv6 "packet too big" about this flow: the
+    /// addresses and ports are those of the flow it quotes, client to VIP.
+    pub icmp_too_big: bool,
+}
+
+impl Packet {
+    /// A packet of the flow from `src_addr` to `dst_addr` (ports in network order), no
+    /// flag set.
+    #[inline(always)]
+    pub fn of_flow(
+        (src_addr, dst_addr): ([u8; 16], [u8; 16]),
+        (family, proto): (u8, u8),
+        (src_port_be, dst_port_be): (u16, u16),
+    ) -> Self {
+        Packet {
+            src_addr,
+            dst_addr,
+            family,
+            proto,
+            src_port_be,
+            dst_port_be,
+            syn: false,
+            rst: false,
+            fin: false,
+            vlan: false,
+            ipv4_options: false,
+            icmp_too_big: false,
+        }
+    }
+
+    /// A TCP FIN or RST: the client is closing (or aborting) the connection.
+    #[inline(always)]
+    pub fn closing(&self) -> bool {
+        self.fin || self.rst
+    }
+
+    /// The fields the flow hash takes, in host order. Built only when a packet is
+    /// balanced by the table: an established flow's packets never need it.
+    #[inline(always)]
+    pub fn flow_tuple(&self) -> FlowTuple {
+        let ports = (self.src_port_be, self.dst_port_be);
+        let addresses = (&self.src_addr, &self.dst_addr);
+        FlowTuple::of_map(addresses, ports, self.proto, self.family)
+    }
+
+    /// The packet's connection-table key.
+    #[inline(always)]
+    pub fn flow_key(&self) -> FlowKey {
+        FlowKey {
+            src: self.src_addr,
+            dst: self.dst_addr,
+            src_port: self.src_port_be,
+            dst_port: self.dst_port_be,
+            proto: self.proto,
+            family: self.family,
+            _pad: [0; 2],
+        }
+    }
+
+    /// The key of the VIP the packet is sent to, if it is one.
+    #[inline(always)]
+    pub fn vip_key(&self) -> VipKey {
+        VipKey {
+            addr: self.dst_addr,
+            port: self.dst_port_be,
+            proto: self.proto,
+            family: self.family,
+        }
+    }
+}
+
+/// What happens to a packet: the XDP action (`stat::XDP_*`, the kernel's codes) and the
+/// counter that says why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    pub action: u32,
+    pub reason: u32,
+}
+
+impl Verdict {
+    #[inline(always)]
+    pub const fn pass(reason: u32) -> Self {
+        Self {
+            action: stat::XDP_PASS,
+            reason,
+        }
+    }
+
+    #[inline(always)]
+    pub const fn drop(reason: u32) -> Self {
+        Self {
+            action: stat::XDP_DROP,
+            reason,
+        }
+    }
+
+    #[inline(always)]
+    pub const fn tx(reason: u32) -> Self {
+        Self {
+            action: stat::XDP_TX,
+            reason,
+        }
+    }
+}
+
+/// Where a VIP packet goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub vip_id: u32,
+    pub backend_id: u32,
+    /// Counted as a new flow of the VIP and the backend: a SYN, or a UDP datagram with
+    /// no live entry that is not its flow's second.
+    pub new_flow: bool,
+    /// What decided the backend (for `lb explain`; the kernel does not look).
+    pub by: Source,
+}
+
+/// What decided a packet's backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The flow's connection-table entry.
+    Entry,
+    /// The embryonic table: the backend the flow's first packet took.
+    Embryo,
+    /// The VIP's Maglev table.
+    Table,
+}
+
+/// What `decide` reads and writes: in the kernel, the program's maps, load-time globals
+/// and per-CPU state; in userspace, what the agent writes into them (and, for the
+/// differential test, what it reads back). Every method takes `&self`: the kernel's maps
+/// are shared memory, and a userspace implementation keeps its writes in cells.
+pub trait Tables: Lookup {
+    /// A connection-table entry, read and written in place.
+    type Entry: DerefMut<Target = FlowEntry>;
+    /// An embryonic-table slot, read and written in place.
+    type Embryo: DerefMut<Target = Embryo>;
+
+    /// The VIP of `key` (`LB_VIP_SLOTS`, else `LB_VIPS`); None for traffic of no VIP.
+    fn vip(&self, key: &VipKey) -> Option<VipInfo>;
+    /// The clock entries are stamped with (the kernel's coarse monotonic clock).
+    fn now_ns(&self) -> u64;
+    /// `packet`'s connection-table key, built where the caller keeps it (the kernel: in
+    /// per-CPU scratch memory, its stack being short); None: no room for it.
+    fn flow_key(&self, packet: &Packet) -> Option<&FlowKey>;
+    /// `LB_CONNTRACK[key]`.
+    fn flow(&self, key: &FlowKey) -> Option<Self::Entry>;
+    /// `LB_EMBRYONIC[index]`.
+    fn embryo(&self, index: u32) -> Option<Self::Embryo>;
+    /// `packet`'s flow hash input, built as `flow_key`.
+    fn flow_tuple(&self, packet: &Packet) -> Option<&FlowTuple>;
+    /// Whether `packet`'s source is a hot source of VIP `vip_id` (`LB_HOT_SRC`).
+    fn is_hot_source(&self, vip_id: u32, packet: &Packet) -> bool;
+    /// Slots of each VIP table (`GLOBAL_MAGLEV_SIZE`).
+    fn maglev_size(&self) -> u32;
+    /// The backend id in `slot` of `vip`'s live Maglev table (of `table_size` slots);
+    /// `BACKEND_NONE` for none.
+    fn maglev(&self, vip: &VipInfo, table_size: u32, slot: u32) -> u32;
+
+    /// Adds one to outcome counter `stat` (`LB_STATS`).
+    fn count(&self, stat: u32);
+    /// The flood guard: whether one more insert fits in this second's limit
+    /// (`GLOBAL_CT_INSERT_LIMIT`).
+    fn insert_allowed(&self, now: u64) -> bool;
+    /// Writes a new entry for `key` through the map (replacing any); whether it was
+    /// written.
+    fn insert_flow(&self, key: &FlowKey, entry: &FlowEntry) -> bool;
+    /// A new entry was written: the cluster's peers learn it (`LB_EXPORT`).
+    fn export_flow(&self, key: &FlowKey, entry: &FlowEntry);
+    /// A new flow from `packet`'s source to VIP `vip_id`, for the heavy hitters
+    /// (`LB_SOURCES`, sampled).
+    fn new_source(&self, vip_id: u32, packet: &Packet);
+    /// A TCP packet that missed the connection table without a SYN: the debug capture
+    /// may copy the frame.
+    fn capture(&self, now: u64);
+}
+
+/// `packet`'s backend, or why it is not forwarded, with what that does to the tables.
+///
+/// A packet that is not a SYN follows its connection-table entry while the entry's
+/// backend still serves flows (and, for UDP, while the entry is not idle-expired, for
+/// TCP while no SYN reused its tuple).
+/// State is made only for flows seen twice: a flow's first packet (always a SYN) takes
+/// the VIP's Maglev table and is remembered in the embryonic table; its second packet
+/// goes where the first went and enters the flow into the connection table (a RST
+/// never creates an entry). An entry whose backend no longer serves it is re-written to
+/// the table's choice.
+#[inline(always)]
+pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict> {
+    // Most traffic of a host is not for a VIP: one array read and a key compare send it
+    // on, before any hash-map lookup.
+    let Some(vip) = tables.vip(&packet.vip_key()) else {
+        return Err(Verdict::pass(stat::PASS_NOT_VIP));
+    };
+    // Coarse time: entries age in seconds.
+    let now = tables.now_ns();
+    let Some(key) = tables.flow_key(packet) else {
+        return Err(Verdict::pass(stat::PASS_NOT_VIP));
+    };
+    // A SYN reads no entry (the lookup would be most of what a spoofed SYN costs): it
+    // takes the table, and an entry an earlier connection left on its tuple gives way
+    // at the new connection's next packet (`flow::follow`'s `CT_REUSED`).
+    let mut entry = if packet.syn { None } else { tables.flow(key) };
+    if packet.icmp_too_big {
+        return too_big(tables, packet, &vip, key, entry, now);
+    }
+    let udp = packet.proto == PROTO_UDP;
+    let mut miss = if packet.syn {
+        stat::CT_MISS_SYN
+    } else if udp {
+        stat::CT_MISS_UDP
+    } else {
+        stat::CT_MISS_NON_SYN
+    };
+    if let Some(entry) = entry.as_mut() {
+        // Asked only of an entry idle past a second or closing.
+        let syn_since = || {
+            let (index, tag) = flow::embryo_place(key);
+            tables
+                .embryo(index)
+                .is_some_and(|embryo| flow::syn_since(&embryo, tag))
+        };
+        let (proto, closing) = (packet.proto, packet.closing());
+        match flow::follow(tables, entry, proto, closing, vip.vip_id, now, syn_since) {
+            Ok(backend_id) => {
+                tables.count(stat::CT_HIT);
+                return Ok(choice(&vip, backend_id, false, Source::Entry));
+            }
+            Err(reason) => miss = reason,
+        }
+    }
+    let (embryo_index, tag) = flow::embryo_place(key);
+    let mut embryo = tables.embryo(embryo_index);
+    // The second packet of a flow the connection table does not hold, whose first
+    // packet the embryonic table remembers (a handshake's ACK, a UDP flow's second
+    // datagram): the flow is real, and enters the connection table with the backend its
+    // first packet took. A flood of random tuples never gets here.
+    if !packet.syn
+        && entry.is_none()
+        && let Some(choice) = promote(tables, packet, &vip, key, (embryo.as_deref_mut(), tag), now)
+    {
+        return Ok(choice);
+    }
+    tables.count(miss);
+    if miss == stat::CT_MISS_NON_SYN {
+        tables.capture(now);
+    }
+    let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
+
+    // An entry that gives way (reused, or its backend gone) to a connection whose SYN
+    // came since: that connection goes where its SYN went.
+    let syn_since = entry.is_some() && embryo.as_deref().is_some_and(|e| flow::syn_since(e, tag));
+    let reused_to = match embryo.as_deref() {
+        Some(embryo) if syn_since => flow::remembered(tables, embryo, tag, vip.vip_id),
+        _ => None,
+    };
+    let (backend_id, by) = match reused_to {
+        Some(backend_id) => (backend_id, Source::Embryo),
+        None => (table_choice(tables, packet, &vip)?, Source::Table),
+    };
+    match entry {
+        None => remember(tables, packet, tag, backend_id, embryo.as_deref_mut()),
+        Some(entry) => {
+            rewrite(tables, packet, key, entry, backend_id, now);
+            // The entry is newer than the SYN now.
+            if syn_since && let Some(embryo) = embryo.as_deref_mut() {
+                embryo.flags = 0;
+            }
+        }
+    }
+    // A UDP flow counts for its source at its first datagram (many send only one); a TCP
+    // flow at its handshake's ACK (`promote`).
+    if udp && new_flow {
+        tables.new_source(vip.vip_id, packet);
+    }
+    Ok(choice(&vip, backend_id, new_flow, by))
+}
+
+#[inline(always)]
+fn choice(vip: &VipInfo, backend_id: u32, new_flow: bool, by: Source) -> Choice {
+    Choice {
+        vip_id: vip.vip_id,
+        backend_id,
+        new_flow,
+        by,
+    }
+}
+
+/// An ICMP "too big" error about a flow: to where the flow's packets go, without
+/// touching its entry (an error is not a packet of the flow). TCP: the entry's backend,
+/// else the table's; the backend's kernel checks the quoted sequence number, so a forged
+/// error cannot touch a connection. UDP: only a live entry's, or the backend the
+/// embryonic table remembers for the flow's first datagram (a flow of one request has
+/// no entry); nothing checks a UDP error, so it must at least name a flow seen.
+#[inline(always)]
+fn too_big<T: Tables>(
+    tables: &T,
+    packet: &Packet,
+    vip: &VipInfo,
+    key: &FlowKey,
+    entry: Option<T::Entry>,
+    now: u64,
+) -> Result<Choice, Verdict> {
+    let held = match entry {
+        Some(entry) => flow::held(tables, &entry, packet.proto, vip.vip_id, now)
+            .map(|backend_id| (backend_id, Source::Entry)),
+        None => {
+            let (index, tag) = flow::embryo_place(key);
+            tables
+                .embryo(index)
+                .and_then(|embryo| flow::remembered(tables, &embryo, tag, vip.vip_id))
+                .map(|backend_id| (backend_id, Source::Embryo))
+        }
+    };
+    let (backend_id, by) = match held {
+        Some(held) => held,
+        None if packet.proto == PROTO_UDP => return Err(Verdict::pass(stat::PASS_OTHER_PROTO)),
+        None => (table_choice(tables, packet, vip)?, Source::Table),
+    };
+    tables.count(stat::SEEN_ICMP_TOO_BIG);
+    Ok(choice(vip, backend_id, false, by))
+}
+
+/// A flow's second packet, whose first packet `embryo` remembers: where it goes, and
+/// the flow entered into the connection table; None when the embryonic table does not
+/// remember the flow (or its backend serves it no more).
+#[inline(always)]
+fn promote<T: Tables>(
+    tables: &T,
+    packet: &Packet,
+    vip: &VipInfo,
+    key: &FlowKey,
+    (embryo, tag): (Option<&mut Embryo>, u32),
+    now: u64,
+) -> Option<Choice> {
+    let embryo = embryo?;
+    let backend_id = flow::remembered(tables, embryo, tag, vip.vip_id)?;
+    tables.count(stat::CT_PROMOTED);
+    if packet.proto != PROTO_UDP {
+        tables.new_source(vip.vip_id, packet);
+    }
+    // A RST ends the flow: it goes where the SYN went, and makes no entry.
+    if !packet.rst && may_insert(tables, now) {
+        let fresh = flow::entry_for(backend_id, packet.closing(), now);
+        if tables.insert_flow(key, &fresh) {
+            tables.count(stat::CT_CREATED);
+            // A new entry: the cluster's peers learn it from here.
+            tables.export_flow(key, &fresh);
+        }
+        // The entry is newer than the SYN now.
+        embryo.flags = 0;
+    }
+    Some(choice(vip, backend_id, false, Source::Embryo))
+}
+
+/// A first packet (a SYN, a new UDP flow, an ACK of a flow the connection table lost)
+/// is remembered for the flow's second packet, and makes no entry: a flood of spoofed
+/// first packets costs no established flow its entry. A RST ends a flow: it is never
+/// remembered.
+#[inline(always)]
+fn remember<T: Tables>(
+    tables: &T,
+    packet: &Packet,
+    tag: u32,
+    backend_id: u32,
+    embryo: Option<&mut Embryo>,
+) {
+    if !packet.rst
+        && let Some(embryo) = embryo
+    {
+        *embryo = flow::embryo_for(tag, backend_id, packet.syn);
+        tables.count(stat::CT_EMBRYONIC);
+    }
+}
+
+/// A flow the table holds, whose backend no longer serves it, an idle UDP flow, or a
+/// reused tuple's new connection: a real flow, re-written to its backend, in place when
+/// the backend is the entry's, else through the map (a pointer into the LRU may
+/// meanwhile name a node recycled for another flow).
+#[inline(always)]
+fn rewrite<T: Tables>(
+    tables: &T,
+    packet: &Packet,
+    key: &FlowKey,
+    mut entry: T::Entry,
+    backend_id: u32,
+    now: u64,
+) {
+    let fresh = flow::entry_for(backend_id, packet.closing(), now);
+    if entry.backend_id == backend_id {
+        *entry = fresh;
+        tables.count(stat::CT_CREATED);
+    } else if may_insert(tables, now) && tables.insert_flow(key, &fresh) {
+        tables.count(stat::CT_CREATED);
+        // Another backend for the flow: the peers learn that too.
+        tables.export_flow(key, &fresh);
+    }
+}
+
+/// The flood guard: at most `GLOBAL_CT_INSERT_LIMIT` inserts per second per CPU, so
+/// even a flood of complete handshakes (or of each spoofed tuple sent twice) turns the
+/// LRU over slowly.
+#[inline(always)]
+fn may_insert<T: Tables>(tables: &T, now: u64) -> bool {
+    if tables.insert_allowed(now) {
+        return true;
+    }
+    tables.count(stat::CT_INSERT_SKIPPED);
+    false
+}
+
+/// The backend the VIP's Maglev table gives the packet's flow. A hot source of a src-ip
+/// VIP with hot sources is hashed per connection (`table_hash`).
+#[inline(always)]
+fn table_choice<T: Tables>(tables: &T, packet: &Packet, vip: &VipInfo) -> Result<u32, Verdict> {
+    match table_backend(tables, packet, vip) {
+        BACKEND_NONE => Err(Verdict::drop(stat::DROP_NO_BACKEND)),
+        id => Ok(id),
+    }
+}
+
+/// `table_choice`'s lookup, `BACKEND_NONE` for none.
+#[inline(always)]
+fn table_backend<T: Tables>(tables: &T, packet: &Packet, vip: &VipInfo) -> u32 {
+    let table_size = tables.maglev_size();
+    let Some(tuple) = tables.flow_tuple(packet) else {
+        return BACKEND_NONE;
+    };
+    let (hash, spread) = table_hash(tuple, vip.flags, || {
+        tables.is_hot_source(vip.vip_id, packet)
+    });
+    if spread {
+        tables.count(stat::HOT_SOURCE_SPREAD);
+    }
+    tables.maglev(vip, table_size, maglev_slot(hash, table_size))
+}
+
+/// `Tables` in memory, for userspace: `lb explain` fills one with what the agent writes
+/// into the maps and what it reads of the connection and embryonic tables; the
+/// differential test with what it reads back from the program's maps before a packet.
+/// Its writes stay here, to be read back (`flow`, `embryo`, `counts`).
+#[cfg(any(feature = "std", test))]
+pub mod memory {
+    use std::{
+        cell::{Cell, RefCell},
+        collections::{HashMap, HashSet},
+        ops::{Deref, DerefMut},
+    };
+
+    use super::{Choice, Packet, Tables, Verdict, decide};
+    use crate::{
+        BACKEND_NONE, BackendInfo, Embryo, FlowEntry, FlowKey, FlowTuple, SourceKey, VipInfo,
+        VipKey, flow::Lookup, stat,
+    };
+
+    /// The maps `decide` reads and writes, in memory.
+    #[derive(Debug, Default)]
+    pub struct MemoryTables {
+        pub vips: HashMap<VipKey, VipInfo>,
+        /// `LB_BACKENDS`, by backend id.
+        pub backends: HashMap<u32, BackendInfo>,
+        /// Each VIP's live Maglev table, by VIP id.
+        pub maglev: HashMap<u32, Vec<u32>>,
+        pub maglev_size: u32,
+        /// `LB_HOT_SRC`.
+        pub hot_sources: HashSet<SourceKey>,
+        pub udp_idle_ns: u64,
+        pub now_ns: u64,
+        /// The flood guard refuses every insert (`CT_INSERT_LIMIT` reached).
+        pub inserts_refused: bool,
+        /// `LB_CONNTRACK`: each element with the generation that made it, so that a
+        /// handle to an element replaced since (as an LRU map replaces it on insert)
+        /// writes nowhere, as in the kernel.
+        flows: RefCell<HashMap<FlowKey, (u64, FlowEntry)>>,
+        generation: Cell<u64>,
+        /// `LB_EMBRYONIC` (a missing slot is all zeroes).
+        embryos: RefCell<HashMap<u32, Embryo>>,
+        counts: RefCell<Vec<u64>>,
+        sources: RefCell<HashMap<SourceKey, u64>>,
+        exported: RefCell<Vec<(FlowKey, FlowEntry)>>,
+        captures: Cell<u64>,
+    }
+
+    impl MemoryTables {
+        /// `decide` for `packet` over these tables.
+        pub fn decide(&self, packet: &Packet) -> Result<Choice, Verdict> {
+            let run = Run {
+                tables: self,
+                key: packet.flow_key(),
+                tuple: packet.flow_tuple(),
+            };
+            decide(&run, packet)
+        }
+
+        pub fn flow(&self, key: &FlowKey) -> Option<FlowEntry> {
+            self.flows.borrow().get(key).map(|(_, entry)| *entry)
+        }
+
+        /// Writes (or, None, removes) the entry of `key`.
+        pub fn set_flow(&self, key: &FlowKey, entry: Option<FlowEntry>) {
+            match entry {
+                Some(entry) => self.insert(key, &entry),
+                None => {
+                    self.flows.borrow_mut().remove(key);
+                }
+            }
+        }
+
+        pub fn embryo(&self, index: u32) -> Embryo {
+            self.embryos
+                .borrow()
+                .get(&index)
+                .copied()
+                .unwrap_or_default()
+        }
+
+        pub fn set_embryo(&self, index: u32, embryo: Embryo) {
+            self.embryos.borrow_mut().insert(index, embryo);
+        }
+
+        /// The outcome counters, indexed by `stat` (`stat::COUNT` of them).
+        pub fn counts(&self) -> Vec<u64> {
+            let mut counts = self.counts.borrow().clone();
+            counts.resize(stat::COUNT as usize, 0);
+            counts
+        }
+
+        /// New flows counted per source (unsampled).
+        pub fn sources(&self) -> HashMap<SourceKey, u64> {
+            self.sources.borrow().clone()
+        }
+
+        /// Entries written through the map, in order.
+        pub fn exported(&self) -> Vec<(FlowKey, FlowEntry)> {
+            self.exported.borrow().clone()
+        }
+
+        /// Frames the debug capture would have been asked to copy.
+        pub fn captures(&self) -> u64 {
+            self.captures.get()
+        }
+
+        /// Forgets every count, export and capture (the tables stay).
+        pub fn reset_counts(&self) {
+            self.counts.borrow_mut().clear();
+            self.sources.borrow_mut().clear();
+            self.exported.borrow_mut().clear();
+            self.captures.set(0);
+        }
+
+        fn insert(&self, key: &FlowKey, entry: &FlowEntry) {
+            let generation = self.generation.get() + 1;
+            self.generation.set(generation);
+            self.flows.borrow_mut().insert(*key, (generation, *entry));
+        }
+    }
+
+    /// One packet's run over `MemoryTables`: its key and tuple live here.
+    struct Run<'a> {
+        tables: &'a MemoryTables,
+        key: FlowKey,
+        tuple: FlowTuple,
+    }
+
+    /// A connection-table element, written back when dropped if it changed and the map
+    /// still holds it.
+    pub struct FlowSlot<'a> {
+        flows: &'a RefCell<HashMap<FlowKey, (u64, FlowEntry)>>,
+        key: FlowKey,
+        generation: u64,
+        read: FlowEntry,
+        entry: FlowEntry,
+    }
+
+    impl Deref for FlowSlot<'_> {
+        type Target = FlowEntry;
+        fn deref(&self) -> &FlowEntry {
+            &self.entry
+        }
+    }
+
+    impl DerefMut for FlowSlot<'_> {
+        fn deref_mut(&mut self) -> &mut FlowEntry {
+            &mut self.entry
+        }
+    }
+
+    impl Drop for FlowSlot<'_> {
+        fn drop(&mut self) {
+            if self.entry == self.read {
+                return;
+            }
+            if let Some(element) = self.flows.borrow_mut().get_mut(&self.key)
+                && element.0 == self.generation
+            {
+                element.1 = self.entry;
+            }
+        }
+    }
+
+    /// An embryonic-table slot, written back when dropped if it changed.
+    pub struct EmbryoSlot<'a> {
+        embryos: &'a RefCell<HashMap<u32, Embryo>>,
+        index: u32,
+        read: Embryo,
+        embryo: Embryo,
+    }
+
+    impl Deref for EmbryoSlot<'_> {
+        type Target = Embryo;
+        fn deref(&self) -> &Embryo {
+            &self.embryo
+        }
+    }
+
+    impl DerefMut for EmbryoSlot<'_> {
+        fn deref_mut(&mut self) -> &mut Embryo {
+            &mut self.embryo
+        }
+    }
+
+    impl Drop for EmbryoSlot<'_> {
+        fn drop(&mut self) {
+            if self.embryo != self.read {
+                self.embryos.borrow_mut().insert(self.index, self.embryo);
+            }
+        }
+    }
+
+    impl Lookup for Run<'_> {
+        fn backend(&self, id: u32) -> Option<&BackendInfo> {
+            self.tables.backends.get(&id)
+        }
+
+        fn udp_idle_ns(&self) -> u64 {
+            self.tables.udp_idle_ns
+        }
+    }
+
+    impl<'a> Tables for Run<'a> {
+        type Entry = FlowSlot<'a>;
+        type Embryo = EmbryoSlot<'a>;
+
+        fn vip(&self, key: &VipKey) -> Option<VipInfo> {
+            self.tables.vips.get(key).copied()
+        }
+
+        fn now_ns(&self) -> u64 {
+            self.tables.now_ns
+        }
+
+        fn flow_key(&self, _: &Packet) -> Option<&FlowKey> {
+            Some(&self.key)
+        }
+
+        fn flow(&self, key: &FlowKey) -> Option<FlowSlot<'a>> {
+            let (generation, entry) = *self.tables.flows.borrow().get(key)?;
+            Some(FlowSlot {
+                flows: &self.tables.flows,
+                key: *key,
+                generation,
+                read: entry,
+                entry,
+            })
+        }
+
+        fn embryo(&self, index: u32) -> Option<EmbryoSlot<'a>> {
+            let embryo = self.tables.embryo(index);
+            Some(EmbryoSlot {
+                embryos: &self.tables.embryos,
+                index,
+                read: embryo,
+                embryo,
+            })
+        }
+
+        fn flow_tuple(&self, _: &Packet) -> Option<&FlowTuple> {
+            Some(&self.tuple)
+        }
+
+        fn is_hot_source(&self, vip_id: u32, packet: &Packet) -> bool {
+            let key = SourceKey::new(vip_id, packet.src_addr, packet.family);
+            self.tables.hot_sources.contains(&key)
+        }
+
+        fn maglev_size(&self) -> u32 {
+            self.tables.maglev_size
+        }
+
+        fn maglev(&self, vip: &VipInfo, _: u32, slot: u32) -> u32 {
+            self.tables
+                .maglev
+                .get(&vip.vip_id)
+                .and_then(|table| table.get(slot as usize))
+                .copied()
+                .unwrap_or(BACKEND_NONE)
+        }
+
+        fn count(&self, stat: u32) {
+            let mut counts = self.tables.counts.borrow_mut();
+            counts.resize(stat::COUNT as usize, 0);
+            counts[stat as usize] += 1;
+        }
+
+        fn insert_allowed(&self, _: u64) -> bool {
+            !self.tables.inserts_refused
+        }
+
+        fn insert_flow(&self, key: &FlowKey, entry: &FlowEntry) -> bool {
+            self.tables.insert(key, entry);
+            true
+        }
+
+        fn export_flow(&self, key: &FlowKey, entry: &FlowEntry) {
+            self.tables.exported.borrow_mut().push((*key, *entry));
+        }
+
+        fn new_source(&self, vip_id: u32, packet: &Packet) {
+            let key = SourceKey::new(vip_id, packet.src_addr, packet.family);
+            *self.tables.sources.borrow_mut().entry(key).or_default() += 1;
+        }
+
+        fn capture(&self, _: u64) {
+            self.tables.captures.set(self.tables.captures.get() + 1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{memory::MemoryTables, *};
+    use crate::{
+        ADDR_FAMILY_V4, BACKEND_F_SERVES_FLOWS, BackendInfo, EMBRYO_F_SYN, PROTO_TCP, SourceKey,
+        VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES,
+    };
+
+    const VIP: u32 = 1;
+    const SECOND: u64 = 1_000_000_000;
+    const NOW: u64 = 1_000 * SECOND;
+
+    fn v4(last: u8) -> [u8; 16] {
+        let mut addr = [0; 16];
+        addr[..4].copy_from_slice(&[10, 0, 0, last]);
+        addr
+    }
+
+    /// VIP 10.0.0.100:80/tcp (id 1), its table all backend `table`; backends 0 and 1
+    /// serve it, 2 is its own but failed.
+    fn tables(table: u32) -> MemoryTables {
+        let mut tables = MemoryTables::default();
+        tables.maglev_size = 7;
+        tables.udp_idle_ns = 30 * SECOND;
+        tables.now_ns = NOW;
+        let info = VipInfo {
+            vip_id: VIP,
+            generation: 0,
+            flags: 0,
+            _pad: 0,
+        };
+        tables.vips.insert(packet(0).vip_key(), info);
+        for (id, flags) in [
+            (0, BACKEND_F_SERVES_FLOWS),
+            (1, BACKEND_F_SERVES_FLOWS),
+            (2, 0),
+        ] {
+            let backend = BackendInfo::l2([2, 0, 0, 0, 0, id as u8], flags, VIP);
+            tables.backends.insert(id, backend);
+        }
+        tables.maglev.insert(VIP, vec![table; 7]);
+        tables
+    }
+
+    /// A TCP packet from 10.0.0.1:40000 to the VIP with `flags` (SYN 2, RST 4, FIN 1).
+    fn packet(flags: u8) -> Packet {
+        Packet {
+            syn: flags & 2 != 0,
+            rst: flags & 4 != 0,
+            fin: flags & 1 != 0,
+            ..Packet::of_flow(
+                (v4(1), v4(100)),
+                (ADDR_FAMILY_V4, PROTO_TCP),
+                (40000u16.to_be(), 80u16.to_be()),
+            )
+        }
+    }
+
+    const SYN: u8 = 2;
+    const ACK: u8 = 0;
+    const RST: u8 = 4;
+
+    /// The counters that moved, by name.
+    fn counted(tables: &MemoryTables) -> Vec<&'static str> {
+        let counts = tables.counts();
+        let names = stat::NAMES.iter().zip(&counts);
+        let moved = names
+            .filter(|(_, n)| **n > 0)
+            .map(|(name, _)| *name)
+            .collect();
+        tables.reset_counts();
+        moved
+    }
+
+    fn embryo_of(tables: &MemoryTables, packet: &Packet) -> Embryo {
+        tables.embryo(flow::embryo_place(&packet.flow_key()).0)
+    }
+
+    #[test]
+    fn a_handshake_is_remembered_then_entered_where_its_syn_went() {
+        let mut tables = tables(0);
+        let syn = tables.decide(&packet(SYN)).unwrap();
+        assert_eq!(
+            (syn.backend_id, syn.new_flow, syn.by),
+            (0, true, Source::Table)
+        );
+        assert_eq!(counted(&tables), ["ct_miss_syn", "ct_embryonic"]);
+        assert_eq!(embryo_of(&tables, &packet(SYN)).flags, EMBRYO_F_SYN);
+        assert_eq!(
+            tables.flow(&packet(SYN).flow_key()),
+            None,
+            "a SYN makes no entry"
+        );
+
+        // The table changed between the SYN and its ACK: the ACK follows the SYN.
+        tables.maglev.insert(VIP, vec![1; 7]);
+        let ack = tables.decide(&packet(ACK)).unwrap();
+        assert_eq!(
+            (ack.backend_id, ack.new_flow, ack.by),
+            (0, false, Source::Embryo)
+        );
+        assert_eq!(tables.exported().len(), 1);
+        let source = SourceKey::new(VIP, v4(1), ADDR_FAMILY_V4);
+        assert_eq!(
+            tables.sources().get(&source),
+            Some(&1),
+            "counted at the ACK"
+        );
+        assert_eq!(counted(&tables), ["ct_created", "ct_promoted"]);
+        let entry = tables.flow(&packet(ACK).flow_key()).unwrap();
+        assert_eq!((entry.backend_id, entry.last_seen_ns), (0, NOW));
+        assert_eq!(embryo_of(&tables, &packet(ACK)).flags, 0);
+
+        let next = tables.decide(&packet(ACK)).unwrap();
+        assert_eq!((next.backend_id, next.by), (0, Source::Entry));
+        assert_eq!(counted(&tables), ["ct_hit"]);
+    }
+
+    #[test]
+    fn a_rst_goes_where_the_syn_went_and_makes_no_entry() {
+        let tables = tables(1);
+        tables.decide(&packet(SYN)).unwrap();
+        let rst = tables.decide(&packet(RST)).unwrap();
+        assert_eq!(rst.backend_id, 1);
+        assert_eq!(tables.flow(&packet(RST).flow_key()), None);
+        assert_eq!(embryo_of(&tables, &packet(RST)).flags, EMBRYO_F_SYN);
+    }
+
+    #[test]
+    fn traffic_of_no_vip_passes_and_a_vip_without_backends_drops() {
+        let tables = tables(BACKEND_NONE);
+        let other = Packet {
+            dst_port_be: 81u16.to_be(),
+            ..packet(SYN)
+        };
+        assert_eq!(
+            tables.decide(&other),
+            Err(Verdict::pass(stat::PASS_NOT_VIP))
+        );
+        assert_eq!(
+            tables.decide(&packet(SYN)),
+            Err(Verdict::drop(stat::DROP_NO_BACKEND))
+        );
+        assert_eq!(counted(&tables), ["ct_miss_syn"]);
+    }
+
+    #[test]
+    fn an_entry_whose_backend_failed_is_rewritten_to_the_table() {
+        let tables = tables(1);
+        let key = packet(ACK).flow_key();
+        tables.set_flow(&key, Some(flow::entry_for(2, false, NOW - SECOND)));
+        let ack = tables.decide(&packet(ACK)).unwrap();
+        assert_eq!((ack.backend_id, ack.by), (1, Source::Table));
+        assert_eq!(counted(&tables), ["ct_rehash", "ct_created"]);
+        assert_eq!(tables.flow(&key), Some(flow::entry_for(1, false, NOW)));
+    }
+
+    #[test]
+    fn a_reused_tuple_goes_where_its_new_syn_went() {
+        let tables = tables(0);
+        let key = packet(ACK).flow_key();
+        tables.set_flow(&key, Some(flow::entry_for(1, false, NOW - 2 * SECOND)));
+        tables.decide(&packet(SYN)).unwrap();
+        tables.reset_counts();
+        let ack = tables.decide(&packet(ACK)).unwrap();
+        assert_eq!((ack.backend_id, ack.by), (0, Source::Embryo));
+        assert_eq!(counted(&tables), ["ct_created", "ct_reused"]);
+        assert_eq!(tables.flow(&key), Some(flow::entry_for(0, false, NOW)));
+        assert_eq!(embryo_of(&tables, &packet(ACK)).flags, 0);
+    }
+
+    #[test]
+    fn the_flood_guard_skips_the_insert_but_not_the_packet() {
+        let mut tables = tables(0);
+        tables.decide(&packet(SYN)).unwrap();
+        tables.inserts_refused = true;
+        tables.reset_counts();
+        assert_eq!(tables.decide(&packet(ACK)).unwrap().backend_id, 0);
+        assert_eq!(counted(&tables), ["ct_insert_skipped", "ct_promoted"]);
+        assert_eq!(tables.flow(&packet(ACK).flow_key()), None);
+    }
+
+    #[test]
+    fn a_too_big_error_follows_its_flow_and_touches_nothing() {
+        let mut tables = tables(0);
+        let key = packet(ACK).flow_key();
+        let entry = flow::entry_for(1, false, NOW - 5 * SECOND);
+        tables.set_flow(&key, Some(entry));
+        let error = Packet {
+            icmp_too_big: true,
+            ..packet(ACK)
+        };
+        assert_eq!(tables.decide(&error).unwrap().backend_id, 1);
+        assert_eq!(counted(&tables), ["seen_icmp_too_big"]);
+        assert_eq!(tables.flow(&key), Some(entry), "untouched");
+        // About a UDP flow the balancer never saw: passed.
+        let udp = Packet {
+            proto: crate::PROTO_UDP,
+            ..error
+        };
+        let info = tables.vips[&packet(ACK).vip_key()];
+        tables.vips.insert(udp.vip_key(), info);
+        assert_eq!(
+            tables.decide(&udp),
+            Err(Verdict::pass(stat::PASS_OTHER_PROTO))
+        );
+    }
+
+    #[test]
+    fn a_hot_source_of_a_src_ip_vip_is_spread() {
+        let mut tables = tables(0);
+        let info = tables.vips.values_mut().next().unwrap();
+        info.flags = VIP_F_HASH_SRC_IP | VIP_F_HOT_SOURCES;
+        tables.decide(&packet(SYN)).unwrap();
+        assert_eq!(counted(&tables), ["ct_miss_syn", "ct_embryonic"]);
+        tables
+            .hot_sources
+            .insert(SourceKey::new(VIP, v4(1), ADDR_FAMILY_V4));
+        tables.decide(&packet(SYN)).unwrap();
+        assert_eq!(
+            counted(&tables),
+            ["ct_miss_syn", "ct_embryonic", "hot_source_spread"]
+        );
+    }
+}
