@@ -93,7 +93,9 @@ impl AyaDataplane {
         let defunct = pins::pinned_link_state(dir) == pins::PinnedLinkState::Defunct;
         if defunct {
             tracing::warn!(
-                "the link pinned in {} is defunct (its interface went away while the agent                  was stopped): replacing it with a new link on this interface; the pinned                  maps are kept where their layout matches",
+                "the link pinned in {} is defunct (its interface went away while the agent \
+                 was stopped): replacing it with a new link on this interface; the pinned \
+                 maps are kept where their layout matches",
                 dir.display()
             );
             pins::remove_pin(&dir.join(pins::LINK_PIN))?;

@@ -250,7 +250,9 @@ fn pins(facts: &Facts) -> Finding {
             "pins",
             Level::Warn,
             format!(
-                "stale: {what}; lb run replaces it with a new link on {name}, keeping the                  pinned maps (and their flows) where their layout matches                  (`lb detach --config FILE` removes the pins instead)"
+                "stale: {what}; lb run replaces it with a new link on {name}, keeping the \
+                 pinned maps (and their flows) where their layout matches \
+                 (`lb detach --config FILE` removes the pins instead)"
             ),
         )
     };
@@ -266,7 +268,8 @@ fn pins(facts: &Facts) -> Finding {
             index.unwrap_or_default()
         )),
         PinnedLink::Defunct => stale(format!(
-            "the link pinned in {dir} is defunct: its interface went away while the agent              was stopped"
+            "the link pinned in {dir} is defunct: its interface went away while the agent \
+             was stopped"
         )),
         PinnedLink::Unreadable { errno } => finding(
             "pins",
