@@ -690,6 +690,160 @@ mod tests {
         assert!(answers.enter().is_some());
     }
 
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::AsyncReadExt;
+    use tokio::net::TcpListener;
+
+    const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+    /// Entry `i` of a synthetic table.
+    fn entry(i: u32) -> Entry {
+        let mut src = [0u8; 16];
+        src[..4].copy_from_slice(&i.to_be_bytes());
+        Entry {
+            key: lb_common::FlowKey {
+                src,
+                dst: [10, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                src_port: 1,
+                dst_port: 80u16.to_be(),
+                proto: lb_common::PROTO_TCP,
+                family: lb_common::ADDR_FAMILY_V4,
+                _pad: [0; 2],
+            },
+            backend: [10, 0, 0, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            age_s: 0,
+            flags: 0,
+        }
+    }
+
+    /// A peer answering from a table of `n` entries at `rate` on 127.0.0.1; returns
+    /// its address and how many times it read its table.
+    async fn answering_peer(n: u32, rate: u64) -> (SocketAddr, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let scans = Arc::new(AtomicUsize::new(0));
+        let counted = scans.clone();
+        let context = Arc::new(AnswerContext {
+            key: KEY.into(),
+            rate,
+            answers: Arc::new(Answers::default()),
+            scan: Arc::new(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok((0..n).map(entry).collect())
+            }),
+            stats: Shared::default(),
+        });
+        tokio::spawn(async move {
+            while let Ok((conn, from)) = listener.accept().await {
+                tokio::spawn(answer(conn, from.ip(), context.clone()));
+            }
+        });
+        (address, scans)
+    }
+
+    /// A learner of `peer` that collects what it inserts.
+    fn learner(peer: SocketAddr, timeout: Duration) -> (Learner, Arc<Mutex<Vec<Entry>>>, Shared) {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let stats = Shared::default();
+        let sink = got.clone();
+        let learner = Learner {
+            peer,
+            local: "127.0.0.1".parse().unwrap(),
+            key: KEY.into(),
+            boot: 1,
+            timeout,
+            insert: Arc::new(move |entries: &[Entry]| {
+                sink.lock().unwrap().extend_from_slice(entries);
+                (entries.len() as u64, 0)
+            }),
+            stats: stats.clone(),
+        };
+        (learner, got, stats)
+    }
+
+    fn peer_learn(stats: &Shared, peer: SocketAddr) -> PeerLearn {
+        stats.lock().unwrap().learn[&peer.ip()].0.clone()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transfer_longer_than_learn_timeout_completes_while_it_progresses() {
+        // 3,000 entries at 4,000/s: about 0.75 s, three times the timeout.
+        let (peer, _) = answering_peer(3_000, 4_000).await;
+        let (learner, got, stats) = learner(peer, Duration::from_millis(250));
+        let started = Instant::now();
+        learner.run(CancellationToken::new()).await;
+        let learn = peer_learn(&stats, peer);
+        assert_eq!(learn.state, PeerLearnState::Done, "{learn:?}");
+        assert!(started.elapsed() > Duration::from_millis(500));
+        assert_eq!((learn.received, learn.total), (3_000, Some(3_000)));
+        assert_eq!(*got.lock().unwrap(), (0..3_000).map(entry).collect::<Vec<_>>());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_silent_peer_is_given_up_after_learn_timeout() {
+        // Accepts, never answers.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                held.push(conn);
+            }
+        });
+        let (learner, got, stats) = learner(peer, Duration::from_millis(300));
+        let started = Instant::now();
+        learner.run(CancellationToken::new()).await;
+        assert_eq!(peer_learn(&stats, peer).state, PeerLearnState::NoAnswer);
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert!(got.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broken_connection_resumes_where_it_stopped() {
+        let (answerer, scans) = answering_peer(5_000, 1_000_000).await;
+        // Between the two, a proxy that cuts the first connection after 100 KB of
+        // answer (three frames and part of a fourth) and lets the later ones through.
+        let proxy = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = proxy.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut first = true;
+            while let Ok((mut joiner, _)) = proxy.accept().await {
+                let mut upstream = tokio::net::TcpStream::connect(answerer).await.unwrap();
+                let cut = first.then_some(100_000usize);
+                first = false;
+                tokio::spawn(async move {
+                    let (mut jr, mut jw) = joiner.split();
+                    let (mut ur, mut uw) = upstream.split();
+                    let ask = async {
+                        let _ = tokio::io::copy(&mut jr, &mut uw).await;
+                    };
+                    let answer = async {
+                        let mut passed = 0;
+                        let mut buffer = vec![0u8; 8192];
+                        loop {
+                            let n = ur.read(&mut buffer).await.unwrap_or(0);
+                            let n = cut.map_or(n, |cut| n.min(cut - passed));
+                            if n == 0 || jw.write_all(&buffer[..n]).await.is_err() {
+                                return;
+                            }
+                            passed += n;
+                        }
+                    };
+                    tokio::select! { _ = ask => {}, _ = answer => {} }
+                });
+            }
+        });
+        let (learner, got, stats) = learner(peer, Duration::from_secs(2));
+        learner.run(CancellationToken::new()).await;
+        let learn = peer_learn(&stats, peer);
+        assert_eq!(learn.state, PeerLearnState::Done, "{learn:?}");
+        assert_eq!(learn.resumed, 1, "{learn:?}");
+        // Every entry once, in order: the second connection began where the first broke.
+        assert_eq!(*got.lock().unwrap(), (0..5_000).map(entry).collect::<Vec<_>>());
+        // The answering side read its table once: the resumption used the kept copy.
+        assert_eq!(scans.load(Ordering::SeqCst), 1);
+    }
+
     #[test]
     fn the_learning_line_sums_the_peers() {
         let now = Instant::now();
