@@ -845,12 +845,10 @@ fn a_start_on_stale_pins_replaces_the_dead_link_and_serves() {
             .unwrap()
             .expect("run lb doctor");
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let line = text
-            .lines()
+        text.lines()
             .find(|l| l.contains(" pins: "))
             .unwrap_or_else(|| panic!("no pins check {what}:\n{text}"))
-            .to_string();
-        line
+            .to_string()
     };
     let stale = doctor(&lab, "on stale pins");
     assert!(

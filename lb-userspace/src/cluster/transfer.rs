@@ -76,7 +76,7 @@ pub fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -776,7 +776,10 @@ mod tests {
         assert_eq!(learn.state, PeerLearnState::Done, "{learn:?}");
         assert!(started.elapsed() > Duration::from_millis(500));
         assert_eq!((learn.received, learn.total), (3_000, Some(3_000)));
-        assert_eq!(*got.lock().unwrap(), (0..3_000).map(entry).collect::<Vec<_>>());
+        assert_eq!(
+            *got.lock().unwrap(),
+            (0..3_000).map(entry).collect::<Vec<_>>()
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -839,7 +842,10 @@ mod tests {
         assert_eq!(learn.state, PeerLearnState::Done, "{learn:?}");
         assert_eq!(learn.resumed, 1, "{learn:?}");
         // Every entry once, in order: the second connection began where the first broke.
-        assert_eq!(*got.lock().unwrap(), (0..5_000).map(entry).collect::<Vec<_>>());
+        assert_eq!(
+            *got.lock().unwrap(),
+            (0..5_000).map(entry).collect::<Vec<_>>()
+        );
         // The answering side read its table once: the resumption used the kept copy.
         assert_eq!(scans.load(Ordering::SeqCst), 1);
     }
