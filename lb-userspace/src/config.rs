@@ -156,7 +156,8 @@ impl DebugConfig {
 pub struct ClusterConfig {
     /// The other nodes' addresses (this node's own may be listed too: it is skipped).
     pub peers: Vec<IpAddr>,
-    /// The UDP port, the same on every node.
+    /// The port, the same on every node: UDP for the new entries, TCP for the
+    /// transfer of a table to a node that joins.
     #[serde(default = "default_cluster_port")]
     pub port: u16,
     /// The shared secret (at least 16 bytes; owned by root, mode 0600).
@@ -165,8 +166,10 @@ pub struct ClusterConfig {
     /// `dataplane.interface` in the peers' family.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<IpAddr>,
-    /// A node that starts with an empty connection table asks its peers for theirs and
-    /// announces its VIPs (`[announce]`) only once they answered, or after this long.
+    /// A node that starts with an empty connection table learns its peers' and
+    /// announces its VIPs (`[announce]`) only once every peer's table came; a peer from
+    /// which nothing came for this long (silent, or stalled) is given up. A transfer
+    /// that keeps delivering is never cut by it.
     #[serde(default = "default_learn_timeout", with = "duration")]
     pub learn_timeout: Duration,
     /// The most entries per second this node sends a joining peer (its table, over TCP):
