@@ -43,6 +43,10 @@ pub struct ClusterStatus {
     pub learning: String,
     /// Entries learned from the peers while learning.
     pub learned_at_start: u64,
+    /// The transfer of each peer's table while learning (absent when nothing was
+    /// learned at start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub learn: Option<crate::cluster::transfer::LearnStatus>,
     /// New entries the data path exported, and those it dropped (ring full).
     pub exported: u64,
     pub export_dropped: u64,
@@ -316,6 +320,9 @@ fn render_cluster(out: &mut String, cluster: &ClusterStatus) {
         cluster.queue_dropped,
         cluster.unknown_sender
     );
+    if let Some(learn) = &cluster.learn {
+        let _ = writeln!(out, "  learning: {learn}");
+    }
     for peer in &cluster.peers {
         let contact = match peer.last_contact_seconds {
             Some(age) => format!("{age:.1}s ago"),

@@ -19,10 +19,18 @@
 //!
 //! BIRD runs from the shipped example configurations (`scripts/bird/`), with their
 //! `define` lines set to this topology's addresses, so the examples are what is tested.
+//! A third node (`EcmpLab::with_nodes`) is lb3 10.97.0.4, with one more `protocol bgp`
+//! on the router ([`router_config`]).
+//!
+//! For tens of thousands of long-lived connections, the backends can hold them without
+//! a thread each ([`EcmpLab::hold_tcp`]: a listener that never accepts) and the `crowd`
+//! binary opens and probes them ([`Crowd`]).
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use std::thread::sleep;
 use std::time::{Duration, Instant};
@@ -46,6 +54,8 @@ pub const IFACE: &str = "eth0";
 const ROUTER_FABRIC: &str = "eth1";
 /// Balancer nodes in the topology (the shipped router config names two).
 pub const NODES: usize = 2;
+/// Nodes `EcmpLab::with_nodes` builds at most.
+pub const MAX_NODES: usize = 3;
 
 /// Node `i` (0-based): 10.97.0.2, 10.97.0.3.
 pub fn node_addr(i: usize) -> Ipv4Addr {
@@ -88,6 +98,39 @@ pub fn bird_version() -> std::result::Result<String, String> {
 pub fn shipped_config(name: &str) -> Result<String> {
     let path = crate::workspace_root().join("scripts/bird").join(name);
     std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))
+}
+
+/// The shipped router configuration for `nodes` nodes (2 or 3) and the VIP range
+/// `vips4`, logging to `log`: the nodes beyond the two it names get a `protocol bgp` of
+/// their own, from its `lbnode` template.
+pub fn router_config(
+    nodes: usize,
+    vips4: &str,
+    hold: u64,
+    keepalive: u64,
+    log: &Path,
+) -> Result<String> {
+    ensure!((NODES..=MAX_NODES).contains(&nodes), "2 or 3 nodes");
+    let mut text = configure(
+        &shipped_config("router.conf")?,
+        &[
+            ("ROUTER_ID", ROUTER.to_string()),
+            ("LB1", node_addr(0).to_string()),
+            ("LB2", node_addr(1).to_string()),
+            ("VIPS4", vips4.to_string()),
+            ("HOLD", hold.to_string()),
+            ("KEEPALIVE", keepalive.to_string()),
+        ],
+        log,
+    )?;
+    for i in NODES..nodes {
+        text += &format!(
+            "protocol bgp lb{} from lbnode {{ neighbor {} as NODE_AS; }}\n",
+            i + 1,
+            node_addr(i)
+        );
+    }
+    Ok(text)
 }
 
 /// `text` with each `define NAME = ...;` line of `defines` given the new value, and the
@@ -295,6 +338,8 @@ impl Drop for PinDir {
 /// drop them first.
 pub struct EcmpLab {
     servers: Vec<TcpServer>,
+    /// Listeners that never accept ([`EcmpLab::hold_tcp`]).
+    holders: Vec<OwnedFd>,
     xdp_pass: Vec<XdpPass>,
     client: Netns,
     router: Netns,
@@ -308,7 +353,13 @@ pub struct EcmpLab {
 impl EcmpLab {
     /// Two nodes and `backends` backends (1..=40).
     pub fn new(backends: usize) -> Result<EcmpLab> {
+        EcmpLab::with_nodes(NODES, backends)
+    }
+
+    /// `nodes` nodes (2 or 3) and `backends` backends (1..=40).
+    pub fn with_nodes(nodes: usize, backends: usize) -> Result<EcmpLab> {
         ensure!((1..=40).contains(&backends), "1 to 40 backends");
+        ensure!((NODES..=MAX_NODES).contains(&nodes), "2 or 3 nodes");
         let dir = tempfile::Builder::new()
             .prefix("lbt-bgp-")
             .tempdir()
@@ -340,9 +391,10 @@ impl EcmpLab {
         fabric_port(&switch, &router, "p-rtr", ROUTER_FABRIC)?;
         addr_up(&router, ROUTER_FABRIC, ROUTER)?;
 
-        let mut nodes = Vec::with_capacity(NODES);
-        let mut xdp_pass = Vec::with_capacity(NODES);
-        for i in 0..NODES {
+        let node_count = nodes;
+        let mut nodes = Vec::with_capacity(node_count);
+        let mut xdp_pass = Vec::with_capacity(node_count);
+        for i in 0..node_count {
             let ns = Netns::new(&format!("lb{}", i + 1))?;
             // XDP forwards the VIP's packets; the kernel must not route anything itself.
             ns.sysctl("net.ipv4.ip_forward", "0")?;
@@ -374,6 +426,7 @@ impl EcmpLab {
         }
         Ok(EcmpLab {
             servers: Vec::new(),
+            holders: Vec::new(),
             xdp_pass,
             client,
             router,
@@ -420,6 +473,42 @@ impl EcmpLab {
             let addr = (Ipv4Addr::UNSPECIFIED, port).into();
             self.servers
                 .push(TcpServer::start(ns, addr, &format!("backend-{}", i + 1))?);
+        }
+        Ok(())
+    }
+
+    /// On every backend, a listener on `0.0.0.0:port` that never accepts, with a backlog
+    /// of 65535: the kernel completes each handshake and acknowledges data, so one
+    /// socket holds tens of thousands of connections (each reset by the backend's
+    /// kernel if a segment of it reaches another backend). Also lets the client use
+    /// every port from 1024.
+    pub fn hold_tcp(&mut self, port: u16) -> Result<()> {
+        use nix::sys::socket::{
+            AddressFamily, Backlog, SockFlag, SockType, SockaddrIn, bind, listen, setsockopt,
+            socket, sockopt,
+        };
+        self.client
+            .sysctl("net.ipv4.ip_local_port_range", "1024 65535")?;
+        for ns in &self.backends {
+            ns.sysctl("net.core.somaxconn", "65535")?;
+            ns.sysctl("net.ipv4.tcp_max_syn_backlog", "65535")?;
+            let listener = ns.run(|| -> Result<OwnedFd> {
+                let fd = socket(
+                    AddressFamily::Inet,
+                    SockType::Stream,
+                    SockFlag::SOCK_CLOEXEC,
+                    None,
+                )?;
+                setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+                bind(
+                    std::os::fd::AsRawFd::as_raw_fd(&fd),
+                    &SockaddrIn::new(0, 0, 0, 0, port),
+                )?;
+                // -1: the namespace's somaxconn, set above.
+                listen(&fd, Backlog::MAXALLOWABLE)?;
+                Ok(fd)
+            })??;
+            self.holders.push(listener);
         }
         Ok(())
     }
@@ -484,8 +573,128 @@ impl Drop for EcmpLab {
     fn drop(&mut self) {
         // Server threads sit inside the namespaces: end them first.
         self.servers.clear();
+        self.holders.clear();
         self.xdp_pass.clear();
         // The namespaces go with the fields; the switch last.
+    }
+}
+
+/// What `crowd`'s `open` did.
+#[derive(Clone, Debug, Default)]
+pub struct Opened {
+    pub opened: usize,
+    pub failed: usize,
+    pub seconds: f64,
+    /// The local ports of the connections it opened.
+    pub ports: Vec<u16>,
+}
+
+/// What `crowd`'s `probe` found: connections that acknowledged a byte, were reset, or
+/// neither within its timeout.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Probe {
+    pub alive: usize,
+    pub reset: usize,
+    pub unacked: usize,
+}
+
+/// A `crowd` process (the binary of this crate) in a namespace, holding long-lived
+/// connections to one address; see `src/bin/crowd.rs`. Dropping it closes them.
+pub struct Crowd {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Crowd {
+    /// Starts `bin` (`env!("CARGO_BIN_EXE_crowd")`) in `ns`, connecting to `addr`.
+    pub fn start(bin: &Path, ns: &Netns, addr: SocketAddr) -> Result<Crowd> {
+        let mut child = ns
+            .run(|| {
+                Command::new(bin)
+                    .arg(addr.to_string())
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .spawn()
+            })?
+            .context("start crowd")?;
+        let stdin = child.stdin.take().context("crowd's stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("crowd's stdout")?);
+        Ok(Crowd {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    /// Sends a command; its answer is read by [`Crowd::answer`].
+    pub fn send(&mut self, command: &str) -> Result<()> {
+        writeln!(self.stdin, "{command}")?;
+        self.stdin.flush()?;
+        Ok(())
+    }
+
+    /// The answer to the oldest command not yet answered (blocks until it comes).
+    pub fn answer(&mut self) -> Result<String> {
+        let mut line = String::new();
+        ensure!(self.stdout.read_line(&mut line)? > 0, "crowd exited");
+        Ok(line.trim_end().to_string())
+    }
+
+    /// `open N RATE`, sent: see [`Crowd::opened`] for its answer.
+    pub fn start_open(&mut self, n: usize, rate: u32) -> Result<()> {
+        self.send(&format!("open {n} {rate}"))
+    }
+
+    /// The answer to `open`.
+    pub fn opened(&mut self) -> Result<Opened> {
+        let line = self.answer()?;
+        let words: Vec<&str> = line.split(' ').collect();
+        let ["opened", opened, failed, seconds, ports @ ..] = words.as_slice() else {
+            bail!("crowd answered {line:?} to open");
+        };
+        Ok(Opened {
+            opened: opened.parse()?,
+            failed: failed.parse()?,
+            seconds: seconds.parse()?,
+            ports: ports
+                .first()
+                .map(|p| p.split(',').filter_map(|p| p.parse().ok()).collect())
+                .unwrap_or_default(),
+        })
+    }
+
+    /// Opens `n` more connections, at most `rate` per second.
+    pub fn open(&mut self, n: usize, rate: u32) -> Result<Opened> {
+        self.start_open(n, rate)?;
+        self.opened()
+    }
+
+    /// One byte on each connection; how they answered.
+    pub fn probe(&mut self) -> Result<Probe> {
+        self.send("probe")?;
+        let line = self.answer()?;
+        let numbers: Vec<usize> = line
+            .strip_prefix("probe ")
+            .with_context(|| format!("crowd answered {line:?} to probe"))?
+            .split(' ')
+            .map(str::parse)
+            .collect::<std::result::Result<_, _>>()?;
+        let [alive, reset, unacked] = numbers[..] else {
+            bail!("crowd answered {line:?} to probe");
+        };
+        Ok(Probe {
+            alive,
+            reset,
+            unacked,
+        })
+    }
+}
+
+impl Drop for Crowd {
+    fn drop(&mut self) {
+        let _ = self.send("quit");
+        let _ = crate::netns::terminate(&mut self.child, Duration::from_secs(5), "crowd");
     }
 }
 

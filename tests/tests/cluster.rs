@@ -17,11 +17,14 @@ use std::io::Write as _;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::thread::sleep;
 use std::time::{Duration, Instant, SystemTime};
 
 use lb_tests::client::Chatter;
-use lb_tests::router::{self, Bird, EcmpLab, PinDir, ROUTER, VIP, backend_addr, node_addr};
+use lb_tests::router::{
+    self, Bird, Crowd, EcmpLab, PinDir, Probe, ROUTER, VIP, backend_addr, node_addr,
+};
 use lb_tests::{Agent, Conn, Health, Lab, LabOptions, Protocol, XdpMode, require_e2e, skip};
 use lb_userspace::cluster::wire;
 use serde_json::Value;
@@ -58,13 +61,46 @@ fn write_key(dir: &Path) -> PathBuf {
 }
 
 fn cluster_section(peers: &[IpAddr], key: &Path) -> String {
+    cluster_section_with(peers, key, "3s", None)
+}
+
+/// `[cluster]` with `learn_timeout` and, if given, `transfer_rate`.
+fn cluster_section_with(
+    peers: &[IpAddr],
+    key: &Path,
+    learn_timeout: &str,
+    transfer_rate: Option<u64>,
+) -> String {
     let peers: Vec<String> = peers.iter().map(|p| format!("\"{p}\"")).collect();
-    format!(
-        "\n[cluster]\npeers = [{}]\nkey_file = \"{}\"\nlearn_timeout = \"3s\"\n",
+    let mut text = format!(
+        "\n[cluster]\npeers = [{}]\nkey_file = \"{}\"\nlearn_timeout = \"{learn_timeout}\"\n",
         peers.join(", "),
         key.display()
-    )
+    );
+    if let Some(rate) = transfer_rate {
+        text += &format!("transfer_rate = {rate}\n");
+    }
+    text
 }
+
+/// What differs between the nodes' configurations of the two ECMP tests.
+#[derive(Clone, Copy)]
+struct Setup {
+    /// Nodes in the cluster (the peers listed).
+    nodes: usize,
+    /// `[vip.health]` kind: "tcp" (echo servers), or "none" (listeners that never
+    /// accept, `EcmpLab::hold_tcp`).
+    health: &'static str,
+    learn_timeout: &'static str,
+    transfer_rate: Option<u64>,
+}
+
+const FAILOVER: Setup = Setup {
+    nodes: 2,
+    health: "tcp",
+    learn_timeout: "3s",
+    transfer_rate: None,
+};
 
 /// One node of the ECMP lab with `[cluster]`.
 struct Node {
@@ -72,6 +108,7 @@ struct Node {
     config: PathBuf,
     socket: PathBuf,
     bird_config: String,
+    setup: Setup,
     runs: u32,
     agent: Option<Agent>,
     bird: Option<Bird>,
@@ -80,6 +117,17 @@ struct Node {
 
 impl Node {
     fn new(lab: &EcmpLab, index: usize, key: &Path) -> Node {
+        Node::with_setup(lab, index, key, FAILOVER, 3, 65536)
+    }
+
+    fn with_setup(
+        lab: &EcmpLab,
+        index: usize,
+        key: &Path,
+        setup: Setup,
+        backends: usize,
+        conntrack: u32,
+    ) -> Node {
         let pins = PinDir::new(&format!("cl-{}", lab.node(index).name())).expect("pin dir");
         let socket = lab.dir().join(format!("lb{}.sock", index + 1));
         let node = router::shipped_config("lb-node.conf").unwrap();
@@ -99,16 +147,17 @@ impl Node {
             config: lab.dir().join(format!("lb{}.toml", index + 1)),
             socket,
             bird_config,
+            setup,
             runs: 0,
             agent: None,
             bird: None,
             _pins: pins,
         };
-        node.write_config(3, 65536, key);
+        node.write_config(backends, conntrack, key);
         node
     }
 
-    /// The same configuration on both nodes (socket and pins aside), with the first
+    /// The same configuration on every node (socket and pins aside), with the first
     /// `backends` backends and a connection table of `conntrack` entries.
     fn write_config(&self, backends: usize, conntrack: u32, key: &Path) {
         let mut text = format!(
@@ -117,16 +166,28 @@ impl Node {
              [control]\nsocket = \"{}\"\nmetrics = \"off\"\n\n\
              [announce]\nwarmup = \"1s\"\n\n\
              [[vip]]\nname = \"web\"\naddress = \"{VIP}\"\nport = 80\nprotocol = \"tcp\"\n\n\
-             [vip.health]\nkind = \"tcp\"\ninterval = \"200ms\"\ntimeout = \"100ms\"\n\
-             rise = 2\nfall = 2\n",
+             [vip.health]\nkind = \"{}\"\n{}",
             self._pins.path().display(),
-            self.socket.display()
+            self.socket.display(),
+            self.setup.health,
+            if self.setup.health == "none" {
+                ""
+            } else {
+                "interval = \"200ms\"\ntimeout = \"100ms\"\nrise = 2\nfall = 2\n"
+            }
         );
         for i in 0..backends {
             text += &format!("\n[[vip.backend]]\naddress = \"{}\"\n", backend_addr(i));
         }
-        let peers = [IpAddr::V4(node_addr(0)), IpAddr::V4(node_addr(1))];
-        text += &cluster_section(&peers, key);
+        let peers: Vec<IpAddr> = (0..self.setup.nodes)
+            .map(|i| IpAddr::V4(node_addr(i)))
+            .collect();
+        text += &cluster_section_with(
+            &peers,
+            key,
+            self.setup.learn_timeout,
+            self.setup.transfer_rate,
+        );
         std::fs::write(&self.config, text).unwrap();
     }
 
@@ -182,6 +243,21 @@ impl Node {
     }
 }
 
+/// The router's BIRD, with `nodes` nodes as neighbours.
+fn start_router(lab: &EcmpLab, nodes: usize) -> Bird {
+    let config = router::router_config(
+        nodes,
+        VIPS4,
+        HOLD,
+        KEEPALIVE,
+        &lab.dir().join("bird-router.log"),
+    )
+    .unwrap();
+    Bird::start(lab.router(), lab.dir(), "bird-router", &config).expect("start the router's bird")
+}
+
+const VIPS4: &str = "[ 10.99.0.0/24{32,32} ]";
+
 #[test]
 fn flows_survive_a_node_loss_after_a_backend_change() {
     const TEST: &str = "flows_survive_a_node_loss_after_a_backend_change";
@@ -193,21 +269,7 @@ fn flows_survive_a_node_loss_after_a_backend_change() {
     }
     let mut lab = EcmpLab::new(4).expect("build the topology");
     lab.serve_tcp(80).expect("backend servers");
-    let router_config = router::configure(
-        &router::shipped_config("router.conf").unwrap(),
-        &[
-            ("ROUTER_ID", ROUTER.to_string()),
-            ("LB1", node_addr(0).to_string()),
-            ("LB2", node_addr(1).to_string()),
-            ("VIPS4", "[ 10.99.0.0/24{32,32} ]".into()),
-            ("HOLD", HOLD.to_string()),
-            ("KEEPALIVE", KEEPALIVE.to_string()),
-        ],
-        &lab.dir().join("bird-router.log"),
-    )
-    .unwrap();
-    let _router_bird = Bird::start(lab.router(), lab.dir(), "bird-router", &router_config)
-        .expect("start the router's bird");
+    let _router_bird = start_router(&lab, 2);
     let key = write_key(lab.dir());
     let mut nodes: Vec<Node> = (0..2).map(|i| Node::new(&lab, i, &key)).collect();
     let both = [node_addr(0), node_addr(1)];
@@ -367,6 +429,285 @@ fn flows_survive_a_node_loss_after_a_backend_change() {
     }
 }
 
+/// Long-lived connections of the join test: `LB_JOIN_FLOWS`, else 30,000.
+fn join_flows() -> usize {
+    std::env::var("LB_JOIN_FLOWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30_000)
+}
+
+/// Connections one `crowd` process holds at most (its open files are limited).
+const PER_CROWD: usize = 15_000;
+/// Connections opened while the joining node learns.
+const DURING: usize = 1_500;
+/// The peers send a joiner at most this many entries per second here (the default is
+/// 250,000), so that the transfer lasts a few seconds: longer than learn_timeout (1 s),
+/// and long enough to open connections while it runs.
+const SLOW_RATE: u64 = 10_000;
+
+/// Sum of `field` over the peers in a node's status.
+fn peers_sum(node: &Node, field: &str) -> u64 {
+    status(node.agent())["cluster"]["peers"]
+        .as_array()
+        .map_or(0, |peers| {
+            peers.iter().map(|p| p[field].as_u64().unwrap_or(0)).sum()
+        })
+}
+
+/// The connections of `crowds` each send a byte: how many answered, were reset, or
+/// neither.
+fn probe_all<'a>(crowds: impl IntoIterator<Item = &'a mut Crowd>) -> Probe {
+    let mut all = Probe::default();
+    for crowd in crowds {
+        let probe = crowd.probe().expect("probe the connections");
+        all.alive += probe.alive;
+        all.reset += probe.reset;
+        all.unacked += probe.unacked;
+    }
+    all
+}
+
+/// How node 3's learning went, as the test watched it.
+struct Watched {
+    /// A status line showing a transfer part-way ("learned 12,288 of 32,410 ...").
+    progress: Option<String>,
+    /// When the connections opened during the transfer were asked for.
+    during_sent: Option<Instant>,
+    /// When the test saw learning over.
+    ended: Instant,
+}
+
+/// Polls the joining node's status until its learning is over; once a transfer is
+/// under way, `during` starts opening `DURING` connections.
+fn watch_learning(joiner: &Node, during: &mut Crowd) -> Watched {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut watched = Watched {
+        progress: None,
+        during_sent: None,
+        ended: Instant::now(),
+    };
+    loop {
+        let cluster = status(joiner.agent())["cluster"].clone();
+        let learn = &cluster["learn"];
+        let received = learn["received"].as_u64().unwrap_or(0);
+        let total = learn["total"].as_u64().unwrap_or(0);
+        if watched.progress.is_none() && received > 0 && received < total {
+            let text = joiner.agent().status().expect("lb status");
+            watched.progress = text
+                .lines()
+                .find(|l| l.contains("learning: learned"))
+                .map(str::to_string);
+        }
+        let receiving = learn["peers"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["state"] == "receiving"));
+        if watched.during_sent.is_none() && receiving {
+            during
+                .start_open(DURING, 1000)
+                .expect("open during the transfer");
+            watched.during_sent = Some(Instant::now());
+        }
+        if cluster["learning"] != "waiting" {
+            watched.ended = Instant::now();
+            return watched;
+        }
+        assert!(Instant::now() < deadline, "still learning: {cluster:#}");
+        sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_node_joins_a_loaded_cluster_knowing_every_flow() {
+    const TEST: &str = "a_node_joins_a_loaded_cluster_knowing_every_flow";
+    let Some(bin) = require_e2e(TEST) else {
+        return;
+    };
+    if let Err(why) = router::bird_version() {
+        return skip(TEST, &why);
+    }
+    let flows = join_flows();
+    let mut lab = EcmpLab::with_nodes(3, 5).expect("build the topology");
+    lab.hold_tcp(80).expect("backend listeners");
+    let _router_bird = start_router(&lab, 3);
+    let key = write_key(lab.dir());
+    let setup = Setup {
+        nodes: 3,
+        health: "none",
+        learn_timeout: "1s",
+        transfer_rate: Some(SLOW_RATE),
+    };
+    const CONNTRACK: u32 = 131_072;
+    let mut nodes: Vec<Node> = (0..3)
+        .map(|i| Node::with_setup(&lab, i, &key, setup, 4, CONNTRACK))
+        .collect();
+    for node in &mut nodes[..2] {
+        node.start(&lab, &bin);
+    }
+    lab.wait_next_hops(&[node_addr(0), node_addr(1)], Duration::from_secs(20))
+        .expect("two nodes announced");
+    let mut lines = vec![format!(
+        "cluster join: two nodes behind ECMP, a third joins under {flows} long-lived connections"
+    )];
+
+    // The load: long-lived connections through both nodes, each in both tables.
+    let vip = SocketAddr::new(IpAddr::V4(VIP), 80);
+    let crowd_bin = Path::new(env!("CARGO_BIN_EXE_crowd"));
+    let started = Instant::now();
+    let mut crowds: Vec<Crowd> = Vec::new();
+    for first in (0..flows).step_by(PER_CROWD) {
+        let mut crowd = Crowd::start(crowd_bin, lab.client(), vip).expect("start a crowd");
+        crowd
+            .start_open(PER_CROWD.min(flows - first), 20_000)
+            .unwrap();
+        crowds.push(crowd);
+    }
+    let (mut opened, mut failed) = (0, 0);
+    for crowd in &mut crowds {
+        let o = crowd.opened().expect("connections opened");
+        opened += o.opened;
+        failed += o.failed;
+    }
+    let open_time = started.elapsed();
+    assert_eq!(failed, 0, "{failed} of {flows} connections failed to open");
+    let shared = wait_for("every flow in both tables", Duration::from_secs(60), || {
+        peers_sum(&nodes[0], "inserted") + peers_sum(&nodes[1], "inserted") >= opened as u64
+    });
+    lines.push(format!(
+        "{opened} connections opened in {open_time:.1?}; each in both tables {shared:.1?} later"
+    ));
+
+    // A backend added at runtime on both nodes: the tables change.
+    let added = backend_addr(4).to_string();
+    for node in &nodes[..2] {
+        node.agent()
+            .ctl(&["backend", "add", &format!("{VIP}:80/tcp"), &added])
+            .expect("lb backend add");
+    }
+    wait_for(
+        "the new backend in both tables",
+        Duration::from_secs(10),
+        || {
+            nodes[..2].iter().all(|n| {
+                status(n.agent())["vips"][0]["backends"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|b| b["address"] == added.as_str() && b["in_table"] == true)
+            })
+        },
+    );
+
+    // Node 3 joins with the new backend set. Whatever the router moves to it would be
+    // reset wherever its new table sends it elsewhere, unless it learnt the flow first.
+    nodes[2].write_config(5, CONNTRACK, &key);
+    let mut during = Crowd::start(crowd_bin, lab.client(), vip).expect("start a crowd");
+    let joined = Instant::now();
+    nodes[2].start(&lab, &bin);
+    let watched = watch_learning(&nodes[2], &mut during);
+    let cluster = status(nodes[2].agent())["cluster"].clone();
+    assert_eq!(cluster["learning"], "done", "{cluster:#}");
+    let progress = watched
+        .progress
+        .expect("no status showed a transfer part-way");
+    assert!(progress.contains("learning: learned "), "{progress}");
+    let during_sent = watched
+        .during_sent
+        .expect("no transfer seen receiving: nothing opened during it");
+    let opened_during = during
+        .opened()
+        .expect("connections opened during the transfer");
+    assert_eq!(
+        opened_during.failed, 0,
+        "connections failed during the transfer"
+    );
+    let during_done = during_sent + Duration::from_secs_f64(opened_during.seconds);
+    lab.wait_next_hops(
+        &[node_addr(0), node_addr(1), node_addr(2)],
+        Duration::from_secs(20),
+    )
+    .expect("node 3 announced");
+    let join_time = joined.elapsed();
+    let log = nodes[2].agent().log();
+    let learnt_at = log.find("cluster: learned ").expect("learning logged");
+    let announced_at = log.find("announcing 10.99.0.100").expect("announced");
+    assert!(
+        learnt_at < announced_at,
+        "announced before learning:\n{log}"
+    );
+
+    // The connections opened during the transfer are in node 3's table, on the backend
+    // the node that carried them chose.
+    let sample: Vec<u16> = opened_during
+        .ports
+        .iter()
+        .copied()
+        .step_by((opened_during.ports.len() / 40).max(1))
+        .collect();
+    for port in &sample {
+        let source = SocketAddr::new(IpAddr::V4(router::CLIENT), *port);
+        let carried = nodes[0].explain(source).0;
+        assert!(carried.is_some(), "{source} not in lb1's table");
+        assert_eq!(nodes[2].explain(source).0, carried, "{source} on lb3");
+    }
+
+    // Every connection, old and new, sends a byte now that node 3 takes its share.
+    let probe = probe_all(crowds.iter_mut().chain([&mut during]));
+    let joiner = status(nodes[2].agent());
+    let forwarded: u64 = joiner["vips"][0]["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["packets"].as_u64().unwrap_or(0))
+        .sum();
+    let learn = &joiner["cluster"]["learn"];
+    let seconds = learn["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["seconds"].as_f64().unwrap_or(0.0))
+        .fold(0.0, f64::max);
+    lines.push(format!(
+        "lb3 joined: {progress:?} seen part-way; learned {} of {} entries ({} new) in {seconds:.2} s \
+         (peers paced at {SLOW_RATE}/s each, learn_timeout 1 s); announced {join_time:.1?} \
+         after its start",
+        learn["received"], learn["total"], learn["inserted"]
+    ));
+    lines.push(format!(
+        "{} connections opened during the transfer ({}), {} sampled: each in lb3's table",
+        opened_during.opened,
+        if during_done <= watched.ended {
+            "all before learning ended"
+        } else {
+            "some after learning ended"
+        },
+        sample.len()
+    ));
+    lines.push(format!(
+        "after the join: {} connections answered, {} reset, {} unanswered; lb3 forwarded \
+         {forwarded} packets, {} connection-table misses without a SYN",
+        probe.alive, probe.reset, probe.unacked, joiner["counters"]["ct_miss_non_syn"]
+    ));
+    report(&lines.join("\n"));
+    assert!(forwarded > 0, "the router sent lb3 nothing");
+    assert_eq!(
+        probe,
+        Probe {
+            alive: opened + opened_during.opened,
+            reset: 0,
+            unacked: 0
+        }
+    );
+    drop(during);
+    drop(crowds);
+    for node in &mut nodes {
+        drop(node.agent.take());
+        if let Some(mut bird) = node.bird.take() {
+            bird.stop();
+        }
+    }
+}
+
 /// The sender's clock, as the wire format counts it.
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -453,4 +794,85 @@ fn forged_and_replayed_datagrams_are_rejected() {
     ] {
         assert!(log.contains(why), "{why} not logged:\n{log}");
     }
+}
+
+#[test]
+fn a_start_on_stale_pins_replaces_the_dead_link_and_serves() {
+    const TEST: &str = "a_start_on_stale_pins_replaces_the_dead_link_and_serves";
+    let Some(bin) = require_e2e(TEST) else {
+        return;
+    };
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(80, false).expect("backend servers");
+    let pins = PinDir::new(&format!("stale-{}", lab.lb().name())).expect("pin directory");
+    let vips = vec![lab.vip("web", false, 80, Protocol::Tcp, Health::fast_tcp())];
+    let config = lab.agent_config(XdpMode::Native, vips);
+    let path = lab.dir().join("lb.toml");
+    std::fs::write(&path, config.to_toml_pinned(pins.path())).unwrap();
+    let start = |lab: &Lab, run: u32| {
+        let log = lab.dir().join(format!("lb-{run}.log"));
+        Agent::start(&bin, lab.lb(), &path, &lab.socket_path(), &log)
+    };
+    let first = start(&lab, 1).expect("start the agent");
+    let up = || {
+        lb_tests::status::wait_backends_up(&first, "web", Duration::from_secs(10), &|| false)
+            .expect("backends up");
+    };
+    up();
+    let vip = SocketAddr::new(lab.vip4(), 80);
+    let mut long_lived = Conn::open(lab.client(), vip, Duration::from_secs(2)).expect("connect");
+    long_lived.echo(b"before").expect("echo before");
+    let mac = status(&first)["dataplane"]["interface_mac"]
+        .as_str()
+        .expect("the interface's MAC")
+        .to_string();
+    // The agent stops (the program stays attached), then its interface goes and comes
+    // back as a new device: the pinned link is left without one.
+    drop(first);
+    lab.unplug_lb().expect("delete the balancer's interface");
+    lab.replug_lb(&mac).expect("create it again");
+
+    let doctor = |lab: &Lab, what: &str| {
+        let out = lab
+            .lb()
+            .run(|| {
+                Command::new(&bin)
+                    .arg("doctor")
+                    .arg("--config")
+                    .arg(&path)
+                    .output()
+            })
+            .unwrap()
+            .expect("run lb doctor");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.lines()
+            .find(|l| l.contains(" pins: "))
+            .unwrap_or_else(|| panic!("no pins check {what}:\n{text}"))
+            .to_string()
+    };
+    let stale = doctor(&lab, "on stale pins");
+    assert!(
+        stale.starts_with("warn pins: stale") && stale.contains("defunct"),
+        "{stale}"
+    );
+
+    let second = start(&lab, 2).expect("the agent starts on stale pins");
+    let log = second.log();
+    assert!(
+        log.contains("is defunct") && log.contains("adopting the pinned data path"),
+        "{log}"
+    );
+    let dataplane = status(&second)["dataplane"].clone();
+    assert_eq!(dataplane["start"], "adopted", "{dataplane:#}");
+    // The maps were kept: the connection's entry with them, so it continues.
+    long_lived.echo(b"after").expect("echo after the restart");
+    lb_tests::client::tcp_request(lab.client(), vip, Duration::from_secs(2))
+        .expect("a new connection through the new link");
+    let fresh = doctor(&lab, "once replaced");
+    assert!(fresh.starts_with("ok pins"), "{fresh}");
+    report(&format!(
+        "stale pins: lb doctor said {stale:?}; lb run replaced the link, adopted the maps, \
+         the connection from before continued; then {fresh:?}"
+    ));
+    long_lived.close().expect("orderly close");
 }

@@ -19,10 +19,20 @@
 //! Entries that end or expire are not chased: each node's own idle rules apply.
 //!
 //! Learn before announce: a node that starts with an empty connection table (a first
-//! start, or maps of another layout replaced) asks its peers for their live entries
-//! (`DumpRequest`); each peer sends them, paced, and then `DumpDone`. Its VIPs are
-//! announced (`[announce]`) once every peer is done, or after `learn_timeout`.
+//! start, or maps of another layout replaced) asks each peer for its live entries over
+//! TCP on the same address and port (`transfer`: batched, paced, resumed where a
+//! connection broke, each frame authenticated with the key) and inserts them as they
+//! come. Its VIPs are announced (`[announce]`) once every peer's whole table came, or a
+//! peer was silent for `learn_timeout`. What the peers create meanwhile reaches it as it
+//! reaches every peer, by the datagrams: the socket is bound before the first request,
+//! and a peer's copy is read after the request came, so every entry is in the copy or
+//! exported after it (no gap).
+//!
+//! Nodes of earlier versions ask by a datagram (`DumpRequest`): they are still answered
+//! by datagrams, paced, ending with `DumpDone`.
 
+pub mod stream;
+pub mod transfer;
 pub mod wire;
 
 use std::{
@@ -39,7 +49,7 @@ use lb_common::{
     ExportRecord, FLOW_F_CLOSING, FLOW_F_LEARNED, FlowEntry, FlowKey, LAST_SEEN_GRANULARITY_NS,
     PROTO_UDP, VipKey, stat,
 };
-use tokio::net::UdpSocket;
+use tokio::net::{TcpListener, UdpSocket};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -48,6 +58,7 @@ use crate::{
     explain::monotonic_ns,
     status::{ClusterStatus, PeerStatus},
 };
+use transfer::{AnswerContext, Answers, LearnStatus, Learner, PeerLearn, PeerLearnState};
 use wire::{Entry, Kind, Message, Reject, ReplayGuard};
 
 /// How often the export ring is drained and batches are sent: the most an entry waits.
@@ -55,13 +66,13 @@ pub const TICK: Duration = Duration::from_millis(50);
 /// Datagrams of new entries sent per peer per tick (2000/s, 40,000 entries/s): beyond
 /// that the queue grows, then drops.
 const LIVE_PER_TICK: usize = 100;
-/// Dump datagrams sent per tick (1000/s, 20,000 entries/s): a dump never crowds out
-/// new entries.
+/// Dump datagrams sent per tick (1000/s, 20,000 entries/s), to nodes of earlier
+/// versions that ask by datagram: a dump never crowds out new entries.
 const DUMP_PER_TICK: usize = 50;
 /// Entries waiting to be sent, at most: beyond it new ones are dropped and counted.
 const MAX_QUEUE: usize = 100_000;
-/// How often a learning node asks again a peer that has not answered.
-const ASK_AGAIN: Duration = Duration::from_millis(500);
+/// How often a learning node logs how far it is, all peers together.
+const LEARN_LOG_EVERY: Duration = Duration::from_secs(1);
 /// Shortest accepted key.
 pub const MIN_KEY_BYTES: usize = 16;
 
@@ -71,8 +82,9 @@ pub enum ClusterError {
     Key { path: String, why: String },
     #[error("cluster: no address of the peers' family on {interface} to bind; set cluster.address")]
     NoAddress { interface: String },
-    #[error("cluster: binding UDP {address}")]
+    #[error("cluster: binding {protocol} {address}")]
     Bind {
+        protocol: &'static str,
         address: SocketAddr,
         source: std::io::Error,
     },
@@ -217,7 +229,8 @@ pub trait Host: Send + 'static {
     fn directory(&self) -> Directory;
     /// The idle time after which UDP entries no longer hold their flow.
     fn udp_idle(&self) -> Duration;
-    /// Learning is over (all peers answered, or the timeout passed): announce.
+    /// Learning is over (every peer's table came, or a peer was silent for the
+    /// timeout): announce.
     fn learned(&mut self);
 }
 
@@ -254,11 +267,11 @@ pub enum Learning {
     /// The node started with a table of its own (adopted): nothing to learn.
     #[default]
     NotNeeded,
-    /// Asked the peers; waiting for them.
+    /// Asked the peers; their tables are coming.
     Waiting,
-    /// Every peer answered.
+    /// Every peer's whole table came.
     Done,
-    /// `learn_timeout` passed first.
+    /// A peer was silent for `learn_timeout`: given up.
     TimedOut,
 }
 
@@ -273,6 +286,9 @@ pub struct Stats {
     pub learning: Learning,
     /// Entries learned (inserted) while learning.
     pub learned_at_start: u64,
+    /// The transfer from each peer while learning: its progress, when it began and
+    /// when it ended.
+    pub learn: BTreeMap<IpAddr, (PeerLearn, Instant, Option<Instant>)>,
     /// The bound address.
     pub address: Option<SocketAddr>,
 }
@@ -291,6 +307,7 @@ impl Stats {
             address: self.address.map(|a| a.to_string()),
             learning,
             learned_at_start: self.learned_at_start,
+            learn: (!self.learn.is_empty()).then(|| LearnStatus::of(&self.learn)),
             exported: counter(stat::CLUSTER_EXPORTED),
             export_dropped: counter(stat::CLUSTER_EXPORT_DROPPED),
             queue_dropped: self.queue_dropped,
@@ -322,11 +339,13 @@ impl Stats {
 /// stops the start before the data path is touched.
 pub struct Opened {
     socket: std::net::UdpSocket,
+    /// Where peers that join ask for this node's table.
+    listener: std::net::TcpListener,
     key: Vec<u8>,
     pub stats: Shared,
 }
 
-/// Reads the key and binds the socket.
+/// Reads the key and binds the sockets: UDP for the datagrams, TCP for the transfers.
 pub fn open(
     config: &ClusterConfig,
     interface: &str,
@@ -334,12 +353,27 @@ pub fn open(
 ) -> Result<Opened, ClusterError> {
     let key = read_key(&config.key_file)?;
     let address = bind_address(config, interface, addresses)?;
+    let bind_error = |protocol| {
+        move |source| ClusterError::Bind {
+            protocol,
+            address,
+            source,
+        }
+    };
     let socket = std::net::UdpSocket::bind(address)
         .and_then(|s| s.set_nonblocking(true).map(|()| s))
-        .map_err(|source| ClusterError::Bind { address, source })?;
+        .map_err(bind_error("UDP"))?;
+    let listener = std::net::TcpListener::bind(address)
+        .and_then(|s| s.set_nonblocking(true).map(|()| s))
+        .map_err(bind_error("TCP"))?;
     let stats = Shared::default();
     stats.lock().expect("cluster stats poisoned").address = Some(address);
-    Ok(Opened { socket, key, stats })
+    Ok(Opened {
+        socket,
+        listener,
+        key,
+        stats,
+    })
 }
 
 /// What the data path gives the cluster task.
@@ -350,7 +384,7 @@ pub struct Maps {
 }
 
 /// Runs the cluster task until `shutdown`. `learn`: the node starts with an empty
-/// connection table, and asks its peers first.
+/// connection table, and learns its peers' first.
 pub fn start<H: Host>(
     host: Arc<Mutex<H>>,
     opened: Opened,
@@ -360,14 +394,32 @@ pub fn start<H: Host>(
     shutdown: CancellationToken,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let socket = UdpSocket::from_std(opened.socket)?;
-    let boot = wall_ns();
+    let listener = TcpListener::from_std(opened.listener)?;
+    let key: Arc<[u8]> = opened.key.into();
+    let writer = Arc::new(Mutex::new(maps.writer));
+    let rate = host
+        .lock()
+        .expect("agent state poisoned")
+        .cluster_config()
+        .map_or(250_000, |c| c.transfer_rate);
+    let answers = Arc::new(AnswerContext {
+        key: key.clone(),
+        rate,
+        answers: Arc::new(Answers::default()),
+        scan: scan_for_peers(host.clone(), maps.reader.clone()),
+        stats: opened.stats.clone(),
+    });
     let mut task = Task {
         host,
         socket,
-        key: opened.key,
+        listener,
+        key,
         stats: opened.stats,
-        maps,
-        boot,
+        export: maps.export,
+        writer,
+        reader: maps.reader,
+        answers,
+        boot: wall_ns(),
         seq: 0,
         queue: VecDeque::new(),
         dumps: VecDeque::new(),
@@ -376,36 +428,80 @@ pub fn start<H: Host>(
         learning: None,
     };
     if learn {
-        task.learning = Some(LearnState {
-            deadline: Instant::now() + learn_timeout,
-            pending: task.peers().into_iter().collect(),
-            asked: None,
-        });
-        task.stats().learning = Learning::Waiting;
+        task.start_learning(learn_timeout, &shutdown)?;
     }
     Ok(tokio::spawn(async move { task.run(shutdown).await }))
 }
 
-struct LearnState {
-    deadline: Instant,
-    /// Peers that have not sent `DumpDone` yet.
-    pending: Vec<IpAddr>,
-    asked: Option<Instant>,
+/// Reads this node's live entries in the peers' form (off the async workers).
+fn scan_for_peers<H: Host>(host: Arc<Mutex<H>>, reader: Arc<FlowReader>) -> transfer::Scan {
+    Arc::new(move || {
+        let (directory, udp_idle) = {
+            let host = host.lock().expect("agent state poisoned");
+            (host.directory(), host.udp_idle())
+        };
+        let now = monotonic_ns();
+        let idle = udp_idle.as_nanos() as u64;
+        let flows = reader.flows().map_err(|e| e.to_string())?;
+        Ok(flows
+            .iter()
+            .filter_map(|(key, entry)| {
+                let age = now.saturating_sub(entry.last_seen_ns);
+                live(key, entry, age, idle)
+                    .then(|| directory.export(key, entry, age))
+                    .flatten()
+            })
+            .collect())
+    })
 }
 
-/// A dump being sent to a peer.
+/// Inserts a peer's entries that this node can map; returns (inserted, unknown here).
+fn insert_learned<H: Host>(
+    host: &Mutex<H>,
+    writer: &Mutex<FlowWriter>,
+    entries: &[Entry],
+) -> (u64, u64) {
+    let directory = host.lock().expect("agent state poisoned").directory();
+    let now = monotonic_ns();
+    let (mut inserted, mut unknown) = (0, 0);
+    let mut writer = writer.lock().expect("cluster writer poisoned");
+    for entry in entries {
+        let Some(flow) = directory.learn(entry, now) else {
+            unknown += 1;
+            continue;
+        };
+        match writer.insert_new(&entry.key, &flow) {
+            Ok(true) => inserted += 1,
+            Ok(false) => {}
+            Err(error) => tracing::debug!("cluster: inserting a learned entry: {error}"),
+        }
+    }
+    (inserted, unknown)
+}
+
+/// A dump being sent by datagrams to a node of an earlier version.
 struct Dump {
     peer: IpAddr,
     entries: Vec<Entry>,
     at: usize,
 }
 
+/// Learning before announcing, from the peers at start.
+struct LearnState {
+    peers: Vec<IpAddr>,
+    logged: Instant,
+}
+
 struct Task<H> {
     host: Arc<Mutex<H>>,
     socket: UdpSocket,
-    key: Vec<u8>,
+    listener: TcpListener,
+    key: Arc<[u8]>,
     stats: Shared,
-    maps: Maps,
+    export: RingBuf<MapData>,
+    writer: Arc<Mutex<FlowWriter>>,
+    reader: Arc<FlowReader>,
+    answers: Arc<AnswerContext>,
     boot: u64,
     seq: u64,
     /// New entries waiting for the next tick.
@@ -447,6 +543,44 @@ impl<H: Host> Task<H> {
         self.socket.local_addr().map_or(0, |a| a.port())
     }
 
+    /// One transfer per peer, each inserting what it receives as it comes.
+    fn start_learning(
+        &mut self,
+        timeout: Duration,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<()> {
+        let local = self.socket.local_addr()?;
+        let peers = self.peers();
+        for peer in &peers {
+            let (host, writer, stats) =
+                (self.host.clone(), self.writer.clone(), self.stats.clone());
+            let insert = move |entries: &[Entry]| {
+                let (inserted, unknown) = insert_learned(&host, &writer, entries);
+                stats
+                    .lock()
+                    .expect("cluster stats poisoned")
+                    .learned_at_start += inserted;
+                (inserted, unknown)
+            };
+            let learner = Learner {
+                peer: SocketAddr::new(*peer, local.port()),
+                local: local.ip(),
+                key: self.key.clone(),
+                boot: self.boot,
+                timeout,
+                insert: Arc::new(insert),
+                stats: self.stats.clone(),
+            };
+            tokio::spawn(learner.run(shutdown.clone()));
+        }
+        self.learning = Some(LearnState {
+            peers,
+            logged: Instant::now(),
+        });
+        self.stats().learning = Learning::Waiting;
+        Ok(())
+    }
+
     async fn run(&mut self, shutdown: CancellationToken) {
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -462,8 +596,21 @@ impl<H: Host> Task<H> {
                     }
                     Err(error) => tracing::debug!("cluster: receiving: {error}"),
                 },
+                accepted = self.listener.accept() => match accepted {
+                    Ok((conn, from)) => self.accept(conn, from.ip()),
+                    Err(error) => tracing::debug!("cluster: accepting: {error}"),
+                },
             }
         }
+    }
+
+    /// A connection asking for this node's table: answered if it comes from a peer.
+    fn accept(&mut self, conn: tokio::net::TcpStream, peer: IpAddr) {
+        if !self.peers().contains(&peer) {
+            self.stats().unknown_sender += 1;
+            return;
+        }
+        tokio::spawn(transfer::answer(conn, peer, self.answers.clone()));
     }
 
     /// Drains the export ring, sends what is queued, paces dumps, follows learning.
@@ -478,7 +625,7 @@ impl<H: Host> Task<H> {
             sent += 1;
         }
         self.send_dumps().await;
-        self.follow_learning(&peers).await;
+        self.follow_learning();
         // Peers removed by a reload leave the status.
         let mut stats = self.stats();
         stats.peers.retain(|p, _| peers.contains(p));
@@ -490,7 +637,7 @@ impl<H: Host> Task<H> {
     /// Moves the records of the export ring into the send queue, named by address.
     fn drain_export(&mut self) {
         let mut records = Vec::new();
-        while let Some(item) = self.maps.export.next() {
+        while let Some(item) = self.export.next() {
             if let Ok(record) = bytemuck::try_from_bytes::<ExportRecord>(&item) {
                 records.push(*record);
             }
@@ -575,26 +722,34 @@ impl<H: Host> Task<H> {
         }
     }
 
-    /// While learning: asks the peers that have not answered (again every
-    /// `ASK_AGAIN`), and ends learning when all answered or the time is up.
-    async fn follow_learning(&mut self, peers: &[IpAddr]) {
+    /// While learning: logs the progress, and ends learning once every peer's transfer
+    /// ended (done, or given up after `learn_timeout` of silence).
+    fn follow_learning(&mut self) {
         let Some(learning) = &mut self.learning else {
             return;
         };
-        learning.pending.retain(|p| peers.contains(p));
-        let outcome = if learning.pending.is_empty() {
-            Learning::Done
-        } else if Instant::now() >= learning.deadline {
-            Learning::TimedOut
-        } else {
-            if learning.asked.is_none_or(|at| at.elapsed() >= ASK_AGAIN) {
-                learning.asked = Some(Instant::now());
-                let pending = learning.pending.clone();
-                self.send(Kind::DumpRequest, Vec::new(), &pending).await;
+        let (states, progress): (Vec<PeerLearnState>, LearnStatus) = {
+            let stats = self.stats.lock().expect("cluster stats poisoned");
+            let states = learning
+                .peers
+                .iter()
+                .map(|p| stats.learn.get(p).map(|l| l.0.state).unwrap_or_default())
+                .collect();
+            (states, LearnStatus::of(&stats.learn))
+        };
+        if !states.iter().all(|s| s.is_final()) {
+            if learning.logged.elapsed() >= LEARN_LOG_EVERY {
+                learning.logged = Instant::now();
+                tracing::info!("cluster: {progress}");
             }
             return;
+        }
+        self.learning = None;
+        let outcome = if states.contains(&PeerLearnState::NoAnswer) {
+            Learning::TimedOut
+        } else {
+            Learning::Done
         };
-        let pending = self.learning.take().map(|l| l.pending).unwrap_or_default();
         let learned = {
             let mut stats = self.stats();
             stats.learning = outcome.clone();
@@ -602,11 +757,12 @@ impl<H: Host> Task<H> {
         };
         match outcome {
             Learning::Done => tracing::info!(
-                "cluster: learned {learned} entries from the peers; announcing may start"
+                "cluster: {progress}: learned {learned} entries from the peers; announcing may \
+                 start"
             ),
             _ => tracing::warn!(
-                "cluster: no complete answer from {pending:?} within learn_timeout \
-                 ({learned} entries learned); announcing may start"
+                "cluster: {progress}: a peer was silent for learn_timeout ({learned} entries \
+                 learned); announcing may start"
             ),
         }
         self.host.lock().expect("agent state poisoned").learned();
@@ -641,11 +797,8 @@ impl<H: Host> Task<H> {
         match message.kind {
             Kind::Entries => self.learn_entries(peer, &message.entries),
             Kind::DumpRequest => self.start_dump(peer, message.boot).await,
-            Kind::DumpDone => {
-                if let Some(learning) = &mut self.learning {
-                    learning.pending.retain(|p| *p != peer);
-                }
-            }
+            // Learning goes by the transfers; a `DumpDone` answers nothing asked here.
+            Kind::DumpDone => {}
         }
     }
 
@@ -659,25 +812,12 @@ impl<H: Host> Task<H> {
         peer_stats.last_reject = Some(reject.to_string());
     }
 
-    /// Inserts a peer's entries that this node can map.
+    /// Inserts a peer's new entries that this node can map.
     fn learn_entries(&mut self, peer: IpAddr, entries: &[Entry]) {
         if entries.is_empty() {
             return;
         }
-        let directory = self.host.lock().expect("agent state poisoned").directory();
-        let now = monotonic_ns();
-        let (mut inserted, mut unknown) = (0, 0);
-        for entry in entries {
-            let Some(flow) = directory.learn(entry, now) else {
-                unknown += 1;
-                continue;
-            };
-            match self.maps.writer.insert_new(&entry.key, &flow) {
-                Ok(true) => inserted += 1,
-                Ok(false) => {}
-                Err(error) => tracing::debug!("cluster: inserting a learned entry: {error}"),
-            }
-        }
+        let (inserted, unknown) = insert_learned(&self.host, &self.writer, entries);
         let mut stats = self.stats();
         if self.learning.is_some() {
             stats.learned_at_start += inserted;
@@ -687,9 +827,9 @@ impl<H: Host> Task<H> {
         peer_stats.unknown += unknown;
     }
 
-    /// Reads this node's live entries for a peer that asked (a scan of the table, off
-    /// the async workers), and queues them. A peer asks again until it has the
-    /// `DumpDone`: a run of it that had its dump gets the `DumpDone` alone.
+    /// Reads this node's live entries for a node of an earlier version that asked by
+    /// datagram, and queues them. It asks again until it has the `DumpDone`: a run of it
+    /// that had its dump gets the `DumpDone` alone.
     async fn start_dump(&mut self, peer: IpAddr, boot: u64) {
         if self.dumps.iter().any(|d| d.peer == peer) {
             // Asked again while its dump is under way.
@@ -700,31 +840,11 @@ impl<H: Host> Task<H> {
             return;
         }
         self.dumped.insert(peer, boot);
-        let (directory, udp_idle) = {
-            let host = self.host.lock().expect("agent state poisoned");
-            (host.directory(), host.udp_idle())
-        };
-        let reader = self.maps.reader.clone();
-        let scanned = tokio::task::spawn_blocking(move || {
-            let now = monotonic_ns();
-            let idle = udp_idle.as_nanos() as u64;
-            reader.flows().map(|flows| {
-                flows
-                    .iter()
-                    .filter_map(|(key, entry)| {
-                        let age = now.saturating_sub(entry.last_seen_ns);
-                        live(key, entry, age, idle)
-                            .then(|| directory.export(key, entry, age))
-                            .flatten()
-                    })
-                    .collect::<Vec<_>>()
-            })
-        })
-        .await;
-        match scanned {
+        let scan = scan_for_peers(self.host.clone(), self.reader.clone());
+        match tokio::task::spawn_blocking(move || scan()).await {
             Ok(Ok(entries)) => {
                 tracing::info!(
-                    "cluster: {peer} asked for our entries: sending {}",
+                    "cluster: {peer} asked for our entries by datagram: sending {}",
                     entries.len()
                 );
                 self.dumps.push_back(Dump {
@@ -908,6 +1028,7 @@ mod tests {
             key_file: "/k".into(),
             address: None,
             learn_timeout: Duration::from_secs(3),
+            transfer_rate: 250_000,
         };
         let addresses: Vec<IpAddr> = ["fe80::1", "169.254.0.1", "10.0.0.2", "10.0.0.3"]
             .iter()

@@ -92,9 +92,9 @@ pub enum Reject {
     Replay,
 }
 
-type HmacSha256 = Hmac<Sha256>;
+pub(super) type HmacSha256 = Hmac<Sha256>;
 
-fn mac(key: &[u8]) -> HmacSha256 {
+pub(super) fn mac(key: &[u8]) -> HmacSha256 {
     // HMAC takes keys of any length.
     HmacSha256::new_from_slice(key).expect("HMAC accepts any key length")
 }
@@ -114,10 +114,7 @@ pub fn encode(message: &Message, key: &[u8]) -> Vec<u8> {
     out.extend_from_slice(&message.seq.to_be_bytes());
     out.extend_from_slice(&message.time_ms.to_be_bytes());
     for entry in &message.entries {
-        out.extend_from_slice(bytemuck::bytes_of(&entry.key));
-        out.extend_from_slice(&entry.backend);
-        out.extend_from_slice(&entry.age_s.to_be_bytes());
-        out.extend_from_slice(&entry.flags.to_be_bytes());
+        encode_entry(entry, &mut out);
     }
     let mut mac = mac(key);
     mac.update(&out);
@@ -144,12 +141,7 @@ pub fn decode(datagram: &[u8], key: &[u8]) -> Result<Message, Reject> {
     }
     let entries = body[HEADER_LEN..]
         .chunks_exact(ENTRY_LEN)
-        .map(|bytes| Entry {
-            key: bytemuck::pod_read_unaligned(&bytes[..40]),
-            backend: bytes[40..56].try_into().expect("16 bytes"),
-            age_s: u32::from_be_bytes(bytes[56..60].try_into().expect("4 bytes")),
-            flags: u32::from_be_bytes(bytes[60..64].try_into().expect("4 bytes")),
-        })
+        .map(decode_entry)
         .collect();
     Ok(Message {
         kind,
@@ -158,6 +150,24 @@ pub fn decode(datagram: &[u8], key: &[u8]) -> Result<Message, Reject> {
         time_ms: u64_at(24),
         entries,
     })
+}
+
+/// Appends `entry`'s `ENTRY_LEN` bytes to `out`.
+pub(super) fn encode_entry(entry: &Entry, out: &mut Vec<u8>) {
+    out.extend_from_slice(bytemuck::bytes_of(&entry.key));
+    out.extend_from_slice(&entry.backend);
+    out.extend_from_slice(&entry.age_s.to_be_bytes());
+    out.extend_from_slice(&entry.flags.to_be_bytes());
+}
+
+/// The entry in `bytes` (`ENTRY_LEN` of them).
+pub(super) fn decode_entry(bytes: &[u8]) -> Entry {
+    Entry {
+        key: bytemuck::pod_read_unaligned(&bytes[..40]),
+        backend: bytes[40..56].try_into().expect("16 bytes"),
+        age_s: u32::from_be_bytes(bytes[56..60].try_into().expect("4 bytes")),
+        flags: u32::from_be_bytes(bytes[60..64].try_into().expect("4 bytes")),
+    }
 }
 
 /// What a receiver remembers of one sender, to accept each of its datagrams once.

@@ -90,8 +90,22 @@ impl AyaDataplane {
     ) -> Result<(Self, Found), DataplaneError> {
         let mut options = options;
         let mut previous = None;
+        // A link whose interface went away while no agent ran cannot take a program
+        // ("Link has been severed"): a new one replaces it. The maps it served are
+        // independent of it: kept when their layout matches, whatever interface they
+        // were recorded for (that one is gone).
+        let defunct = pins::pinned_link_state(dir) == pins::PinnedLinkState::Defunct;
+        if defunct {
+            tracing::warn!(
+                "the link pinned in {} is defunct (its interface went away while the agent \
+                 was stopped): replacing it with a new link on this interface; the pinned \
+                 maps are kept where their layout matches",
+                dir.display()
+            );
+            pins::remove_pin(&dir.join(pins::LINK_PIN))?;
+        }
         let link_mode = pins::pinned_link_mode(dir, &options);
-        let found = pins::inspect_pins(dir, &mut options);
+        let found = pins::inspect_pins(dir, &mut options, defunct);
         if let Found::Incompatible(_) = found {
             if link_mode.is_some() {
                 // The backends the running program serves (ids, MACs, serving state), read

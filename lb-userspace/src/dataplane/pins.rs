@@ -95,8 +95,9 @@ fn same_interface(pinned: u64, options: &LoadOptions) -> bool {
 
 /// What is pinned in `dir`, compared with what `options` ask for.
 /// A larger pinned VIP capacity than asked is adopted into `options` (the agent then
-/// uses it).
-pub(super) fn inspect_pins(dir: &Path, options: &mut LoadOptions) -> Found {
+/// uses it). `interface_gone`: the pinned link's interface no longer exists, so the
+/// interface the maps were recorded for is no reason to replace them.
+pub(super) fn inspect_pins(dir: &Path, options: &mut LoadOptions, interface_gone: bool) -> Found {
     let meta_path = dir.join(MAP_META);
     if !meta_path.exists() {
         return Found::Nothing;
@@ -136,7 +137,7 @@ pub(super) fn inspect_pins(dir: &Path, options: &mut LoadOptions) -> Found {
         ));
     }
     let pinned_ifindex = values[meta::IFINDEX as usize];
-    if !same_interface(pinned_ifindex, options) {
+    if !interface_gone && !same_interface(pinned_ifindex, options) {
         return Found::Incompatible(format!(
             "pinned for interface index {pinned_ifindex}, this agent attaches to {}",
             options.ifindex
@@ -273,4 +274,73 @@ pub fn remove_pins(dir: &Path) -> Result<RemovedPins, DataplaneError> {
     let maps = remove_map_pins(dir)?;
     let _ = std::fs::remove_dir(dir);
     Ok(RemovedPins { link, maps })
+}
+
+/// The link pinned in a pin directory, as the kernel sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PinnedLinkState {
+    /// No link pinned.
+    Absent,
+    /// Attached to the interface of this index.
+    Attached { ifindex: u32 },
+    /// Pinned, but its interface is gone (removed while the agent was stopped): the
+    /// kernel refuses to update it ("Link has been severed"); a new link must replace it.
+    Defunct,
+    /// Pinned, but not readable as an XDP link (why).
+    Unreadable(i32),
+}
+
+/// What the link pinned in `dir` is attached to (bpf(2) by hand: aya 0.14's link info
+/// does not show the XDP link's interface).
+pub fn pinned_link_state(dir: &Path) -> PinnedLinkState {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    const BPF_LINK_TYPE_XDP: u32 = 6;
+    let path = dir.join(LINK_PIN);
+    let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return PinnedLinkState::Absent;
+    };
+    let errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+    // `union bpf_attr` for BPF_OBJ_GET: pathname u64, bpf_fd u32, file_flags u32.
+    let mut get = [0u64; 2];
+    get[0] = c_path.as_ptr() as u64;
+    // SAFETY: `get` is a valid attr of the size passed; `c_path` outlives the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, get.as_mut_ptr(), 16u32) };
+    if fd < 0 {
+        return match errno() {
+            libc::ENOENT => PinnedLinkState::Absent,
+            e => PinnedLinkState::Unreadable(e),
+        };
+    }
+    // SAFETY: the kernel just gave us this descriptor.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // `struct bpf_link_info`: type u32, id u32, prog_id u32, then (8-aligned) a union
+    // whose `xdp` member starts with the interface index. 0 once the device is gone.
+    let mut info = [0u64; 32];
+    // `union bpf_attr` for BPF_OBJ_GET_INFO_BY_FD: bpf_fd u32, info_len u32, info u64.
+    let mut attr = [0u64; 2];
+    attr[0] = (std::os::fd::AsRawFd::as_raw_fd(&fd) as u32 as u64)
+        | ((std::mem::size_of_val(&info) as u64) << 32);
+    attr[1] = info.as_mut_ptr() as u64;
+    // SAFETY: `attr` is a valid attr of the size passed, `info` is as long as it says.
+    let done = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            attr.as_mut_ptr(),
+            16u32,
+        )
+    };
+    if done != 0 {
+        return PinnedLinkState::Unreadable(errno());
+    }
+    let link_type = info[0] as u32;
+    let ifindex = info[2] as u32;
+    match (link_type, ifindex) {
+        (BPF_LINK_TYPE_XDP, 0) => PinnedLinkState::Defunct,
+        (BPF_LINK_TYPE_XDP, ifindex) => PinnedLinkState::Attached { ifindex },
+        _ => PinnedLinkState::Unreadable(libc::EINVAL),
+    }
 }

@@ -74,6 +74,7 @@ pub fn check(facts: &Facts) -> Vec<Finding> {
     let mut out = vec![
         privileges(facts),
         bpffs(facts),
+        pins(facts),
         kernel(facts),
         btf(facts),
         jit(facts),
@@ -243,6 +244,51 @@ fn bpffs(facts: &Facts) -> Finding {
                 "pin_path {dir} is not on a bpf filesystem: mount one (mount -t bpf bpf {}) \
                  or set pin_path under /sys/fs/bpf",
                 existing.display()
+            ),
+        ),
+    }
+}
+
+/// What a previous agent pinned: stale pins (a link whose interface is gone, or on
+/// another interface) are no reason to refuse, since `lb run` replaces them, but they
+/// are worth knowing about.
+fn pins(facts: &Facts) -> Finding {
+    use super::facts::PinnedLink;
+    let dir = facts.bpffs.pin_dir.display();
+    let name = &facts.interface;
+    let index = facts.link.as_ref().map(|l| l.index);
+    let stale = |what: String| {
+        finding(
+            "pins",
+            Level::Warn,
+            format!(
+                "stale: {what}; lb run replaces it with a new link on {name}, keeping the \
+                 pinned maps (and their flows) where their layout matches \
+                 (`lb detach --config FILE` removes the pins instead)"
+            ),
+        )
+    };
+    match &facts.bpffs.link {
+        PinnedLink::None => finding("pins", Level::Ok, format!("nothing pinned in {dir}")),
+        PinnedLink::Attached { ifindex } if index.is_none_or(|i| i == *ifindex) => finding(
+            "pins",
+            Level::Ok,
+            format!("the link pinned in {dir} is attached to {name}: lb run adopts it"),
+        ),
+        PinnedLink::Attached { ifindex } => stale(format!(
+            "the link pinned in {dir} is attached to interface index {ifindex}, not {name}              (index {})",
+            index.unwrap_or_default()
+        )),
+        PinnedLink::Defunct => stale(format!(
+            "the link pinned in {dir} is defunct: its interface went away while the agent \
+             was stopped"
+        )),
+        PinnedLink::Unreadable { errno } => finding(
+            "pins",
+            Level::Warn,
+            format!(
+                "the link pinned in {dir} is unreadable ({}); lb run replaces it",
+                std::io::Error::from_raw_os_error(*errno)
             ),
         ),
     }

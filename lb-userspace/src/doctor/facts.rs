@@ -36,6 +36,24 @@ pub struct Bpffs {
     /// `dataplane.pin_path` (or its default).
     pub pin_dir: PathBuf,
     pub state: BpffsState,
+    /// The link pinned there (`pin_dir/link`).
+    #[serde(default)]
+    pub link: PinnedLink,
+}
+
+/// The link a previous agent pinned, as the kernel sees it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PinnedLink {
+    /// Nothing pinned.
+    #[default]
+    None,
+    /// Attached to the interface of this index.
+    Attached { ifindex: u32 },
+    /// Its interface went away (while the agent was stopped).
+    Defunct,
+    /// Pinned but unreadable as an XDP link (bpf(2) said this errno).
+    Unreadable { errno: i32 },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -12,7 +12,7 @@ use super::{
     checks::{Finding, Level},
     facts::{
         Attached, Bpffs, BpffsState, Channels, Driver, Facts, Feature, Kernel, Link, Peer,
-        Privileges, XdpFeatures,
+        PinnedLink, Privileges, XdpFeatures,
     },
 };
 use crate::config::XdpModeSetting;
@@ -30,6 +30,7 @@ fn facts(text: &str, mode: XdpModeSetting) -> Facts {
         bpffs: Bpffs {
             pin_dir: "/sys/fs/bpf/lb/eth0".into(),
             state: BpffsState::Mounted,
+            link: PinnedLink::None,
         },
         kernel: Kernel {
             release: "6.18.44".into(),
@@ -503,5 +504,47 @@ fn host_checks() {
     facts.link = None;
     let report = Report::of(facts);
     assert_level(&report, "interface", Level::Fail, &["no interface eth0"]);
-    assert_eq!(report.checks.len(), 6, "{}", report.render());
+    assert_eq!(report.checks.len(), 7, "{}", report.render());
+}
+
+#[test]
+fn stale_pins_are_reported_with_what_lb_run_does() {
+    let mut facts = facts(VETH, Native);
+    let index = facts.link.as_ref().unwrap().index;
+    assert_level(
+        &Report::of(facts.clone()),
+        "pins",
+        Level::Ok,
+        &["nothing pinned"],
+    );
+    facts.bpffs.link = PinnedLink::Attached { ifindex: index };
+    assert_level(
+        &Report::of(facts.clone()),
+        "pins",
+        Level::Ok,
+        &["attached to eth0"],
+    );
+    facts.bpffs.link = PinnedLink::Defunct;
+    assert_level(
+        &Report::of(facts.clone()),
+        "pins",
+        Level::Warn,
+        &[
+            "stale",
+            "defunct",
+            "lb run replaces it",
+            "maps",
+            "lb detach",
+        ],
+    );
+    facts.bpffs.link = PinnedLink::Attached { ifindex: index + 7 };
+    let elsewhere = format!("index {}, not eth0", index + 7);
+    assert_level(
+        &Report::of(facts.clone()),
+        "pins",
+        Level::Warn,
+        &["stale", elsewhere.as_str()],
+    );
+    facts.bpffs.link = PinnedLink::Unreadable { errno: 13 };
+    assert_level(&Report::of(facts), "pins", Level::Warn, &["unreadable"]);
 }

@@ -14,7 +14,7 @@ use rtnetlink::packet_route::link::{
 use super::{
     facts::{
         Attached, Bpffs, BpffsState, Channels, Driver, Facts, Feature, Kernel, Link, Peer,
-        Privileges,
+        PinnedLink, Privileges,
     },
     netlink::Ethtool,
 };
@@ -35,6 +35,7 @@ pub async fn gather(config: &Config) -> Facts {
         bpffs: Bpffs {
             state: bpffs_state(&pin_dir),
             pin_dir: pin_dir.clone(),
+            link: pinned_link(&pin_dir),
         },
         kernel: kernel(),
         cpus: aya::util::online_cpus()
@@ -260,6 +261,16 @@ fn program_name(id: u32) -> Option<String> {
         .filter_map(Result::ok)
         .find(|p| p.id() == id)
         .and_then(|p| p.name_as_str().map(str::to_string))
+}
+
+fn pinned_link(pin_dir: &Path) -> PinnedLink {
+    use crate::dataplane::PinnedLinkState;
+    match crate::dataplane::pinned_link_state(pin_dir) {
+        PinnedLinkState::Absent => PinnedLink::None,
+        PinnedLinkState::Attached { ifindex } => PinnedLink::Attached { ifindex },
+        PinnedLinkState::Defunct => PinnedLink::Defunct,
+        PinnedLinkState::Unreadable(errno) => PinnedLink::Unreadable { errno },
+    }
 }
 
 fn pinned_program(link_pin: &Path) -> Option<u32> {

@@ -7,7 +7,9 @@
 //! 3. requests with wrk in the namespace lab against lb, HAProxy and one backend
 //!    (`requests`);
 //! 4. control plane: Maglev build, table switch, health failure to switch, agent memory
-//!    (`control`).
+//!    (`control`);
+//! 5. a node joining a cluster: the bulk transfer's rate and its cost to the answering
+//!    node (`transfer`).
 //!
 //! Prints tables (text) and writes the figures as JSON, plus the tables as markdown next
 //! to it. Needs root; traffic only goes to namespaces it creates, and every namespace,
@@ -20,6 +22,7 @@ mod packet;
 mod procs;
 mod report;
 mod requests;
+mod transfer;
 mod veth;
 
 use std::path::PathBuf;
@@ -43,11 +46,11 @@ struct Args {
     /// Where to write the JSON (the markdown tables go next to it, as .md).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Sections to run, comma-separated: packet, veth, requests, control.
+    /// Sections to run, comma-separated: packet, veth, requests, control, transfer.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "packet,veth,requests,control"
+        default_value = "packet,veth,requests,control,transfer"
     )]
     only: Vec<String>,
     /// Per-packet cases to run, comma-separated (default: all), e.g.
@@ -112,8 +115,8 @@ fn run(args: &Args) -> Result<()> {
     }
     let sections: Vec<&str> = args.only.iter().map(String::as_str).collect();
     for s in &sections {
-        if !["packet", "veth", "requests", "control"].contains(s) {
-            bail!("unknown section {s:?} (packet, veth, requests, control)");
+        if !["packet", "veth", "requests", "control", "transfer"].contains(s) {
+            bail!("unknown section {s:?} (packet, veth, requests, control, transfer)");
         }
     }
     let wants = |s: &str| sections.contains(&s);
@@ -303,6 +306,22 @@ fn run(args: &Args) -> Result<()> {
         )?;
         tables.push(t);
         json_sections.insert("conntrack_scan".into(), j);
+    }
+
+    if wants("transfer") {
+        let lb_bin = match &args.lb_bin {
+            Some(b) => b.clone(),
+            None => lb_tests::find_lb_bin().map_err(anyhow::Error::msg)?,
+        };
+        let opts = transfer::Options {
+            entries: if args.quick { 20_000 } else { 100_000 },
+            rounds: if args.quick { 1 } else { 3 },
+        };
+        let (t, j) = transfer::run(&lb_bin, &opts)?;
+        tables.push(t);
+        json_sections.insert("cluster_transfer".into(), j);
+        load.push(json!({ "at": "after transfer", "loadavg": loadavg() }));
+        check_cancelled()?;
     }
 
     let mut goal_table = Table::new(
