@@ -40,9 +40,7 @@ pub use batch::{FlowReader, FlowWriter};
 pub use kernel::AyaDataplane;
 #[cfg(test)]
 pub use memory::{MemoryDataplane, Write};
-pub use pins::{
-    PINNED_MAPS, PinnedLinkState, RemovedPins, pinned_link_state, remove_pins,
-};
+pub use pins::{PINNED_MAPS, PinnedLinkState, RemovedPins, pinned_link_state, remove_pins};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
