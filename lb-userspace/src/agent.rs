@@ -22,7 +22,7 @@ use crate::{
     control,
     dataplane::{
         AttachHints, AttachTarget, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions,
-        remove_pins, vip_capacity,
+        remove_pins,
     },
     doctor::{self, Level},
     explain::monotonic_ns,
@@ -30,6 +30,7 @@ use crate::{
     lock, metrics,
     model::Model,
     neighbor::{self, Neighbors},
+    preflight,
     state::{self, InterfaceChange, State},
     status::Start,
     tables::TableWriter,
@@ -153,8 +154,6 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
             config.dataplane.flow_idle_timeout,
         )
     };
-    // A configuration the model refuses stops the start before any pin is touched.
-    new_model(vip_capacity(config.vips.len())).update(config)?;
     // Then the host (`lb doctor`'s checks): a failing one refuses the start with its fix.
     let report = doctor::Report::run(config).await;
     for warning in report.at(Level::Warn) {
@@ -166,8 +165,9 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         .await
         .context("reading the data-path interface")?;
     let interface = neighbors.interface().clone();
-    config.validate_host(&interface.addresses)?;
-    config.validate_routes(|a| neighbor::on_link(neighbor::route_to, interface.index, a))?;
+    // The checks `lb check` makes too (the interface's addresses, routes, the cluster's
+    // key): a refusal names the field.
+    preflight::run(config, Some(&interface), neighbor::route_to)?;
     // Before attaching: a device that cannot be made stops the start with nothing changed.
     let announcer = match &config.announce {
         Some(announce) => Some(

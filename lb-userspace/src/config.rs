@@ -893,11 +893,24 @@ impl Config {
         Config::from_toml(&text)
     }
 
-    /// The checks that need the host: no backend may be an address of the balancer's
-    /// own interface (`own`), where frames sent to it would come straight back.
+    /// The checks that need the host: no VIP and no backend may be an address of the
+    /// balancer's own interface, where frames sent to it would come straight back.
     /// Run where the agent knows the addresses: at start and on every reload.
     pub fn validate_host(&self, interface_addresses: &[IpAddr]) -> Result<(), ConfigError> {
         for (i, vip) in self.vips.iter().enumerate() {
+            if interface_addresses.contains(&vip.address) {
+                // Its frames would be the balancer's own: its services on that port
+                // would answer locally but be sent to backends for everyone else.
+                return Err(invalid(
+                    format!("vip[{i}].address"),
+                    format!(
+                        "{} is an address of dataplane.interface {} (this balancer): a VIP \
+                         must be an address no host on the segment has (its packets to the \
+                         balancer's own services would go to the backends)",
+                        vip.address, self.dataplane.interface
+                    ),
+                ));
+            }
             for (j, backend) in vip.backends.iter().enumerate() {
                 if interface_addresses.contains(&backend.address) {
                     return Err(invalid(

@@ -3,7 +3,7 @@
 //! Modules, each of which uses only those listed before it (no import cycles):
 //! `config`, `listen`, `lock`; `dataplane`; `doctor`; `model`, `tables`, `weights`, `hot`;
 //! `writer`; `neighbor`, `capture`; `status`, `api`, `explain`, `telemetry`, `metrics`,
-//! `probe`, `vipprobe`, `agentcheck`, `health`, `announce`; `cluster`; `state`; `control`, `client`,
+//! `probe`, `vipprobe`, `agentcheck`, `health`, `announce`; `cluster`; `preflight`; `state`; `control`, `client`,
 //! `top`; `agent`; `cli`. The README's Layout section says what each is for.
 
 pub mod agent;
@@ -26,6 +26,7 @@ pub mod lock;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;
+pub mod preflight;
 pub mod probe;
 pub mod state;
 pub mod status;

@@ -143,9 +143,7 @@ impl State {
     /// What `config` needs of this host (`Config::validate_host`, and `l2` backends
     /// on-link): checked at every reload and runtime change, as at start.
     fn validate_on_host(&self, config: &Config) -> Result<(), ConfigError> {
-        config.validate_host(&self.interface.addresses)?;
-        let (route_of, interface) = (self.route_of, &self.interface);
-        config.validate_routes(|a| neighbor::on_link(route_of, interface.index, a))
+        crate::preflight::interface_checks(config, &self.interface, self.route_of)
     }
 
     /// Looks up the next hop of every tunnelled backend (`follow_routes`). Returns
@@ -1798,6 +1796,61 @@ mod tests {
         drop(ticket);
     }
 
+    /// Issue 34: status's `effective_weight` and `slots` agree after `lb maint` then `lb
+    /// ready` on a VIP whose backends came up on their first checks after the start.
+    /// Before the fix the three others ramped from those first checks ("slow start 10%"
+    /// beside the returning one's), so the returning one held a quarter of the table.
+    #[test]
+    fn status_weights_and_slots_agree_after_maint_then_ready() {
+        let mut file = config(
+            "eth0",
+            &["10.0.0.11", "10.0.0.12", "10.0.0.13", "10.0.0.14"],
+        );
+        file.vips[0].slow_start = Some(std::time::Duration::from_secs(300));
+        file.vips[0].health.kind = crate::config::HealthKind::Tcp;
+        let mut shared = test_support::shared_sized(file, 65537);
+        let pass = |shared: &mut State, id: u32| {
+            let ok = CheckRecord {
+                ok: true,
+                latency_ms: 1.0,
+                error: None,
+                local: false,
+            };
+            CheckHost::record_check(shared, id, ok, 1, 1);
+        };
+        let ids: Vec<u32> = shared.model.backends().map(|b| b.id).collect();
+        for &id in &ids {
+            pass(&mut shared, id);
+        }
+        let returning: IpAddr = "10.0.0.11".parse().unwrap();
+        shared
+            .set_admin_state(&web(), returning, AdminState::Maint)
+            .unwrap();
+        shared
+            .set_admin_state(&web(), returning, AdminState::Ready)
+            .unwrap();
+        pass(&mut shared, ids[0]);
+
+        let status = shared.status().unwrap();
+        let backends = &status.vips[0].backends;
+        let reasons: Vec<&str> = backends.iter().map(|b| b.weight_reason.as_str()).collect();
+        assert_eq!(
+            reasons,
+            ["slow start 10%", "configured", "configured", "configured"]
+        );
+        let total: f64 = backends.iter().map(|b| b.effective_weight).sum();
+        for b in backends {
+            let expected = 65537.0 * b.effective_weight / total;
+            assert!(
+                (b.slots as f64 - expected).abs() <= expected / 100.0 + 1.0,
+                "backend {}: {} slots, effective weight {} gives {expected:.0}",
+                b.address,
+                b.slots,
+                b.effective_weight
+            );
+        }
+    }
+
     #[test]
     fn hot_sources_are_written_to_the_data_path_and_shown() {
         let mut file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
@@ -2171,7 +2224,12 @@ pub(crate) mod test_support {
     }
 
     pub fn shared(config: Config) -> State {
-        let mut model = Model::new(7, 16, Duration::ZERO);
+        shared_sized(config, 7)
+    }
+
+    /// `shared` with Maglev tables of `table_size` slots.
+    pub fn shared_sized(config: Config, table_size: u32) -> State {
+        let mut model = Model::new(table_size, 16, Duration::ZERO);
         model.update(&config).unwrap();
         let interface = Interface {
             name: "eth0".into(),
@@ -2180,7 +2238,10 @@ pub(crate) mod test_support {
             addresses: vec!["10.0.0.2".parse().unwrap()],
             mtu: 1500,
         };
-        let tables = Writer::inline(Box::new(MemoryDataplane::default()), TableWriter::new(7));
+        let tables = Writer::inline(
+            Box::new(MemoryDataplane::default()),
+            TableWriter::new(table_size),
+        );
         let mut shared = State::new(
             PathBuf::from("/nonexistent"),
             config,
