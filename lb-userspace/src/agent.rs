@@ -167,7 +167,12 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     let interface = neighbors.interface().clone();
     // The checks `lb check` makes too (the interface's addresses, routes, the cluster's
     // key): a refusal names the field.
-    preflight::run(config, Some(&interface), neighbor::route_to)?;
+    preflight::run(
+        config,
+        Some(&interface),
+        neighbor::route_to,
+        preflight::Mode::Start,
+    )?;
     // Before attaching: a device that cannot be made stops the start with nothing changed.
     let announcer = match &config.announce {
         Some(announce) => Some(

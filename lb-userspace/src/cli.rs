@@ -17,7 +17,7 @@ use crate::{
     client,
     config::{AdminState, Config},
     explain::{ExplainRequest, VipTarget},
-    status,
+    preflight, status,
 };
 
 /// Exit code for invalid input: a bad argument (clap's own) or configuration file.
@@ -265,14 +265,24 @@ async fn check(path: &Path) -> anyhow::Result<()> {
             return Err(error).context("reading the data-path interface");
         }
     };
-    let outcomes = crate::preflight::run(&parsed, interface.as_ref(), crate::neighbor::route_to)?;
+    let outcomes = preflight::run(
+        &parsed,
+        interface.as_ref(),
+        crate::neighbor::route_to,
+        preflight::Mode::Check,
+    )?;
     for (check, outcome) in outcomes {
-        if outcome == crate::preflight::Outcome::NoInterface {
-            eprintln!(
+        match outcome {
+            preflight::Outcome::NoInterface => eprintln!(
                 "lb check: {} not checked: no interface {} on this host (lb run needs it)",
                 check.name(),
                 parsed.dataplane.interface
-            );
+            ),
+            preflight::Outcome::Warned(why) => eprintln!(
+                "lb check: warning: {}: lb run on this host would refuse: {why}",
+                check.name()
+            ),
+            preflight::Outcome::Passed | preflight::Outcome::NotConfigured => {}
         }
     }
     let backends: usize = parsed.vips.iter().map(|v| v.backends.len()).sum();

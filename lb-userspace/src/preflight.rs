@@ -1,8 +1,10 @@
 //! The checks of a configuration against this host that do not need the data path:
 //! `lb run` makes them before it touches a pin, and `lb check` (the unit's
 //! `ExecStartPre`, a reviewer's check) makes the very same ones, so the two never
-//! disagree. Reloads and runtime changes make the interface's part again
-//! (`interface_checks`).
+//! disagree. One exception, said where it happens: `lb check` shows a failing route
+//! check as a warning (the routes of the host it runs on need not be the serving
+//! host's: a file checked on a build host), where `lb run` refuses. Reloads and runtime
+//! changes make the interface's part again (`interface_checks`).
 //!
 //! Owns nothing; calls `config` (the checks themselves), `neighbor` (routes), `model`
 //! (the ids the data path has room for) and `cluster` (its key and address rules).
@@ -71,10 +73,21 @@ impl Check {
     }
 }
 
-/// What became of one check.
+/// Who runs the checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// `lb run`: every failing check refuses the start.
+    Start,
+    /// `lb check`: a failing route check is a warning (`Outcome::Warned`).
+    Check,
+}
+
+/// What became of one check.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     Passed,
+    /// Failed where it does not refuse (`Mode::Check`): the error `lb run` gives here.
+    Warned(String),
     /// The configuration has nothing it checks (no `[cluster]`).
     NotConfigured,
     /// It needs the data-path interface, which this host does not have.
@@ -88,6 +101,7 @@ pub fn run(
     config: &Config,
     interface: Option<&Interface>,
     route_of: RouteLookup,
+    mode: Mode,
 ) -> Result<Vec<(Check, Outcome)>, ConfigError> {
     let mut outcomes = Vec::new();
     for check in Check::ALL {
@@ -96,10 +110,13 @@ pub fn run(
         } else {
             match (check.needs_interface(), interface) {
                 (true, None) => Outcome::NoInterface,
-                (_, interface) => {
-                    run_one(check, config, interface, route_of)?;
-                    Outcome::Passed
-                }
+                (_, interface) => match run_one(check, config, interface, route_of) {
+                    Ok(()) => Outcome::Passed,
+                    Err(error) if mode == Mode::Check && check == Check::Routes => {
+                        Outcome::Warned(error.to_string())
+                    }
+                    Err(error) => return Err(error),
+                },
             }
         };
         outcomes.push((check, outcome));
@@ -233,7 +250,7 @@ mod tests {
         );
         let here = eth0();
         let good = config("", "10.0.0.100", "10.0.0.11");
-        let outcomes = run(&good, Some(&here), on_link).unwrap();
+        let outcomes = run(&good, Some(&here), on_link, Mode::Start).unwrap();
         assert!(
             outcomes[..3].iter().all(|(_, o)| *o == Outcome::Passed),
             "{outcomes:?}"
@@ -243,12 +260,12 @@ mod tests {
         // A backend at the interface's own address (issue 34).
         let backend_here = config("", "10.0.0.100", "10.0.0.2");
         assert_eq!(
-            refused_field(run(&backend_here, Some(&here), on_link)),
+            refused_field(run(&backend_here, Some(&here), on_link, Mode::Check)),
             "vip[0].backend[0].address"
         );
         // A VIP at the interface's own address (issue 41, item 1).
         let vip_here = config("", "10.0.0.2", "10.0.0.11");
-        let error = run(&vip_here, Some(&here), on_link).unwrap_err();
+        let error = run(&vip_here, Some(&here), on_link, Mode::Check).unwrap_err();
         assert!(
             matches!(&error, ConfigError::Invalid { field, reason }
                 if field == "vip[0].address" && reason.contains("this balancer")),
@@ -264,8 +281,15 @@ mod tests {
             })
         };
         assert_eq!(
-            refused_field(run(&good, Some(&here), routed)),
+            refused_field(run(&good, Some(&here), routed, Mode::Start)),
             "vip[0].backend[0].address"
+        );
+        // `lb check` says so, as a warning.
+        let checked = run(&good, Some(&here), routed, Mode::Check).unwrap();
+        assert!(
+            matches!(&checked[2], (Check::Routes, Outcome::Warned(why))
+                if why.contains("is not on-link on eth0")),
+            "{checked:?}"
         );
 
         // A cluster key others may read (issue 41, item 8); a private one passes.
@@ -281,14 +305,14 @@ mod tests {
             )
         };
         let open = cluster(&key_file(&dir, 0o644));
-        let error = run(&open, Some(&here), on_link).unwrap_err();
+        let error = run(&open, Some(&here), on_link, Mode::Check).unwrap_err();
         assert!(
             matches!(&error, ConfigError::Invalid { field, reason }
                 if field == "cluster.key_file" && reason.contains("others may read")),
             "{error}"
         );
         let private = cluster(&key_file(&dir, 0o600));
-        let outcomes = run(&private, Some(&here), on_link).unwrap();
+        let outcomes = run(&private, Some(&here), on_link, Mode::Start).unwrap();
         assert!(
             outcomes.iter().all(|(_, o)| *o == Outcome::Passed),
             "{outcomes:?}"
@@ -298,7 +322,7 @@ mod tests {
         let mut v6_peer = v6_peer;
         v6_peer.cluster.as_mut().unwrap().peers = vec!["fd00::3".parse().unwrap()];
         assert_eq!(
-            refused_field(run(&v6_peer, Some(&here), on_link)),
+            refused_field(run(&v6_peer, Some(&here), on_link, Mode::Check)),
             "cluster.address"
         );
         std::fs::remove_dir_all(&dir).unwrap();
@@ -317,9 +341,12 @@ mod tests {
             "10.0.0.100",
             "10.0.0.2",
         );
-        assert_eq!(refused_field(run(&open, None, on_link)), "cluster.key_file");
+        assert_eq!(
+            refused_field(run(&open, None, on_link, Mode::Check)),
+            "cluster.key_file"
+        );
         let good = config("", "10.0.0.100", "10.0.0.2");
-        let outcomes = run(&good, None, on_link).unwrap();
+        let outcomes = run(&good, None, on_link, Mode::Check).unwrap();
         assert_eq!(outcomes[0], (Check::Capacity, Outcome::Passed));
         assert_eq!(
             outcomes[1],
