@@ -166,6 +166,7 @@ impl State {
     fn inputs_at(&self, now: Instant) -> TableInputs {
         TableInputs {
             tunnel: tunnel_config(&self.config, &self.interface),
+            hot_sources: self.telemetry.hot.hot.keys().copied().collect(),
             ..self.model.table_inputs_at(now)
         }
     }
@@ -177,6 +178,11 @@ impl State {
         if self.config.vips.iter().all(|v| v.slow_start.is_none()) {
             return;
         }
+        self.request_if_changed(now);
+    }
+
+    /// Asks the writer for the tables of `now` when they differ from the last request.
+    fn request_if_changed(&mut self, now: Instant) {
         self.model.note_usable(now);
         let inputs = self.inputs_at(now);
         if inputs != self.last_inputs {
@@ -512,13 +518,13 @@ impl State {
             .map(|(id, c)| (*id, c.new_flows))
             .collect();
         self.telemetry.sample(now, &self.model, new_flows, sources);
-        self.write_hot_sources()
+        self.follow_hot_sources(now);
+        Ok(())
     }
 
-    /// Makes `LB_HOT_SRC` hold the telemetry's hot sources: what it holds and should
-    /// not is removed, what it lacks added (read back each time, so a failed write is
-    /// mended at the next sample).
-    fn write_hot_sources(&mut self) -> anyhow::Result<()> {
+    /// Hands the writer the telemetry's hot sources (it writes `LB_HOT_SRC`, as every
+    /// other data-path write), saying which became hot and which no longer are.
+    fn follow_hot_sources(&mut self, now: Instant) {
         let hot = &self.telemetry.hot;
         if hot.skipped > 0 {
             tracing::warn!(
@@ -534,10 +540,8 @@ impl State {
                 .find(|v| v.id == key.vip_id)
                 .map_or_else(|| format!("id {}", key.vip_id), |v| v.config.name.clone())
         };
-        let mut dataplane = self.tables.dataplane();
-        let held: HashSet<SourceKey> = dataplane.hot_sources()?.into_iter().collect();
+        let held = &self.last_inputs.hot_sources;
         for key in held.iter().filter(|key| !hot.hot.contains_key(key)) {
-            dataplane.set_hot_source(key, false)?;
             tracing::info!(
                 "source {} of vip {} is no longer hot: balanced by source again",
                 source_address(key),
@@ -545,7 +549,6 @@ impl State {
             );
         }
         for (key, state) in hot.hot.iter().filter(|(key, _)| !held.contains(key)) {
-            dataplane.set_hot_source(key, true)?;
             tracing::info!(
                 "source {} of vip {} is hot ({:.0}% of its new flows): its new flows are \
                  balanced per connection",
@@ -554,7 +557,7 @@ impl State {
                 state.share * 100.0
             );
         }
-        Ok(())
+        self.request_if_changed(now);
     }
 
     fn backend_ids(&self) -> Vec<u32> {
@@ -1868,7 +1871,7 @@ mod tests {
                 .telemetry
                 .hot
                 .update(&shares, &[(vip_id, deltas)].into());
-            shared.write_hot_sources().unwrap();
+            shared.follow_hot_sources(Instant::now());
             let mut held = shared.tables.dataplane().hot_sources().unwrap();
             held.sort_by_key(|k| k.addr);
             held

@@ -307,6 +307,7 @@ mod tests {
     fn inputs(members: &[u32]) -> TableInputs {
         let key = crate::model::vip_key("10.0.0.100".parse().unwrap(), 80, 6);
         TableInputs {
+            hot_sources: Default::default(),
             table_size: 7,
             vips: vec![crate::tables::VipInputs {
                 key,
