@@ -508,10 +508,8 @@ impl State {
     /// hitters).
     pub fn sample_rates(&mut self, now: Instant) -> anyhow::Result<()> {
         let ids: Vec<u32> = self.backend_ids();
-        let (counters, sources) = {
-            let dataplane = self.tables.dataplane();
-            (dataplane.counters(&[], &ids)?, dataplane.sources()?)
-        };
+        let reader = self.tables.counters();
+        let (counters, sources) = (reader.counters(&[], &ids)?, reader.sources()?);
         let new_flows = counters
             .backends
             .iter()
@@ -588,7 +586,7 @@ impl State {
         let vip_ids: Vec<u32> = self.model.vips.iter().map(|v| v.id).collect();
         let counters = self
             .tables
-            .dataplane()
+            .counters()
             .counters(&vip_ids, &self.backend_ids())?;
         let slots = Model::slot_counts(&self.tables.desired());
         let now = Instant::now();
