@@ -389,8 +389,11 @@ impl Services {
         let metrics = match config.control.metrics {
             Some(address) => {
                 let state = state.clone();
-                let scraper: metrics::Scraper =
-                    Arc::new(move || state.lock().expect("agent state poisoned").scrape());
+                let scraper: metrics::Scraper = Arc::new(move || {
+                    // Copied under the lock; the counters are read after it.
+                    let source = state.lock().expect("agent state poisoned").status_source();
+                    source.scrape()
+                });
                 Some(metrics::serve(address, scraper, shutdown.clone()).await?)
             }
             None => None,

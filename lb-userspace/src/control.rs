@@ -271,8 +271,9 @@ async fn status(Extract(Api { shared, .. }): Extract<Api>) -> Result<Json<Status
         // A failed write is reported where it was asked for; status shows what is.
         let _ = pending.done().await;
     }
-    let shared = shared.lock().expect("agent state poisoned");
-    shared
+    // Copied under the lock; the counters are read after it.
+    let source = shared.lock().expect("agent state poisoned").status_source();
+    source
         .status()
         .map(Json)
         .map_err(|e| refusal(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")))

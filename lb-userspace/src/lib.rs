@@ -28,6 +28,7 @@ pub mod model;
 pub mod neighbor;
 pub mod preflight;
 pub mod probe;
+pub mod snapshot;
 pub mod state;
 pub mod status;
 pub mod tables;

@@ -16,7 +16,7 @@ use std::{
     time::Instant,
 };
 
-use lb_common::{SourceKey, TunnelConfig, stat};
+use lb_common::{SourceKey, TunnelConfig};
 
 use crate::{
     agentcheck::{self, AgentHost},
@@ -25,12 +25,13 @@ use crate::{
         AdminState, BackendConfig, Config, ConfigError, Forward, MAX_WEIGHT, MacAddr, VipConfig,
     },
     dataplane::AttachedMode,
-    explain::{self, ExplainError, ExplainRequest, Explanation, NextHop, VipTarget},
+    explain::{self, ExplainError, ExplainRequest, Explanation, VipTarget},
     health::{self, CheckHost, HealthTasks},
     metrics::{Observed, Scrape},
-    model::{CheckRecord, Health, Model, ModelError, VipState},
+    model::{CheckRecord, Model, ModelError},
     neighbor::{self, Interface, RouteLookup},
-    status::{BackendStatus, DataplaneStatus, HotSource, Start, Status, VipStatus},
+    snapshot::StatusSource,
+    status::{Start, Status},
     tables::TableInputs,
     telemetry::{Telemetry, source_address},
     weights::AgentReport,
@@ -568,183 +569,32 @@ impl State {
 
     /// What `lb status` shows.
     pub fn status(&self) -> anyhow::Result<Status> {
-        Ok(self.status_and_outcomes()?.0)
+        self.status_source().status()
     }
 
-    /// What one metrics scrape renders; taken under the lock, rendered outside it.
+    /// What one metrics scrape renders.
     pub fn scrape(&self) -> anyhow::Result<Scrape> {
-        let (status, outcomes) = self.status_and_outcomes()?;
-        Ok(Scrape {
-            status,
-            outcomes,
+        self.status_source().scrape()
+    }
+
+    /// A copy of what a status and a metrics scrape are made of, taken under the agent's
+    /// lock without a syscall: the counters are read from it after the lock is let go,
+    /// through the writer's read side.
+    pub fn status_source(&self) -> StatusSource {
+        StatusSource {
+            model: self.model.clone(),
+            desired: self.tables.desired(),
+            counters: self.tables.counters(),
+            telemetry: self.telemetry.clone(),
+            interface: self.interface.clone(),
+            interface_gone: self.interface_gone,
+            mode: self.mode,
+            native_refused: self.native_refused.clone(),
+            config: self.config.clone(),
+            start: self.start.clone(),
+            announce: self.announce.clone(),
+            cluster: self.cluster.clone(),
             observed: self.observed.clone(),
-        })
-    }
-
-    /// The status, and the outcome counters it was made from (indexed by `stat`).
-    fn status_and_outcomes(&self) -> anyhow::Result<(Status, Vec<u64>)> {
-        let vip_ids: Vec<u32> = self.model.vips.iter().map(|v| v.id).collect();
-        let counters = self
-            .tables
-            .counters()
-            .counters(&vip_ids, &self.backend_ids())?;
-        let slots = Model::slot_counts(&self.tables.desired());
-        let now = Instant::now();
-        let vips = self
-            .model
-            .vips
-            .iter()
-            .map(|vip| {
-                let traffic = counters.vips.get(&vip.id).copied().unwrap_or_default();
-                let backends = vip
-                    .backends
-                    .iter()
-                    .map(|b| {
-                        let traffic = counters.backends.get(&b.id).copied().unwrap_or_default();
-                        let effective = b.effective_weight(&vip.config, now);
-                        BackendStatus {
-                            address: b.config.address.to_string(),
-                            weight: b.config.weight,
-                            state: b.admin_status(),
-                            // Not checked in maintenance: what it was is no news.
-                            health: if b.is_maint() {
-                                Health::Unknown
-                            } else {
-                                b.health
-                            },
-                            mac: b.mac.map(|m| m.to_string()),
-                            next_hop: b.next_hop.map(|hop| NextHop {
-                                address: hop.to_string(),
-                                mac: b.mac.map(|m| m.to_string()),
-                            }),
-                            in_table: b.in_table(),
-                            slots: slots.get(&b.id).copied().unwrap_or(0),
-                            active_flows: self.telemetry.flows_of(b.id),
-                            packets: traffic.packets,
-                            bytes: traffic.bytes,
-                            new_flows: traffic.new_flows,
-                            check: health::describe_check(
-                                vip.config.health_of(&b.config),
-                                vip.config.health_port_of(&b.config),
-                            ),
-                            consecutive: b.streak,
-                            last_check: b.last_check.clone(),
-                            local_check_errors: b.local_check_errors,
-                            last_local_error: b.last_local_error.clone(),
-                            new_flows_per_second: self
-                                .telemetry
-                                .new_flow_rates
-                                .get(&b.id)
-                                .copied()
-                                .unwrap_or(0.0),
-                            effective_weight: effective.weight as f64
-                                / crate::weights::SCALE as f64,
-                            weight_reason: effective.reason,
-                            agent_error: b.agent.error.clone(),
-                        }
-                    })
-                    .collect();
-                self.vip_status(vip, traffic, backends, now)
-            })
-            .collect();
-        let status = Status {
-            dataplane: DataplaneStatus {
-                interface: self.interface.name.clone(),
-                interface_mac: self
-                    .interface_gone
-                    .is_none()
-                    .then(|| self.interface.mac.to_string()),
-                xdp_mode: self.mode,
-                native_refused: self.native_refused.clone(),
-                detached: self.interface_gone.map(|since| {
-                    format!(
-                        "interface {} is gone (for {:.0}s); attaches again when an \
-                         interface of that name returns",
-                        self.interface.name,
-                        now.saturating_duration_since(since).as_secs_f64()
-                    )
-                }),
-                maglev_table_size: self.model.table_size,
-                conntrack_entries: self.telemetry.conntrack_size,
-                conntrack_entries_in_use: self.telemetry.conntrack_size,
-                conntrack_capacity: u64::from(self.config.dataplane.conntrack_entries),
-                conntrack_scan_age_seconds: self
-                    .telemetry
-                    .last_scan
-                    .map(|at| now.saturating_duration_since(at).as_secs_f64()),
-                start: self.start.clone(),
-            },
-            vips,
-            counters: stat::NAMES
-                .iter()
-                .zip(&counters.outcomes)
-                .map(|(name, value)| (name.to_string(), *value))
-                .collect(),
-            node: announce::node_status(&self.announce_view(), now),
-            cluster: self.cluster.as_ref().map(|shared| {
-                shared
-                    .lock()
-                    .expect("cluster stats poisoned")
-                    .status(&counters.outcomes, now)
-            }),
-        };
-        Ok((status, counters.outcomes))
-    }
-
-    fn vip_status(
-        &self,
-        vip: &VipState,
-        traffic: lb_common::TrafficCounters,
-        backends: Vec<BackendStatus>,
-        now: Instant,
-    ) -> VipStatus {
-        // Healthy: not failed by its checks, and reachable (its MAC is known); unhealthy:
-        // failed or unreachable. A backend in maintenance is neither: it is not checked.
-        let healthy = vip
-            .backends
-            .iter()
-            .filter(|b| !b.is_maint() && b.health != Health::Down && b.mac.is_some())
-            .count();
-        let unchecked = vip.backends.iter().filter(|b| b.is_maint()).count();
-        let (announced, announcement) = announce::describe_vip(&self.announce_view(), vip, now);
-        VipStatus {
-            name: vip.config.name.clone(),
-            announced,
-            announcement,
-            address: vip.config.address.to_string(),
-            port: vip.config.port,
-            protocol: vip.config.protocol,
-            hash: vip.config.hash,
-            forward: vip.config.forward,
-            gue_port: (vip.config.forward == Forward::Gue).then(|| vip.config.gue_port()),
-            packets: traffic.packets,
-            bytes: traffic.bytes,
-            new_flows: traffic.new_flows,
-            healthy_backends: healthy,
-            unhealthy_backends: vip.backends.len() - healthy - unchecked,
-            top_sources: self
-                .telemetry
-                .top_sources
-                .get(&vip.id)
-                .cloned()
-                .unwrap_or_default(),
-            hot_sources: self
-                .telemetry
-                .hot
-                .of_vip(vip.id)
-                .into_iter()
-                .map(|(key, share)| HotSource {
-                    address: source_address(&key).to_string(),
-                    share,
-                })
-                .collect(),
-            busiest_over_average: self
-                .telemetry
-                .busiest_over_average
-                .get(&vip.id)
-                .copied()
-                .unwrap_or(0.0),
-            backends,
         }
     }
 
@@ -988,12 +838,6 @@ impl cluster::Host for State {
     fn learned(&mut self) {
         self.announce.learning = false;
         self.announce.changed();
-    }
-}
-
-impl State {
-    fn announce_view(&self) -> announce::View<'_> {
-        announce::Host::announce_view(self)
     }
 }
 
@@ -1310,6 +1154,8 @@ mod tests {
     use crate::{
         config::AnnounceConfig,
         metrics::{observe_check, prometheus_text, render},
+        model::Health,
+        status::HotSource,
     };
     use std::collections::HashSet;
     use test_support::{config, shared};

@@ -220,8 +220,8 @@ impl Writer {
 
     /// The counters' read side (status, metrics, rate samples): it does not wait for a
     /// table write.
-    pub fn counters(&self) -> &CounterReader {
-        &self.counters
+    pub fn counters(&self) -> Arc<CounterReader> {
+        self.counters.clone()
     }
 
     /// The same lock, to share with tasks that read the data path on their own.
