@@ -143,18 +143,20 @@ struct Started {
     cluster: Option<(cluster::Opened, cluster::Maps)>,
 }
 
-/// Loads (or adopts) the program, writes the tables the configuration asks for, then
-/// attaches: the program never runs on empty maps. Anything refused before the pins are
-/// touched leaves the host as it was.
-async fn start(config: &Config) -> anyhow::Result<Started> {
-    let new_model = |vip_capacity: u32| {
-        Model::new(
-            config.dataplane.maglev_table_size,
-            vip_capacity,
-            config.dataplane.flow_idle_timeout,
-        )
-    };
-    // Then the host (`lb doctor`'s checks): a failing one refuses the start with its fix.
+/// What the host checks found and opened before anything is loaded.
+struct HostReady {
+    neighbors: Neighbors,
+    interface: crate::neighbor::Interface,
+    hints: AttachHints,
+    announcer: Option<Announcer>,
+    opened: Option<cluster::Opened>,
+}
+
+/// The host's checks (`lb doctor`'s, then `preflight`'s) and what must exist before the
+/// program is loaded (the announcer's device, the cluster's key and socket). Anything
+/// refused here leaves the host as it was.
+async fn check_host(config: &Config) -> anyhow::Result<HostReady> {
+    // `lb doctor`'s checks: a failing one refuses the start with its fix.
     let report = doctor::Report::run(config).await;
     for warning in report.at(Level::Warn) {
         tracing::warn!("doctor: {warning}");
@@ -192,6 +194,33 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         None => None,
     };
 
+    Ok(HostReady {
+        neighbors,
+        interface,
+        hints,
+        announcer,
+        opened,
+    })
+}
+
+/// Loads (or adopts) the program, writes the tables the configuration asks for, then
+/// attaches: the program never runs on empty maps. Anything refused before the pins are
+/// touched leaves the host as it was.
+async fn start(config: &Config) -> anyhow::Result<Started> {
+    let new_model = |vip_capacity: u32| {
+        Model::new(
+            config.dataplane.maglev_table_size,
+            vip_capacity,
+            config.dataplane.flow_idle_timeout,
+        )
+    };
+    let HostReady {
+        neighbors,
+        interface,
+        hints,
+        announcer,
+        opened,
+    } = check_host(config).await?;
     let mut options = LoadOptions::from_config(config, interface.mac.0);
     options.ifindex = interface.index;
     let pin_dir = config.dataplane.pin_dir();

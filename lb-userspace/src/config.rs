@@ -1322,66 +1322,71 @@ impl VipConfig {
         }
         let mut seen: HashMap<IpAddr, usize> = HashMap::new();
         for (j, backend) in self.backends.iter().enumerate() {
-            let at = format!("{at}.backend[{j}]");
-            // A tunnel's outer header takes the backend's family, whatever the VIP's.
-            if backend.address.is_ipv4() != self.address.is_ipv4() && !self.forward.is_tunnel() {
-                return Err(invalid(
-                    format!("{at}.address"),
-                    format!(
-                        "{} is not of the same address family as the VIP {} (only a \
-                         tunnel, forward = \"ipip\" or \"gue\", mixes the families)",
-                        backend.address, self.address
-                    ),
-                ));
-            }
-            if let Some(why) = unusable_address(backend.address) {
-                return Err(invalid(format!("{at}.address"), why));
-            }
             if let Some(first) = seen.insert(backend.address, j) {
                 return Err(invalid(
-                    format!("{at}.address"),
+                    format!("{at}.backend[{j}].address"),
                     format!(
                         "{} is already backend[{first}] of this VIP",
                         backend.address
                     ),
                 ));
             }
-            if backend.weight == 0 {
-                return Err(invalid(
-                    format!("{at}.weight"),
-                    "0 is not allowed; to take a backend out of service set \
-                     state = \"drain\" or \"maint\"",
-                ));
-            }
-            if let Some(health) = &backend.health {
-                health.validate(&format!("{at}.health"))?;
-            }
-            if backend.weight > MAX_WEIGHT {
-                return Err(invalid(
-                    format!("{at}.weight"),
-                    format!("{} is above the maximum {MAX_WEIGHT}", backend.weight),
-                ));
-            }
-            // Frames are rewritten to this MAC and sent out; a group address would
-            // fan one flow out to many hosts.
-            if backend.mac.is_some() && self.forward.is_tunnel() {
-                return Err(invalid(
-                    format!("{at}.mac"),
-                    format!(
-                        "only used with forward = \"l2\": a {} backend's frames go to \
-                         the MAC of its route's next hop, which the agent resolves",
-                        self.forward
-                    ),
-                ));
-            }
-            if let Some(mac) = backend.mac
-                && (mac.is_multicast() || mac.0 == [0; 6])
-            {
-                return Err(invalid(
-                    format!("{at}.mac"),
-                    format!("{mac} is not a unicast MAC address"),
-                ));
-            }
+            self.validate_backend(&format!("{at}.backend[{j}]"), backend)?;
+        }
+        Ok(())
+    }
+
+    /// One backend of this VIP (`at`: its field path), on its own.
+    fn validate_backend(&self, at: &str, backend: &BackendConfig) -> Result<(), ConfigError> {
+        // A tunnel's outer header takes the backend's family, whatever the VIP's.
+        if backend.address.is_ipv4() != self.address.is_ipv4() && !self.forward.is_tunnel() {
+            return Err(invalid(
+                format!("{at}.address"),
+                format!(
+                    "{} is not of the same address family as the VIP {} (only a \
+                     tunnel, forward = \"ipip\" or \"gue\", mixes the families)",
+                    backend.address, self.address
+                ),
+            ));
+        }
+        if let Some(why) = unusable_address(backend.address) {
+            return Err(invalid(format!("{at}.address"), why));
+        }
+        if backend.weight == 0 {
+            return Err(invalid(
+                format!("{at}.weight"),
+                "0 is not allowed; to take a backend out of service set \
+                 state = \"drain\" or \"maint\"",
+            ));
+        }
+        if let Some(health) = &backend.health {
+            health.validate(&format!("{at}.health"))?;
+        }
+        if backend.weight > MAX_WEIGHT {
+            return Err(invalid(
+                format!("{at}.weight"),
+                format!("{} is above the maximum {MAX_WEIGHT}", backend.weight),
+            ));
+        }
+        // Frames are rewritten to this MAC and sent out; a group address would
+        // fan one flow out to many hosts.
+        if backend.mac.is_some() && self.forward.is_tunnel() {
+            return Err(invalid(
+                format!("{at}.mac"),
+                format!(
+                    "only used with forward = \"l2\": a {} backend's frames go to \
+                     the MAC of its route's next hop, which the agent resolves",
+                    self.forward
+                ),
+            ));
+        }
+        if let Some(mac) = backend.mac
+            && (mac.is_multicast() || mac.0 == [0; 6])
+        {
+            return Err(invalid(
+                format!("{at}.mac"),
+                format!("{mac} is not a unicast MAC address"),
+            ));
         }
         Ok(())
     }

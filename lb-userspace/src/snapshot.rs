@@ -8,6 +8,7 @@
 //! `metrics` (its `Observed` and `Scrape`), `health` (a check's description), `cluster`
 //! (its counters) and `dataplane` (the counter reader).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -16,11 +17,11 @@ use lb_common::stat;
 use crate::{
     announce, cluster,
     config::{Config, Forward},
-    dataplane::{AttachedMode, CounterReader},
+    dataplane::{AttachedMode, CounterReader, Counters},
     explain::NextHop,
     health,
     metrics::{Observed, Scrape},
-    model::{Health, Model, VipState},
+    model::{BackendState, Health, Model, VipState},
     neighbor::Interface,
     status::{BackendStatus, DataplaneStatus, HotSource, Start, Status, VipStatus},
     tables::Desired,
@@ -76,50 +77,7 @@ impl StatusSource {
                 let backends = vip
                     .backends
                     .iter()
-                    .map(|b| {
-                        let traffic = counters.backends.get(&b.id).copied().unwrap_or_default();
-                        let effective = b.effective_weight(&vip.config, now);
-                        BackendStatus {
-                            address: b.config.address.to_string(),
-                            weight: b.config.weight,
-                            state: b.admin_status(),
-                            // Not checked in maintenance: what it was is no news.
-                            health: if b.is_maint() {
-                                Health::Unknown
-                            } else {
-                                b.health
-                            },
-                            mac: b.mac.map(|m| m.to_string()),
-                            next_hop: b.next_hop.map(|hop| NextHop {
-                                address: hop.to_string(),
-                                mac: b.mac.map(|m| m.to_string()),
-                            }),
-                            in_table: b.in_table(),
-                            slots: slots.get(&b.id).copied().unwrap_or(0),
-                            active_flows: self.telemetry.flows_of(b.id),
-                            packets: traffic.packets,
-                            bytes: traffic.bytes,
-                            new_flows: traffic.new_flows,
-                            check: health::describe_check(
-                                vip.config.health_of(&b.config),
-                                vip.config.health_port_of(&b.config),
-                            ),
-                            consecutive: b.streak,
-                            last_check: b.last_check.clone(),
-                            local_check_errors: b.local_check_errors,
-                            last_local_error: b.last_local_error.clone(),
-                            new_flows_per_second: self
-                                .telemetry
-                                .new_flow_rates
-                                .get(&b.id)
-                                .copied()
-                                .unwrap_or(0.0),
-                            effective_weight: effective.weight as f64
-                                / crate::weights::SCALE as f64,
-                            weight_reason: effective.reason,
-                            agent_error: b.agent.error.clone(),
-                        }
-                    })
+                    .map(|b| self.backend_status(vip, b, &counters, &slots, now))
                     .collect();
                 self.vip_status(vip, traffic, backends, now)
             })
@@ -166,6 +124,58 @@ impl StatusSource {
             }),
         };
         Ok((status, counters.outcomes))
+    }
+
+    /// One backend's status: its state, its counters and its slots in the table.
+    fn backend_status(
+        &self,
+        vip: &VipState,
+        b: &BackendState,
+        counters: &Counters,
+        slots: &BTreeMap<u32, usize>,
+        now: Instant,
+    ) -> BackendStatus {
+        let traffic = counters.backends.get(&b.id).copied().unwrap_or_default();
+        let effective = b.effective_weight(&vip.config, now);
+        BackendStatus {
+            address: b.config.address.to_string(),
+            weight: b.config.weight,
+            state: b.admin_status(),
+            // Not checked in maintenance: what it was is no news.
+            health: if b.is_maint() {
+                Health::Unknown
+            } else {
+                b.health
+            },
+            mac: b.mac.map(|m| m.to_string()),
+            next_hop: b.next_hop.map(|hop| NextHop {
+                address: hop.to_string(),
+                mac: b.mac.map(|m| m.to_string()),
+            }),
+            in_table: b.in_table(),
+            slots: slots.get(&b.id).copied().unwrap_or(0),
+            active_flows: self.telemetry.flows_of(b.id),
+            packets: traffic.packets,
+            bytes: traffic.bytes,
+            new_flows: traffic.new_flows,
+            check: health::describe_check(
+                vip.config.health_of(&b.config),
+                vip.config.health_port_of(&b.config),
+            ),
+            consecutive: b.streak,
+            last_check: b.last_check.clone(),
+            local_check_errors: b.local_check_errors,
+            last_local_error: b.last_local_error.clone(),
+            new_flows_per_second: self
+                .telemetry
+                .new_flow_rates
+                .get(&b.id)
+                .copied()
+                .unwrap_or(0.0),
+            effective_weight: effective.weight as f64 / crate::weights::SCALE as f64,
+            weight_reason: effective.reason,
+            agent_error: b.agent.error.clone(),
+        }
     }
 
     fn vip_status(

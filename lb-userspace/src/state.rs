@@ -21,9 +21,7 @@ use lb_common::{SourceKey, TunnelConfig};
 use crate::{
     agentcheck::{self, AgentHost},
     announce, cluster,
-    config::{
-        AdminState, BackendConfig, Config, ConfigError, Forward, MAX_WEIGHT, MacAddr, VipConfig,
-    },
+    config::{AdminState, BackendConfig, Config, ConfigError, MAX_WEIGHT, MacAddr, VipConfig},
     dataplane::AttachedMode,
     explain::{self, ExplainError, ExplainRequest, Explanation, VipTarget},
     health::{self, CheckHost, HealthTasks},
@@ -2208,7 +2206,7 @@ mod tunnel_tests {
         let hop = status.vips[0].backends[0].next_hop.clone().unwrap();
         assert_eq!(hop.address, "10.0.0.1");
         assert_eq!(hop.mac.as_deref(), Some("02:00:00:00:00:fe"));
-        assert_eq!(status.vips[0].forward, Forward::Ipip);
+        assert_eq!(status.vips[0].forward, crate::config::Forward::Ipip);
     }
 
     #[test]

@@ -476,58 +476,63 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
         "new_flows"
     );
     for b in &vip.backends {
-        let mut check = match &b.last_check {
-            _ if b.state == AdminStatus::Maint => "unchecked (maint)".to_string(),
-            None => "-".to_string(),
-            Some(c) if c.ok => format!("ok {:.1}ms", c.latency_ms),
-            Some(c) => format!("failed: {}", c.error.as_deref().unwrap_or("?")),
-        };
-        if let Some(local) = &b.last_local_error {
-            check += &format!(
-                "; {} local check error(s), last: {}",
-                b.local_check_errors,
-                local.error.as_deref().unwrap_or("?")
-            );
-        }
+        render_backend(out, b);
+    }
+}
+
+/// One backend's line, and the lines under it that say more when there is more to say.
+fn render_backend(out: &mut String, b: &BackendStatus) {
+    let mut check = match &b.last_check {
+        _ if b.state == AdminStatus::Maint => "unchecked (maint)".to_string(),
+        None => "-".to_string(),
+        Some(c) if c.ok => format!("ok {:.1}ms", c.latency_ms),
+        Some(c) => format!("failed: {}", c.error.as_deref().unwrap_or("?")),
+    };
+    if let Some(local) = &b.last_local_error {
+        check += &format!(
+            "; {} local check error(s), last: {}",
+            b.local_check_errors,
+            local.error.as_deref().unwrap_or("?")
+        );
+    }
+    let _ = writeln!(
+        out,
+        "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  {}",
+        b.address,
+        b.weight,
+        b.state,
+        b.health,
+        b.mac.as_deref().unwrap_or("unresolved"),
+        b.slots,
+        b.active_flows,
+        b.packets,
+        b.bytes,
+        b.new_flows,
+        check
+    );
+    if b.weight_reason != "configured" && !b.weight_reason.is_empty() {
         let _ = writeln!(
             out,
-            "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  {}",
-            b.address,
-            b.weight,
-            b.state,
-            b.health,
-            b.mac.as_deref().unwrap_or("unresolved"),
-            b.slots,
-            b.active_flows,
-            b.packets,
-            b.bytes,
-            b.new_flows,
-            check
+            "    effective weight {:.2}: {}",
+            b.effective_weight, b.weight_reason
         );
-        if b.weight_reason != "configured" && !b.weight_reason.is_empty() {
+    }
+    if let Some(error) = &b.agent_error {
+        let _ = writeln!(out, "    agent check: {error}");
+    }
+    // An on-link backend is its own next hop: only a router is news.
+    match &b.next_hop {
+        Some(hop) if hop.address != b.address => {
             let _ = writeln!(
                 out,
-                "    effective weight {:.2}: {}",
-                b.effective_weight, b.weight_reason
+                "    next hop {} ({})",
+                hop.address,
+                hop.mac.as_deref().unwrap_or("unresolved")
             );
         }
-        if let Some(error) = &b.agent_error {
-            let _ = writeln!(out, "    agent check: {error}");
-        }
-        // An on-link backend is its own next hop: only a router is news.
-        match &b.next_hop {
-            Some(hop) if hop.address != b.address => {
-                let _ = writeln!(
-                    out,
-                    "    next hop {} ({})",
-                    hop.address,
-                    hop.mac.as_deref().unwrap_or("unresolved")
-                );
-            }
-            Some(_) => {}
-            None => {
-                let _ = writeln!(out, "    next hop: none (no route out of the interface)");
-            }
+        Some(_) => {}
+        None => {
+            let _ = writeln!(out, "    next hop: none (no route out of the interface)");
         }
     }
 }

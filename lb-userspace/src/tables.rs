@@ -202,6 +202,20 @@ impl TableWriter {
             self.tunnel = Some(desired.tunnel);
         }
         // Backends before the tables that name them.
+        self.write_backends(dataplane, desired, &mut report)?;
+        self.write_vips(dataplane, desired, &mut report)?;
+        self.remove_gone_vips(dataplane, desired, &mut report)?;
+        self.write_hot_sources(dataplane, &desired.hot_sources)?;
+        Ok(report)
+    }
+
+    /// Writes the backends that changed, and marks gone ones as serving nothing.
+    fn write_backends<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        desired: &Desired,
+        report: &mut ApplyReport,
+    ) -> Result<(), DataplaneError> {
         for (&id, backend) in &desired.backends {
             if !self.backends.contains_key(&id) {
                 // A new backend on this id: it starts from zero, not from a previous
@@ -230,6 +244,17 @@ impl TableWriter {
             report.backends_written += 1;
         }
 
+        Ok(())
+    }
+
+    /// Writes each changed VIP's table into the generation no packet reads, then
+    /// switches the VIP to it.
+    fn write_vips<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        desired: &Desired,
+        report: &mut ApplyReport,
+    ) -> Result<(), DataplaneError> {
         for vip in &desired.vips {
             assert_eq!(
                 vip.table.len(),
@@ -290,6 +315,16 @@ impl TableWriter {
             tables.active = Some(generation);
         }
 
+        Ok(())
+    }
+
+    /// Removes the VIPs `desired` no longer has.
+    fn remove_gone_vips<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        desired: &Desired,
+        report: &mut ApplyReport,
+    ) -> Result<(), DataplaneError> {
         let gone: Vec<VipKey> = self
             .vips
             .keys()
@@ -308,8 +343,7 @@ impl TableWriter {
             }
             report.vips_removed += 1;
         }
-        self.write_hot_sources(dataplane, &desired.hot_sources)?;
-        Ok(report)
+        Ok(())
     }
 
     /// Makes `LB_HOT_SRC` hold `hot`: what it holds and should not is removed, what it
