@@ -172,7 +172,7 @@ impl StatusSource {
                 .get(&b.id)
                 .copied()
                 .unwrap_or(0.0),
-            effective_weight: effective.weight as f64 / crate::weights::SCALE as f64,
+            effective_weight: effective.weight as f64 / crate::model::weights::SCALE as f64,
             weight_reason: effective.reason,
             agent_error: b.agent.error.clone(),
         }

@@ -19,20 +19,21 @@ use std::{
 use lb_common::{SourceKey, TunnelConfig};
 
 use crate::{
-    agentcheck::{self, AgentHost},
     announce, cluster,
     config::{AdminState, BackendConfig, Config, ConfigError, MAX_WEIGHT, MacAddr, VipConfig},
     dataplane::AttachedMode,
     explain::{self, ExplainError, ExplainRequest, Explanation, VipTarget},
-    health::{self, CheckHost, HealthTasks},
+    health::{
+        self, CheckHost, HealthTasks,
+        agentcheck::{self, AgentHost},
+    },
     metrics::{Observed, Scrape},
-    model::{CheckRecord, Model, ModelError},
+    model::{CheckRecord, Model, ModelError, weights::AgentReport},
     neighbor::{self, Interface, RouteLookup},
     snapshot::StatusSource,
     status::{Start, Status},
     tables::TableInputs,
     telemetry::{Telemetry, source_address},
-    weights::AgentReport,
     writer::{Requested, Writer},
 };
 
@@ -697,7 +698,7 @@ impl CheckHost for State {
         &self.model
     }
 
-    fn vip_path(&self, id: u32) -> Result<crate::vipprobe::VipPath, String> {
+    fn vip_path(&self, id: u32) -> Result<crate::health::vipprobe::VipPath, String> {
         let (vip, b) = self
             .model
             .vips
@@ -718,7 +719,7 @@ impl CheckHost for State {
                 .config
                 .tunnel_source_for(backend, &self.interface.addresses)
                 .map_err(|(_, why)| why)?;
-            Some(crate::vipprobe::Tunnel {
+            Some(crate::health::vipprobe::Tunnel {
                 source,
                 backend,
                 gue_port: (vip.config.forward == crate::config::Forward::Gue)
@@ -732,14 +733,15 @@ impl CheckHost for State {
         } else {
             "the backend's MAC is not known yet"
         })?;
-        let source = crate::vipprobe::interface_address(&self.interface.name, address.is_ipv4())
-            .ok_or_else(|| {
-                format!(
-                    "{} has no address of the VIP's family to send checks from",
-                    self.interface.name
-                )
-            })?;
-        Ok(crate::vipprobe::VipPath {
+        let source =
+            crate::health::vipprobe::interface_address(&self.interface.name, address.is_ipv4())
+                .ok_or_else(|| {
+                    format!(
+                        "{} has no address of the VIP's family to send checks from",
+                        self.interface.name
+                    )
+                })?;
+        Ok(crate::health::vipprobe::VipPath {
             vip: std::net::SocketAddr::new(address, vip.config.port),
             mac: mac.0,
             ifindex: self.interface.index,
@@ -1779,7 +1781,7 @@ mod tests {
 
     #[test]
     fn an_agent_drains_and_reweighs_its_backend_and_a_bad_answer_changes_nothing() {
-        use crate::weights::parse_agent_reply;
+        use crate::model::weights::parse_agent_reply;
         let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
         let id = shared.model.vips[0].backends[0].id;
         shared.record_agent(id, parse_agent_reply("50%"));

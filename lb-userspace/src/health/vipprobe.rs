@@ -445,13 +445,13 @@ pub async fn check_via_vip(config: &HealthConfig, path: VipPath) -> Result<(), S
         HealthKind::Tcp => syn_probe(path, timeout),
         HealthKind::Udp => {
             let payload = config.send.as_deref().unwrap_or("").as_bytes();
-            crate::probe::check_udp_reply(&config, &datagram_probe(path, payload, timeout)?)
+            crate::health::probe::check_udp_reply(&config, &datagram_probe(path, payload, timeout)?)
         }
         HealthKind::Dns => {
-            let query = crate::probe::dns_query(&config, fastrand::u16(..))?;
+            let query = crate::health::probe::dns_query(&config, fastrand::u16(..))?;
             let bytes = query.to_vec().map_err(|e| format!("DNS query: {e}"))?;
             let reply = datagram_probe(path, &bytes, timeout)?;
-            crate::probe::check_dns_reply(&query, &reply)
+            crate::health::probe::check_dns_reply(&query, &reply)
         }
         HealthKind::Http | HealthKind::None => Err(format!(
             "{} checks through the VIP are not supported",

@@ -1,5 +1,10 @@
 //! The agent's view of its VIPs and backends, and the pure step from it to the tables
-//! the data path should hold (`Model::desired`).
+//! the data path should hold (`Model::desired`). `weights`: the load rules (slow start,
+//! least-flows, an agent's weight) that turn a configured weight into the one the table
+//! builder gets. May call `config`, `dataplane` (the adopted maps' types) and `tables`
+//! (the inputs it hands out); no I/O.
+
+pub mod weights;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
@@ -16,7 +21,6 @@ use crate::config::{
 };
 use crate::dataplane::Adopted;
 use crate::tables::{Desired, DesiredBackend, TableInputs, VipInputs};
-use crate::weights;
 
 /// What the health checks say of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
