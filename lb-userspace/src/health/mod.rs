@@ -159,12 +159,12 @@ pub async fn check(
         match config.kind {
             HealthKind::Tcp => connect(target).await.map(drop),
             HealthKind::Http => http_check(config, target).await,
-            HealthKind::Udp => crate::health::probe::udp_check(config, target)
+            HealthKind::Udp => probe::udp_check(config, target)
                 .await
-                .map_err(Failure::remote),
-            HealthKind::Dns => crate::health::probe::dns_check(config, target)
+                .map_err(|e| Failure::remote(e.to_string())),
+            HealthKind::Dns => probe::dns_check(config, target)
                 .await
-                .map_err(Failure::remote),
+                .map_err(|e| Failure::remote(e.to_string())),
             HealthKind::None => Ok(()),
         }
     })
