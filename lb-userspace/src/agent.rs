@@ -79,13 +79,15 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     );
     // A node without a table of its own learns its peers' before it announces.
     let learn = started.cluster.is_some() && !matches!(started.start, Start::Adopted);
-    state.announce.learning = learn;
-    state.cluster = started
-        .cluster
-        .as_ref()
-        .map(|(opened, _)| opened.stats.clone());
-    state.start = started.start;
-    state.native_refused = started.native_refused;
+    state.record_start(
+        started.start,
+        started.native_refused,
+        started
+            .cluster
+            .as_ref()
+            .map(|(opened, _)| opened.stats.clone()),
+        learn,
+    );
     let state = Arc::new(Mutex::new(state));
     let services = Services::start(
         &config,
@@ -499,7 +501,7 @@ async fn serve(
 /// Follows the interface, then (while attached) the backends' routes and neighbours.
 async fn follow_host(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) {
     follow_interface(state, neighbors).await;
-    let attached = state.lock().expect("agent state poisoned").mode.is_some();
+    let attached = state.lock().expect("agent state poisoned").is_attached();
     if attached && let Err(error) = follow_neighbors(neighbors, state).await {
         tracing::warn!("neighbour refresh: {error:#}");
     }
@@ -523,9 +525,9 @@ async fn follow_interface(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) 
         let change = state.interface_change(found);
         (
             change,
-            state.tables.shared_dataplane(),
-            state.config.dataplane.xdp_mode,
-            state.mode,
+            state.shared_dataplane(),
+            state.xdp_mode_setting(),
+            state.mode(),
         )
     };
     let interface = match change {
@@ -630,10 +632,7 @@ async fn scan_and_sample(
     let mut state = state.lock().expect("agent state poisoned");
     match scanned {
         Some((Ok(Ok(flows)), started, started_ns)) => {
-            let idle = state.config.dataplane.flow_idle_timeout;
-            state
-                .telemetry
-                .record_flows(flows, started, started_ns, idle);
+            state.record_flows(flows, started, started_ns);
         }
         Some((Ok(Err(error)), ..)) => tracing::warn!("connection-table scan: {error:#}"),
         Some((Err(error), ..)) => tracing::warn!("connection-table scan: {error}"),
@@ -727,14 +726,9 @@ async fn follow_neighbors(neighbors: &Neighbors, state: &Arc<Mutex<State>>) -> a
     let table = neighbors.table().await?;
     let mut state = state.lock().expect("agent state poisoned");
     let routes_changed = state.follow_routes();
-    for b in state.model.backends_mut() {
-        if b.config.mac.is_none()
-            && let Some(hop) = b.next_hop
-            && !table.contains_key(&hop)
-        {
-            // Keep the last MAC we had, and ask the kernel to find it again.
-            let _ = neighbors.provoke(hop);
-        }
+    for hop in state.next_hops_to_resolve(&table) {
+        // Keep the last MAC we had, and ask the kernel to find it again.
+        let _ = neighbors.provoke(hop);
     }
     if state.learn_macs(&table) || routes_changed {
         state.sync();

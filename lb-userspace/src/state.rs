@@ -40,38 +40,38 @@ use crate::{
 /// The agent's state. Shared as `Arc<Mutex<State>>`.
 pub struct State {
     /// The file `reload` re-reads.
-    pub config_path: PathBuf,
+    config_path: PathBuf,
     /// The running configuration: the file's, with the runtime changes made since.
-    pub config: Config,
+    config: Config,
     /// The configuration as last read from the file. What `config` differs in are the
     /// runtime changes (`lb drain`, `lb backend add` ...), which a reload of the file
     /// undoes: the file is the source of truth.
-    pub file: Config,
-    pub model: Model,
+    file: Config,
+    model: Model,
     /// The table writer, and through it the data path.
-    pub tables: Writer,
-    pub interface: Interface,
+    tables: Writer,
+    interface: Interface,
     /// The XDP mode attached; None while the interface is gone.
-    pub mode: Option<AttachedMode>,
+    mode: Option<AttachedMode>,
     /// `xdp_mode = "auto"` attached generic: why native was refused.
-    pub native_refused: Option<String>,
+    native_refused: Option<String>,
     /// Since when the interface is gone (the data path detached with it).
-    pub interface_gone: Option<Instant>,
+    interface_gone: Option<Instant>,
     /// How this agent found the data path.
-    pub start: Start,
-    pub telemetry: Telemetry,
+    start: Start,
+    telemetry: Telemetry,
     /// Backends `lb backend remove` drains, to delete once drained: (VIP name, address).
-    pub remove_when_drained: HashSet<(String, IpAddr)>,
+    remove_when_drained: HashSet<(String, IpAddr)>,
     /// Health-check durations and transitions, for metrics.
-    pub observed: Observed,
+    observed: Observed,
     /// Announcing VIPs to routers (`[announce]`) and the node's drain state.
-    pub announce: announce::State,
+    announce: announce::State,
     /// `[cluster]`: the cluster task's counters.
-    pub cluster: Option<cluster::Shared>,
+    cluster: Option<cluster::Shared>,
     /// What the table writer was last asked for.
     last_inputs: TableInputs,
     /// How routes are looked up (`neighbor::route_to`; a fake in unit tests).
-    pub route_of: RouteLookup,
+    route_of: RouteLookup,
 }
 
 /// Why a reload was refused; nothing changed.
@@ -138,6 +138,78 @@ impl State {
             last_inputs: TableInputs::default(),
             route_of: neighbor::route_to,
         }
+    }
+
+    /// How this start found the data path, whether `xdp_mode = "auto"` fell back to
+    /// generic (and why), the cluster task's counters, and whether the node learns its
+    /// peers' flows before it announces.
+    pub fn record_start(
+        &mut self,
+        start: Start,
+        native_refused: Option<String>,
+        cluster: Option<cluster::Shared>,
+        learning: bool,
+    ) {
+        self.start = start;
+        self.native_refused = native_refused;
+        self.cluster = cluster;
+        self.announce.learning = learning;
+    }
+
+    /// Whether the program is attached (the interface is there).
+    pub fn is_attached(&self) -> bool {
+        self.mode.is_some()
+    }
+
+    /// The XDP mode attached; None while the interface is gone.
+    pub fn mode(&self) -> Option<AttachedMode> {
+        self.mode
+    }
+
+    /// The configured `xdp_mode`, for attaching again.
+    pub fn xdp_mode_setting(&self) -> crate::config::XdpModeSetting {
+        self.config.dataplane.xdp_mode
+    }
+
+    /// The data path's lock, for attaching it again (never held with the state's lock).
+    pub fn shared_dataplane(&self) -> crate::writer::SharedDataplane {
+        self.tables.shared_dataplane()
+    }
+
+    /// The newest table request, to wait for outside the lock.
+    pub fn requested(&self) -> Requested {
+        self.tables.requested()
+    }
+
+    /// Whether every table request has been written.
+    pub fn tables_are_current(&self) -> bool {
+        self.tables.is_current()
+    }
+
+    /// Counts live flows per backend from a connection-table scan (`Telemetry::record_flows`).
+    pub fn record_flows(
+        &mut self,
+        flows: Vec<(lb_common::FlowKey, lb_common::FlowEntry)>,
+        started: Instant,
+        started_ns: u64,
+    ) {
+        let idle = self.config.dataplane.flow_idle_timeout;
+        self.telemetry
+            .record_flows(flows, started, started_ns, idle);
+    }
+
+    /// The next hops of backends without a configured MAC that `table` (the neighbour
+    /// table) lacks: to ask the kernel to resolve.
+    pub fn next_hops_to_resolve(
+        &self,
+        table: &std::collections::HashMap<IpAddr, MacAddr>,
+    ) -> Vec<IpAddr> {
+        self.model
+            .backends()
+            .filter(|b| b.config.mac.is_none())
+            .filter_map(|b| b.next_hop)
+            .filter(|hop| !table.contains_key(hop))
+            .collect()
     }
 
     /// What `config` needs of this host (`Config::validate_host`, and `l2` backends

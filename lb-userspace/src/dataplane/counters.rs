@@ -94,12 +94,12 @@ impl CounterMaps<'_> {
         for &id in vip_ids {
             counters
                 .vips
-                .insert(id, sum_per_cpu(&self.vip_stats, MAP_VIP_STATS, id)?);
+                .insert(id, sum_per_cpu(self.vip_stats, MAP_VIP_STATS, id)?);
         }
         for &id in backend_ids {
             counters
                 .backends
-                .insert(id, sum_per_cpu(&self.backend_stats, MAP_BACKEND_STATS, id)?);
+                .insert(id, sum_per_cpu(self.backend_stats, MAP_BACKEND_STATS, id)?);
         }
         Ok(counters)
     }
