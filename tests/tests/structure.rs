@@ -118,3 +118,73 @@ fn check_and_run_refuse_the_balancers_own_address_and_an_open_cluster_key() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Issue 34, end to end: with health checks and `slow_start`, a backend back from `lb
+/// maint` then `lb ready` ramps beside backends at their full weight, and status's
+/// `effective_weight` and `slots` agree. Before the fix the backends of the start ramped
+/// from their first passing checks too: the returning one held a far larger share than
+/// its "slow start 10%" said.
+#[test]
+fn a_backend_back_from_maintenance_ramps_beside_full_weights() {
+    use lb_tests::{Health, Lab, LabOptions, Protocol, XdpMode, require_e2e, wait_status};
+    use std::time::Duration;
+    let Some(bin) = require_e2e("a_backend_back_from_maintenance_ramps_beside_full_weights") else {
+        return;
+    };
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(80, false)
+        .expect("start the backends' servers");
+    let health = Health::Tcp {
+        interval: Duration::from_millis(300),
+        timeout: Duration::from_millis(200),
+        rise: 2,
+        fall: 2,
+        port: None,
+    };
+    let mut vip = lab.vip("web", false, 80, Protocol::Tcp, health);
+    vip.extra = vec!["slow_start = \"300s\"".to_string()];
+    let config = lab.agent_config(XdpMode::Native, vec![vip]);
+    lab.start_agent(&bin, &config).expect("start the agent");
+    let backends = |s: &serde_json::Value| s["vips"][0]["backends"].as_array().cloned().unwrap();
+    wait_status(&lab, Duration::from_secs(20), "every backend up", |s| {
+        backends(s).iter().all(|b| b["in_table"] == true)
+    });
+    let target = format!("{}:80/tcp", lab.vip4());
+    let returning = lab.backend_addr(0, false).to_string();
+    let agent = lab.agent().expect("agent");
+    for state in ["maint", "ready"] {
+        let out = agent.cli(&[state, &target, &returning]).expect("run lb");
+        assert!(out.success(), "lb {state}: {out}");
+    }
+    let status = wait_status(
+        &lab,
+        Duration::from_secs(20),
+        "the returning backend up",
+        |s| {
+            backends(s)
+                .iter()
+                .any(|b| b["address"] == returning.as_str() && b["in_table"] == true)
+        },
+    );
+    let backends = backends(&status);
+    let size = status["dataplane"]["maglev_table_size"].as_f64().unwrap();
+    let total: f64 = backends
+        .iter()
+        .map(|b| b["effective_weight"].as_f64().unwrap())
+        .sum();
+    for b in &backends {
+        let reason = b["weight_reason"].as_str().unwrap();
+        if b["address"] == returning.as_str() {
+            assert!(reason.starts_with("slow start"), "{b:#}");
+        } else {
+            assert_eq!(reason, "configured", "a backend of the start ramps: {b:#}");
+        }
+        let expected = size * b["effective_weight"].as_f64().unwrap() / total;
+        let slots = b["slots"].as_f64().unwrap();
+        assert!(
+            (slots - expected).abs() <= expected / 100.0 + 1.0,
+            "{}: {slots} slots, its effective weight gives {expected:.0}",
+            b["address"]
+        );
+    }
+}
