@@ -22,7 +22,7 @@ use crate::{
     control,
     dataplane::{
         AttachHints, AttachTarget, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions,
-        remove_pins, vip_capacity,
+        remove_pins,
     },
     doctor::{self, Level},
     explain::monotonic_ns,
@@ -30,6 +30,7 @@ use crate::{
     lock, metrics,
     model::Model,
     neighbor::{self, Neighbors},
+    preflight,
     state::{self, InterfaceChange, State},
     status::Start,
     tables::TableWriter,
@@ -78,13 +79,15 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     );
     // A node without a table of its own learns its peers' before it announces.
     let learn = started.cluster.is_some() && !matches!(started.start, Start::Adopted);
-    state.announce.learning = learn;
-    state.cluster = started
-        .cluster
-        .as_ref()
-        .map(|(opened, _)| opened.stats.clone());
-    state.start = started.start;
-    state.native_refused = started.native_refused;
+    state.record_start(
+        started.start,
+        started.native_refused,
+        started
+            .cluster
+            .as_ref()
+            .map(|(opened, _)| opened.stats.clone()),
+        learn,
+    );
     let state = Arc::new(Mutex::new(state));
     let services = Services::start(
         &config,
@@ -142,20 +145,20 @@ struct Started {
     cluster: Option<(cluster::Opened, cluster::Maps)>,
 }
 
-/// Loads (or adopts) the program, writes the tables the configuration asks for, then
-/// attaches: the program never runs on empty maps. Anything refused before the pins are
-/// touched leaves the host as it was.
-async fn start(config: &Config) -> anyhow::Result<Started> {
-    let new_model = |vip_capacity: u32| {
-        Model::new(
-            config.dataplane.maglev_table_size,
-            vip_capacity,
-            config.dataplane.flow_idle_timeout,
-        )
-    };
-    // A configuration the model refuses stops the start before any pin is touched.
-    new_model(vip_capacity(config.vips.len())).update(config)?;
-    // Then the host (`lb doctor`'s checks): a failing one refuses the start with its fix.
+/// What the host checks found and opened before anything is loaded.
+struct HostReady {
+    neighbors: Neighbors,
+    interface: crate::neighbor::Interface,
+    hints: AttachHints,
+    announcer: Option<Announcer>,
+    opened: Option<cluster::Opened>,
+}
+
+/// The host's checks (`lb doctor`'s, then `preflight`'s) and what must exist before the
+/// program is loaded (the announcer's device, the cluster's key and socket). Anything
+/// refused here leaves the host as it was.
+async fn check_host(config: &Config) -> anyhow::Result<HostReady> {
+    // `lb doctor`'s checks: a failing one refuses the start with its fix.
     let report = doctor::Report::run(config).await;
     for warning in report.at(Level::Warn) {
         tracing::warn!("doctor: {warning}");
@@ -166,8 +169,14 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         .await
         .context("reading the data-path interface")?;
     let interface = neighbors.interface().clone();
-    config.validate_host(&interface.addresses)?;
-    config.validate_routes(|a| neighbor::on_link(neighbor::route_to, interface.index, a))?;
+    // The checks `lb check` makes too (the interface's addresses, routes, the cluster's
+    // key): a refusal names the field.
+    preflight::run(
+        config,
+        Some(&interface),
+        neighbor::route_to,
+        preflight::Mode::Start,
+    )?;
     // Before attaching: a device that cannot be made stops the start with nothing changed.
     let announcer = match &config.announce {
         Some(announce) => Some(
@@ -187,6 +196,33 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         None => None,
     };
 
+    Ok(HostReady {
+        neighbors,
+        interface,
+        hints,
+        announcer,
+        opened,
+    })
+}
+
+/// Loads (or adopts) the program, writes the tables the configuration asks for, then
+/// attaches: the program never runs on empty maps. Anything refused before the pins are
+/// touched leaves the host as it was.
+async fn start(config: &Config) -> anyhow::Result<Started> {
+    let new_model = |vip_capacity: u32| {
+        Model::new(
+            config.dataplane.maglev_table_size,
+            vip_capacity,
+            config.dataplane.flow_idle_timeout,
+        )
+    };
+    let HostReady {
+        neighbors,
+        interface,
+        hints,
+        announcer,
+        opened,
+    } = check_host(config).await?;
     let mut options = LoadOptions::from_config(config, interface.mac.0);
     options.ifindex = interface.index;
     let pin_dir = config.dataplane.pin_dir();
@@ -385,8 +421,11 @@ impl Services {
         let metrics = match config.control.metrics {
             Some(address) => {
                 let state = state.clone();
-                let scraper: metrics::Scraper =
-                    Arc::new(move || state.lock().expect("agent state poisoned").scrape());
+                let scraper: metrics::Scraper = Arc::new(move || {
+                    // Copied under the lock; the counters are read after it.
+                    let source = state.lock().expect("agent state poisoned").status_source();
+                    source.scrape()
+                });
                 Some(metrics::serve(address, scraper, shutdown.clone()).await?)
             }
             None => None,
@@ -463,7 +502,7 @@ async fn serve(
 /// Follows the interface, then (while attached) the backends' routes and neighbours.
 async fn follow_host(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) {
     follow_interface(state, neighbors).await;
-    let attached = state.lock().expect("agent state poisoned").mode.is_some();
+    let attached = state.lock().expect("agent state poisoned").is_attached();
     if attached && let Err(error) = follow_neighbors(neighbors, state).await {
         tracing::warn!("neighbour refresh: {error:#}");
     }
@@ -487,9 +526,9 @@ async fn follow_interface(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) 
         let change = state.interface_change(found);
         (
             change,
-            state.tables.shared_dataplane(),
-            state.config.dataplane.xdp_mode,
-            state.mode,
+            state.shared_dataplane(),
+            state.xdp_mode_setting(),
+            state.mode(),
         )
     };
     let interface = match change {
@@ -594,10 +633,7 @@ async fn scan_and_sample(
     let mut state = state.lock().expect("agent state poisoned");
     match scanned {
         Some((Ok(Ok(flows)), started, started_ns)) => {
-            let idle = state.config.dataplane.flow_idle_timeout;
-            state
-                .telemetry
-                .record_flows(flows, started, started_ns, idle);
+            state.record_flows(flows, started, started_ns);
         }
         Some((Ok(Err(error)), ..)) => tracing::warn!("connection-table scan: {error:#}"),
         Some((Err(error), ..)) => tracing::warn!("connection-table scan: {error}"),
@@ -691,14 +727,9 @@ async fn follow_neighbors(neighbors: &Neighbors, state: &Arc<Mutex<State>>) -> a
     let table = neighbors.table().await?;
     let mut state = state.lock().expect("agent state poisoned");
     let routes_changed = state.follow_routes();
-    for b in state.model.backends_mut() {
-        if b.config.mac.is_none()
-            && let Some(hop) = b.next_hop
-            && !table.contains_key(&hop)
-        {
-            // Keep the last MAC we had, and ask the kernel to find it again.
-            let _ = neighbors.provoke(hop);
-        }
+    for hop in state.next_hops_to_resolve(&table) {
+        // Keep the last MAC we had, and ask the kernel to find it again.
+        let _ = neighbors.provoke(hop);
     }
     if state.learn_macs(&table) || routes_changed {
         state.sync();

@@ -17,7 +17,7 @@ use crate::{
     client,
     config::{AdminState, Config},
     explain::{ExplainRequest, VipTarget},
-    status,
+    preflight, status,
 };
 
 /// Exit code for invalid input: a bad argument (clap's own) or configuration file.
@@ -283,6 +283,47 @@ pub fn exit_code(error: &anyhow::Error) -> ExitCode {
     }
 }
 
+/// `lb check`: the file, then the checks `lb run` makes of it on this host before it
+/// touches the data path (`preflight`); those that need an interface this host lacks are
+/// said to be skipped.
+async fn check(path: &Path) -> anyhow::Result<()> {
+    let parsed = Config::load(path)?;
+    let interface = match crate::neighbor::Neighbors::open(&parsed.dataplane.interface).await {
+        Ok(neighbors) => Some(neighbors.interface().clone()),
+        Err(crate::neighbor::NeighborError::NoInterface(_)) => None,
+        Err(error) => {
+            return Err(error).context("reading the data-path interface");
+        }
+    };
+    let outcomes = preflight::run(
+        &parsed,
+        interface.as_ref(),
+        crate::neighbor::route_to,
+        preflight::Mode::Check,
+    )?;
+    for (check, outcome) in outcomes {
+        match outcome {
+            preflight::Outcome::NoInterface => eprintln!(
+                "lb check: {} not checked: no interface {} on this host (lb run needs it)",
+                check.name(),
+                parsed.dataplane.interface
+            ),
+            preflight::Outcome::Warned(why) => eprintln!(
+                "lb check: warning: {}: lb run on this host would refuse: {why}",
+                check.name()
+            ),
+            preflight::Outcome::Passed | preflight::Outcome::NotConfigured => {}
+        }
+    }
+    let backends: usize = parsed.vips.iter().map(|v| v.backends.len()).sum();
+    println!(
+        "{}: ok ({} VIP(s), {backends} backend(s))",
+        path.display(),
+        parsed.vips.len()
+    );
+    Ok(())
+}
+
 /// Runs one command.
 pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
     match command {
@@ -299,15 +340,7 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Detach { config } => return detach(&config).await,
         Command::Doctor { config, json, fix } => return doctor(&config, json, fix).await,
-        Command::Check { config } => {
-            let parsed = Config::load(&config)?;
-            let backends: usize = parsed.vips.iter().map(|v| v.backends.len()).sum();
-            println!(
-                "{}: ok ({} VIP(s), {backends} backend(s))",
-                config.display(),
-                parsed.vips.len()
-            );
-        }
+        Command::Check { config } => check(&config).await?,
         Command::Reload { target } => {
             let answer = client::reload(&target.socket()?).await?;
             if answer.changes.is_empty() {

@@ -913,11 +913,24 @@ impl Config {
         Config::from_toml(&text)
     }
 
-    /// The checks that need the host: no backend may be an address of the balancer's
-    /// own interface (`own`), where frames sent to it would come straight back.
+    /// The checks that need the host: no VIP and no backend may be an address of the
+    /// balancer's own interface, where frames sent to it would come straight back.
     /// Run where the agent knows the addresses: at start and on every reload.
     pub fn validate_host(&self, interface_addresses: &[IpAddr]) -> Result<(), ConfigError> {
         for (i, vip) in self.vips.iter().enumerate() {
+            if interface_addresses.contains(&vip.address) {
+                // Its frames would be the balancer's own: its services on that port
+                // would answer locally but be sent to backends for everyone else.
+                return Err(invalid(
+                    format!("vip[{i}].address"),
+                    format!(
+                        "{} is an address of dataplane.interface {} (this balancer): a VIP \
+                         must be an address no host on the segment has (its packets to the \
+                         balancer's own services would go to the backends)",
+                        vip.address, self.dataplane.interface
+                    ),
+                ));
+            }
             for (j, backend) in vip.backends.iter().enumerate() {
                 if interface_addresses.contains(&backend.address) {
                     return Err(invalid(
@@ -1329,66 +1342,71 @@ impl VipConfig {
         }
         let mut seen: HashMap<IpAddr, usize> = HashMap::new();
         for (j, backend) in self.backends.iter().enumerate() {
-            let at = format!("{at}.backend[{j}]");
-            // A tunnel's outer header takes the backend's family, whatever the VIP's.
-            if backend.address.is_ipv4() != self.address.is_ipv4() && !self.forward.is_tunnel() {
-                return Err(invalid(
-                    format!("{at}.address"),
-                    format!(
-                        "{} is not of the same address family as the VIP {} (only a \
-                         tunnel, forward = \"ipip\" or \"gue\", mixes the families)",
-                        backend.address, self.address
-                    ),
-                ));
-            }
-            if let Some(why) = unusable_address(backend.address) {
-                return Err(invalid(format!("{at}.address"), why));
-            }
             if let Some(first) = seen.insert(backend.address, j) {
                 return Err(invalid(
-                    format!("{at}.address"),
+                    format!("{at}.backend[{j}].address"),
                     format!(
                         "{} is already backend[{first}] of this VIP",
                         backend.address
                     ),
                 ));
             }
-            if backend.weight == 0 {
-                return Err(invalid(
-                    format!("{at}.weight"),
-                    "0 is not allowed; to take a backend out of service set \
-                     state = \"drain\" or \"maint\"",
-                ));
-            }
-            if let Some(health) = &backend.health {
-                health.validate(&format!("{at}.health"))?;
-            }
-            if backend.weight > MAX_WEIGHT {
-                return Err(invalid(
-                    format!("{at}.weight"),
-                    format!("{} is above the maximum {MAX_WEIGHT}", backend.weight),
-                ));
-            }
-            // Frames are rewritten to this MAC and sent out; a group address would
-            // fan one flow out to many hosts.
-            if backend.mac.is_some() && self.forward.is_tunnel() {
-                return Err(invalid(
-                    format!("{at}.mac"),
-                    format!(
-                        "only used with forward = \"l2\": a {} backend's frames go to \
-                         the MAC of its route's next hop, which the agent resolves",
-                        self.forward
-                    ),
-                ));
-            }
-            if let Some(mac) = backend.mac
-                && (mac.is_multicast() || mac.0 == [0; 6])
-            {
-                return Err(invalid(
-                    format!("{at}.mac"),
-                    format!("{mac} is not a unicast MAC address"),
-                ));
-            }
+            self.validate_backend(&format!("{at}.backend[{j}]"), backend)?;
+        }
+        Ok(())
+    }
+
+    /// One backend of this VIP (`at`: its field path), on its own.
+    fn validate_backend(&self, at: &str, backend: &BackendConfig) -> Result<(), ConfigError> {
+        // A tunnel's outer header takes the backend's family, whatever the VIP's.
+        if backend.address.is_ipv4() != self.address.is_ipv4() && !self.forward.is_tunnel() {
+            return Err(invalid(
+                format!("{at}.address"),
+                format!(
+                    "{} is not of the same address family as the VIP {} (only a \
+                     tunnel, forward = \"ipip\" or \"gue\", mixes the families)",
+                    backend.address, self.address
+                ),
+            ));
+        }
+        if let Some(why) = unusable_address(backend.address) {
+            return Err(invalid(format!("{at}.address"), why));
+        }
+        if backend.weight == 0 {
+            return Err(invalid(
+                format!("{at}.weight"),
+                "0 is not allowed; to take a backend out of service set \
+                 state = \"drain\" or \"maint\"",
+            ));
+        }
+        if let Some(health) = &backend.health {
+            health.validate(&format!("{at}.health"))?;
+        }
+        if backend.weight > MAX_WEIGHT {
+            return Err(invalid(
+                format!("{at}.weight"),
+                format!("{} is above the maximum {MAX_WEIGHT}", backend.weight),
+            ));
+        }
+        // Frames are rewritten to this MAC and sent out; a group address would
+        // fan one flow out to many hosts.
+        if backend.mac.is_some() && self.forward.is_tunnel() {
+            return Err(invalid(
+                format!("{at}.mac"),
+                format!(
+                    "only used with forward = \"l2\": a {} backend's frames go to \
+                     the MAC of its route's next hop, which the agent resolves",
+                    self.forward
+                ),
+            ));
+        }
+        if let Some(mac) = backend.mac
+            && (mac.is_multicast() || mac.0 == [0; 6])
+        {
+            return Err(invalid(
+                format!("{at}.mac"),
+                format!("{mac} is not a unicast MAC address"),
+            ));
         }
         Ok(())
     }

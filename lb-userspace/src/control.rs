@@ -210,7 +210,7 @@ impl Api {
         let (change, requested) = {
             let mut shared = self.shared.lock().expect("agent state poisoned");
             let change = apply(&mut shared).map_err(refused)?;
-            (change, shared.tables.requested())
+            (change, shared.requested())
         };
         state::spawn_checks(&self.shared, &self.health_tasks);
         written(requested).await?;
@@ -265,16 +265,17 @@ async fn status(Extract(Api { shared, .. }): Extract<Api>) -> Result<Json<Status
     for _ in 0..STATUS_WAITS {
         let pending = {
             let shared = shared.lock().expect("agent state poisoned");
-            if shared.tables.is_current() {
+            if shared.tables_are_current() {
                 break;
             }
-            shared.tables.requested()
+            shared.requested()
         };
         // A failed write is reported where it was asked for; status shows what is.
         let _ = pending.done().await;
     }
-    let shared = shared.lock().expect("agent state poisoned");
-    shared
+    // Copied under the lock; the counters are read after it.
+    let source = shared.lock().expect("agent state poisoned").status_source();
+    source
         .status()
         .map(Json)
         .map_err(|e| refusal(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")))

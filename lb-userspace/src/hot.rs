@@ -34,7 +34,7 @@ pub struct Hot {
     pub cold_samples: u32,
 }
 
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct HotSources {
     /// Every hot source, of every VIP (the key names the VIP).
     pub hot: HashMap<SourceKey, Hot>,

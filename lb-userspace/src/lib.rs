@@ -1,13 +1,10 @@
 //! The `lb` agent: configuration, the data-plane loader, health checks and control.
 //!
-//! Modules, each of which uses only those listed before it (no import cycles):
-//! `config`, `listen`, `lock`; `dataplane`; `doctor`; `model`, `tables`, `weights`, `hot`;
-//! `writer`; `neighbor`, `capture`; `status`, `api`, `explain`, `telemetry`, `metrics`,
-//! `probe`, `vipprobe`, `agentcheck`, `health`, `announce`; `cluster`; `state`; `control`, `client`,
-//! `top`; `agent`; `cli`. The README's Layout section says what each is for.
+//! The modules, their jobs and what each may use: `docs/src/modules.md` (checked
+//! against the modules here by `layout_tests`, which also refuse an import cycle between
+//! them and a function over 100 lines).
 
 pub mod agent;
-pub mod agentcheck;
 pub mod announce;
 pub mod api;
 pub mod capture;
@@ -26,15 +23,17 @@ pub mod lock;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;
-pub mod probe;
+pub mod preflight;
+pub mod snapshot;
 pub mod state;
 pub mod status;
 pub mod tables;
 pub mod telemetry;
 pub mod top;
-pub mod vipprobe;
-pub mod weights;
 pub mod writer;
+
+#[cfg(test)]
+mod layout_tests;
 
 /// The compiled XDP object (`lb-ebpf`), embedded at build time. Empty when built with
 /// `AYA_BUILD_SKIP=1`.

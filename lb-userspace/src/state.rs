@@ -16,62 +16,62 @@ use std::{
     time::Instant,
 };
 
-use lb_common::{SourceKey, TunnelConfig, stat};
+use lb_common::{SourceKey, TunnelConfig};
 
 use crate::{
-    agentcheck::{self, AgentHost},
     announce, cluster,
-    config::{
-        AdminState, BackendConfig, Config, ConfigError, Forward, MAX_WEIGHT, MacAddr, VipConfig,
-    },
+    config::{AdminState, BackendConfig, Config, ConfigError, MAX_WEIGHT, MacAddr, VipConfig},
     dataplane::AttachedMode,
-    explain::{self, ExplainError, ExplainRequest, Explanation, NextHop, VipTarget},
-    health::{self, CheckHost, HealthTasks},
+    explain::{self, ExplainError, ExplainRequest, Explanation, VipTarget},
+    health::{
+        self, CheckHost, HealthTasks,
+        agentcheck::{self, AgentHost},
+    },
     metrics::{Observed, Scrape},
-    model::{CheckRecord, Health, Model, ModelError, VipState},
+    model::{CheckRecord, Model, ModelError, weights::AgentReport},
     neighbor::{self, Interface, RouteLookup},
-    status::{BackendStatus, DataplaneStatus, HotSource, Start, Status, VipStatus},
+    snapshot::StatusSource,
+    status::{Start, Status},
     tables::TableInputs,
     telemetry::{Telemetry, source_address},
-    weights::AgentReport,
     writer::{Requested, Writer},
 };
 
 /// The agent's state. Shared as `Arc<Mutex<State>>`.
 pub struct State {
     /// The file `reload` re-reads.
-    pub config_path: PathBuf,
+    config_path: PathBuf,
     /// The running configuration: the file's, with the runtime changes made since.
-    pub config: Config,
+    config: Config,
     /// The configuration as last read from the file. What `config` differs in are the
     /// runtime changes (`lb drain`, `lb backend add` ...), which a reload of the file
     /// undoes: the file is the source of truth.
-    pub file: Config,
-    pub model: Model,
+    file: Config,
+    model: Model,
     /// The table writer, and through it the data path.
-    pub tables: Writer,
-    pub interface: Interface,
+    tables: Writer,
+    interface: Interface,
     /// The XDP mode attached; None while the interface is gone.
-    pub mode: Option<AttachedMode>,
+    mode: Option<AttachedMode>,
     /// `xdp_mode = "auto"` attached generic: why native was refused.
-    pub native_refused: Option<String>,
+    native_refused: Option<String>,
     /// Since when the interface is gone (the data path detached with it).
-    pub interface_gone: Option<Instant>,
+    interface_gone: Option<Instant>,
     /// How this agent found the data path.
-    pub start: Start,
-    pub telemetry: Telemetry,
+    start: Start,
+    telemetry: Telemetry,
     /// Backends `lb backend remove` drains, to delete once drained: (VIP name, address).
-    pub remove_when_drained: HashSet<(String, IpAddr)>,
+    remove_when_drained: HashSet<(String, IpAddr)>,
     /// Health-check durations and transitions, for metrics.
-    pub observed: Observed,
+    observed: Observed,
     /// Announcing VIPs to routers (`[announce]`) and the node's drain state.
-    pub announce: announce::State,
+    announce: announce::State,
     /// `[cluster]`: the cluster task's counters.
-    pub cluster: Option<cluster::Shared>,
+    cluster: Option<cluster::Shared>,
     /// What the table writer was last asked for.
     last_inputs: TableInputs,
     /// How routes are looked up (`neighbor::route_to`; a fake in unit tests).
-    pub route_of: RouteLookup,
+    route_of: RouteLookup,
 }
 
 /// Why a reload was refused; nothing changed.
@@ -140,12 +140,82 @@ impl State {
         }
     }
 
+    /// How this start found the data path, whether `xdp_mode = "auto"` fell back to
+    /// generic (and why), the cluster task's counters, and whether the node learns its
+    /// peers' flows before it announces.
+    pub fn record_start(
+        &mut self,
+        start: Start,
+        native_refused: Option<String>,
+        cluster: Option<cluster::Shared>,
+        learning: bool,
+    ) {
+        self.start = start;
+        self.native_refused = native_refused;
+        self.cluster = cluster;
+        self.announce.learning = learning;
+    }
+
+    /// Whether the program is attached (the interface is there).
+    pub fn is_attached(&self) -> bool {
+        self.mode.is_some()
+    }
+
+    /// The XDP mode attached; None while the interface is gone.
+    pub fn mode(&self) -> Option<AttachedMode> {
+        self.mode
+    }
+
+    /// The configured `xdp_mode`, for attaching again.
+    pub fn xdp_mode_setting(&self) -> crate::config::XdpModeSetting {
+        self.config.dataplane.xdp_mode
+    }
+
+    /// The data path's lock, for attaching it again (never held with the state's lock).
+    pub fn shared_dataplane(&self) -> crate::writer::SharedDataplane {
+        self.tables.shared_dataplane()
+    }
+
+    /// The newest table request, to wait for outside the lock.
+    pub fn requested(&self) -> Requested {
+        self.tables.requested()
+    }
+
+    /// Whether every table request has been written.
+    pub fn tables_are_current(&self) -> bool {
+        self.tables.is_current()
+    }
+
+    /// Counts live flows per backend from a connection-table scan (`Telemetry::record_flows`).
+    pub fn record_flows(
+        &mut self,
+        flows: Vec<(lb_common::FlowKey, lb_common::FlowEntry)>,
+        started: Instant,
+        started_ns: u64,
+    ) {
+        let idle = self.config.dataplane.flow_idle_timeout;
+        self.telemetry
+            .record_flows(flows, started, started_ns, idle);
+    }
+
+    /// The next hops of backends without a configured MAC that `table` (the neighbour
+    /// table) lacks: to ask the kernel to resolve.
+    pub fn next_hops_to_resolve(
+        &self,
+        table: &std::collections::HashMap<IpAddr, MacAddr>,
+    ) -> Vec<IpAddr> {
+        self.model
+            .backends()
+            .filter(|b| b.config.mac.is_none())
+            .filter_map(|b| b.next_hop)
+            .filter(|hop| !table.contains_key(hop))
+            .collect()
+    }
+
     /// What `config` needs of this host (`Config::validate_host`, and `l2` backends
     /// on-link): checked at every reload and runtime change, as at start.
     fn validate_on_host(&self, config: &Config) -> Result<(), ConfigError> {
-        config.validate_host(&self.interface.addresses)?;
-        let (route_of, interface) = (self.route_of, &self.interface);
-        config.validate_routes(|a| neighbor::on_link(route_of, interface.index, a))
+        crate::preflight::interface_checks(config, &self.interface, self.route_of)
     }
 
     /// Looks up the next hop of every tunnelled backend (`follow_routes`). Returns
@@ -168,6 +238,7 @@ impl State {
     fn inputs_at(&self, now: Instant) -> TableInputs {
         TableInputs {
             tunnel: tunnel_config(&self.config, &self.interface),
+            hot_sources: self.telemetry.hot.hot.keys().copied().collect(),
             ..self.model.table_inputs_at(now)
         }
     }
@@ -179,6 +250,11 @@ impl State {
         if self.config.vips.iter().all(|v| v.slow_start.is_none()) {
             return;
         }
+        self.request_if_changed(now);
+    }
+
+    /// Asks the writer for the tables of `now` when they differ from the last request.
+    fn request_if_changed(&mut self, now: Instant) {
         self.model.note_usable(now);
         let inputs = self.inputs_at(now);
         if inputs != self.last_inputs {
@@ -504,23 +580,21 @@ impl State {
     /// hitters).
     pub fn sample_rates(&mut self, now: Instant) -> anyhow::Result<()> {
         let ids: Vec<u32> = self.backend_ids();
-        let (counters, sources) = {
-            let dataplane = self.tables.dataplane();
-            (dataplane.counters(&[], &ids)?, dataplane.sources()?)
-        };
+        let reader = self.tables.counters();
+        let (counters, sources) = (reader.counters(&[], &ids)?, reader.sources()?);
         let new_flows = counters
             .backends
             .iter()
             .map(|(id, c)| (*id, c.new_flows))
             .collect();
         self.telemetry.sample(now, &self.model, new_flows, sources);
-        self.write_hot_sources()
+        self.follow_hot_sources(now);
+        Ok(())
     }
 
-    /// Makes `LB_HOT_SRC` hold the telemetry's hot sources: what it holds and should
-    /// not is removed, what it lacks added (read back each time, so a failed write is
-    /// mended at the next sample).
-    fn write_hot_sources(&mut self) -> anyhow::Result<()> {
+    /// Hands the writer the telemetry's hot sources (it writes `LB_HOT_SRC`, as every
+    /// other data-path write), saying which became hot and which no longer are.
+    fn follow_hot_sources(&mut self, now: Instant) {
         let hot = &self.telemetry.hot;
         if hot.skipped > 0 {
             tracing::warn!(
@@ -536,10 +610,8 @@ impl State {
                 .find(|v| v.id == key.vip_id)
                 .map_or_else(|| format!("id {}", key.vip_id), |v| v.config.name.clone())
         };
-        let mut dataplane = self.tables.dataplane();
-        let held: HashSet<SourceKey> = dataplane.hot_sources()?.into_iter().collect();
+        let held = &self.last_inputs.hot_sources;
         for key in held.iter().filter(|key| !hot.hot.contains_key(key)) {
-            dataplane.set_hot_source(key, false)?;
             tracing::info!(
                 "source {} of vip {} is no longer hot: balanced by source again",
                 source_address(key),
@@ -547,7 +619,6 @@ impl State {
             );
         }
         for (key, state) in hot.hot.iter().filter(|(key, _)| !held.contains(key)) {
-            dataplane.set_hot_source(key, true)?;
             tracing::info!(
                 "source {} of vip {} is hot ({:.0}% of its new flows): its new flows are \
                  balanced per connection",
@@ -556,7 +627,7 @@ impl State {
                 state.share * 100.0
             );
         }
-        Ok(())
+        self.request_if_changed(now);
     }
 
     fn backend_ids(&self) -> Vec<u32> {
@@ -569,183 +640,32 @@ impl State {
 
     /// What `lb status` shows.
     pub fn status(&self) -> anyhow::Result<Status> {
-        Ok(self.status_and_outcomes()?.0)
+        self.status_source().status()
     }
 
-    /// What one metrics scrape renders; taken under the lock, rendered outside it.
+    /// What one metrics scrape renders.
     pub fn scrape(&self) -> anyhow::Result<Scrape> {
-        let (status, outcomes) = self.status_and_outcomes()?;
-        Ok(Scrape {
-            status,
-            outcomes,
+        self.status_source().scrape()
+    }
+
+    /// A copy of what a status and a metrics scrape are made of, taken under the agent's
+    /// lock without a syscall: the counters are read from it after the lock is let go,
+    /// through the writer's read side.
+    pub fn status_source(&self) -> StatusSource {
+        StatusSource {
+            model: self.model.clone(),
+            desired: self.tables.desired(),
+            counters: self.tables.counters(),
+            telemetry: self.telemetry.clone(),
+            interface: self.interface.clone(),
+            interface_gone: self.interface_gone,
+            mode: self.mode,
+            native_refused: self.native_refused.clone(),
+            config: self.config.clone(),
+            start: self.start.clone(),
+            announce: self.announce.clone(),
+            cluster: self.cluster.clone(),
             observed: self.observed.clone(),
-        })
-    }
-
-    /// The status, and the outcome counters it was made from (indexed by `stat`).
-    fn status_and_outcomes(&self) -> anyhow::Result<(Status, Vec<u64>)> {
-        let vip_ids: Vec<u32> = self.model.vips.iter().map(|v| v.id).collect();
-        let counters = self
-            .tables
-            .dataplane()
-            .counters(&vip_ids, &self.backend_ids())?;
-        let slots = Model::slot_counts(&self.tables.desired());
-        let now = Instant::now();
-        let vips = self
-            .model
-            .vips
-            .iter()
-            .map(|vip| {
-                let traffic = counters.vips.get(&vip.id).copied().unwrap_or_default();
-                let backends = vip
-                    .backends
-                    .iter()
-                    .map(|b| {
-                        let traffic = counters.backends.get(&b.id).copied().unwrap_or_default();
-                        let effective = b.effective_weight(&vip.config, now);
-                        BackendStatus {
-                            address: b.config.address.to_string(),
-                            weight: b.config.weight,
-                            state: b.admin_status(),
-                            // Not checked in maintenance: what it was is no news.
-                            health: if b.is_maint() {
-                                Health::Unknown
-                            } else {
-                                b.health
-                            },
-                            mac: b.mac.map(|m| m.to_string()),
-                            next_hop: b.next_hop.map(|hop| NextHop {
-                                address: hop.to_string(),
-                                mac: b.mac.map(|m| m.to_string()),
-                            }),
-                            in_table: b.in_table(),
-                            slots: slots.get(&b.id).copied().unwrap_or(0),
-                            active_flows: self.telemetry.flows_of(b.id),
-                            packets: traffic.packets,
-                            bytes: traffic.bytes,
-                            new_flows: traffic.new_flows,
-                            check: health::describe_check(
-                                vip.config.health_of(&b.config),
-                                vip.config.health_port_of(&b.config),
-                            ),
-                            consecutive: b.streak,
-                            last_check: b.last_check.clone(),
-                            local_check_errors: b.local_check_errors,
-                            last_local_error: b.last_local_error.clone(),
-                            new_flows_per_second: self
-                                .telemetry
-                                .new_flow_rates
-                                .get(&b.id)
-                                .copied()
-                                .unwrap_or(0.0),
-                            effective_weight: effective.weight as f64
-                                / crate::weights::SCALE as f64,
-                            weight_reason: effective.reason,
-                            agent_error: b.agent.error.clone(),
-                        }
-                    })
-                    .collect();
-                self.vip_status(vip, traffic, backends, now)
-            })
-            .collect();
-        let status = Status {
-            dataplane: DataplaneStatus {
-                interface: self.interface.name.clone(),
-                interface_mac: self
-                    .interface_gone
-                    .is_none()
-                    .then(|| self.interface.mac.to_string()),
-                xdp_mode: self.mode,
-                native_refused: self.native_refused.clone(),
-                detached: self.interface_gone.map(|since| {
-                    format!(
-                        "interface {} is gone (for {:.0}s); attaches again when an \
-                         interface of that name returns",
-                        self.interface.name,
-                        now.saturating_duration_since(since).as_secs_f64()
-                    )
-                }),
-                maglev_table_size: self.model.table_size,
-                conntrack_entries: self.telemetry.conntrack_size,
-                conntrack_entries_in_use: self.telemetry.conntrack_size,
-                conntrack_capacity: u64::from(self.config.dataplane.conntrack_entries),
-                conntrack_scan_age_seconds: self
-                    .telemetry
-                    .last_scan
-                    .map(|at| now.saturating_duration_since(at).as_secs_f64()),
-                start: self.start.clone(),
-            },
-            vips,
-            counters: stat::NAMES
-                .iter()
-                .zip(&counters.outcomes)
-                .map(|(name, value)| (name.to_string(), *value))
-                .collect(),
-            node: announce::node_status(&self.announce_view(), now),
-            cluster: self.cluster.as_ref().map(|shared| {
-                shared
-                    .lock()
-                    .expect("cluster stats poisoned")
-                    .status(&counters.outcomes, now)
-            }),
-        };
-        Ok((status, counters.outcomes))
-    }
-
-    fn vip_status(
-        &self,
-        vip: &VipState,
-        traffic: lb_common::TrafficCounters,
-        backends: Vec<BackendStatus>,
-        now: Instant,
-    ) -> VipStatus {
-        // Healthy: not failed by its checks, and reachable (its MAC is known); unhealthy:
-        // failed or unreachable. A backend in maintenance is neither: it is not checked.
-        let healthy = vip
-            .backends
-            .iter()
-            .filter(|b| !b.is_maint() && b.health != Health::Down && b.mac.is_some())
-            .count();
-        let unchecked = vip.backends.iter().filter(|b| b.is_maint()).count();
-        let (announced, announcement) = announce::describe_vip(&self.announce_view(), vip, now);
-        VipStatus {
-            name: vip.config.name.clone(),
-            announced,
-            announcement,
-            address: vip.config.address.to_string(),
-            port: vip.config.port,
-            protocol: vip.config.protocol,
-            hash: vip.config.hash,
-            forward: vip.config.forward,
-            gue_port: (vip.config.forward == Forward::Gue).then(|| vip.config.gue_port()),
-            packets: traffic.packets,
-            bytes: traffic.bytes,
-            new_flows: traffic.new_flows,
-            healthy_backends: healthy,
-            unhealthy_backends: vip.backends.len() - healthy - unchecked,
-            top_sources: self
-                .telemetry
-                .top_sources
-                .get(&vip.id)
-                .cloned()
-                .unwrap_or_default(),
-            hot_sources: self
-                .telemetry
-                .hot
-                .of_vip(vip.id)
-                .into_iter()
-                .map(|(key, share)| HotSource {
-                    address: source_address(&key).to_string(),
-                    share,
-                })
-                .collect(),
-            busiest_over_average: self
-                .telemetry
-                .busiest_over_average
-                .get(&vip.id)
-                .copied()
-                .unwrap_or(0.0),
-            backends,
         }
     }
 
@@ -850,7 +770,7 @@ impl CheckHost for State {
         &self.model
     }
 
-    fn vip_path(&self, id: u32) -> Result<crate::vipprobe::VipPath, String> {
+    fn vip_path(&self, id: u32) -> Result<crate::health::vipprobe::VipPath, String> {
         let (vip, b) = self
             .model
             .vips
@@ -871,7 +791,7 @@ impl CheckHost for State {
                 .config
                 .tunnel_source_for(backend, &self.interface.addresses)
                 .map_err(|(_, why)| why)?;
-            Some(crate::vipprobe::Tunnel {
+            Some(crate::health::vipprobe::Tunnel {
                 source,
                 backend,
                 gue_port: (vip.config.forward == crate::config::Forward::Gue)
@@ -885,14 +805,15 @@ impl CheckHost for State {
         } else {
             "the backend's MAC is not known yet"
         })?;
-        let source = crate::vipprobe::interface_address(&self.interface.name, address.is_ipv4())
-            .ok_or_else(|| {
-                format!(
-                    "{} has no address of the VIP's family to send checks from",
-                    self.interface.name
-                )
-            })?;
-        Ok(crate::vipprobe::VipPath {
+        let source =
+            crate::health::vipprobe::interface_address(&self.interface.name, address.is_ipv4())
+                .ok_or_else(|| {
+                    format!(
+                        "{} has no address of the VIP's family to send checks from",
+                        self.interface.name
+                    )
+                })?;
+        Ok(crate::health::vipprobe::VipPath {
             vip: std::net::SocketAddr::new(address, vip.config.port),
             mac: mac.0,
             ifindex: self.interface.index,
@@ -989,12 +910,6 @@ impl cluster::Host for State {
     fn learned(&mut self) {
         self.announce.learning = false;
         self.announce.changed();
-    }
-}
-
-impl State {
-    fn announce_view(&self) -> announce::View<'_> {
-        announce::Host::announce_view(self)
     }
 }
 
@@ -1311,6 +1226,8 @@ mod tests {
     use crate::{
         config::AnnounceConfig,
         metrics::{observe_check, prometheus_text, render},
+        model::Health,
+        status::HotSource,
     };
     use std::collections::HashSet;
     use test_support::{config, shared};
@@ -1798,6 +1715,61 @@ mod tests {
         drop(ticket);
     }
 
+    /// Issue 34: status's `effective_weight` and `slots` agree after `lb maint` then `lb
+    /// ready` on a VIP whose backends came up on their first checks after the start.
+    /// Before the fix the three others ramped from those first checks ("slow start 10%"
+    /// beside the returning one's), so the returning one held a quarter of the table.
+    #[test]
+    fn status_weights_and_slots_agree_after_maint_then_ready() {
+        let mut file = config(
+            "eth0",
+            &["10.0.0.11", "10.0.0.12", "10.0.0.13", "10.0.0.14"],
+        );
+        file.vips[0].slow_start = Some(std::time::Duration::from_secs(300));
+        file.vips[0].health.kind = crate::config::HealthKind::Tcp;
+        let mut shared = test_support::shared_sized(file, 65537);
+        let pass = |shared: &mut State, id: u32| {
+            let ok = CheckRecord {
+                ok: true,
+                latency_ms: 1.0,
+                error: None,
+                local: false,
+            };
+            CheckHost::record_check(shared, id, ok, 1, 1);
+        };
+        let ids: Vec<u32> = shared.model.backends().map(|b| b.id).collect();
+        for &id in &ids {
+            pass(&mut shared, id);
+        }
+        let returning: IpAddr = "10.0.0.11".parse().unwrap();
+        shared
+            .set_admin_state(&web(), returning, AdminState::Maint)
+            .unwrap();
+        shared
+            .set_admin_state(&web(), returning, AdminState::Ready)
+            .unwrap();
+        pass(&mut shared, ids[0]);
+
+        let status = shared.status().unwrap();
+        let backends = &status.vips[0].backends;
+        let reasons: Vec<&str> = backends.iter().map(|b| b.weight_reason.as_str()).collect();
+        assert_eq!(
+            reasons,
+            ["slow start 10%", "configured", "configured", "configured"]
+        );
+        let total: f64 = backends.iter().map(|b| b.effective_weight).sum();
+        for b in backends {
+            let expected = 65537.0 * b.effective_weight / total;
+            assert!(
+                (b.slots as f64 - expected).abs() <= expected / 100.0 + 1.0,
+                "backend {}: {} slots, effective weight {} gives {expected:.0}",
+                b.address,
+                b.slots,
+                b.effective_weight
+            );
+        }
+    }
+
     #[test]
     fn hot_sources_are_written_to_the_data_path_and_shown() {
         let mut file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
@@ -1815,7 +1787,7 @@ mod tests {
                 .telemetry
                 .hot
                 .update(&shares, &[(vip_id, deltas)].into());
-            shared.write_hot_sources().unwrap();
+            shared.follow_hot_sources(Instant::now());
             let mut held = shared.tables.dataplane().hot_sources().unwrap();
             held.sort_by_key(|k| k.addr);
             held
@@ -1881,7 +1853,7 @@ mod tests {
 
     #[test]
     fn an_agent_drains_and_reweighs_its_backend_and_a_bad_answer_changes_nothing() {
-        use crate::weights::parse_agent_reply;
+        use crate::model::weights::parse_agent_reply;
         let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
         let id = shared.model.vips[0].backends[0].id;
         shared.record_agent(id, parse_agent_reply("50%"));
@@ -2171,7 +2143,12 @@ pub(crate) mod test_support {
     }
 
     pub fn shared(config: Config) -> State {
-        let mut model = Model::new(7, 16, Duration::ZERO);
+        shared_sized(config, 7)
+    }
+
+    /// `shared` with Maglev tables of `table_size` slots.
+    pub fn shared_sized(config: Config, table_size: u32) -> State {
+        let mut model = Model::new(table_size, 16, Duration::ZERO);
         model.update(&config).unwrap();
         let interface = Interface {
             name: "eth0".into(),
@@ -2180,7 +2157,10 @@ pub(crate) mod test_support {
             addresses: vec!["10.0.0.2".parse().unwrap()],
             mtu: 1500,
         };
-        let tables = Writer::inline(Box::new(MemoryDataplane::default()), TableWriter::new(7));
+        let tables = Writer::inline(
+            Box::new(MemoryDataplane::default()),
+            TableWriter::new(table_size),
+        );
         let mut shared = State::new(
             PathBuf::from("/nonexistent"),
             config,
@@ -2300,7 +2280,7 @@ mod tunnel_tests {
         let hop = status.vips[0].backends[0].next_hop.clone().unwrap();
         assert_eq!(hop.address, "10.0.0.1");
         assert_eq!(hop.mac.as_deref(), Some("02:00:00:00:00:fe"));
-        assert_eq!(status.vips[0].forward, Forward::Ipip);
+        assert_eq!(status.vips[0].forward, crate::config::Forward::Ipip);
     }
 
     #[test]

@@ -46,7 +46,7 @@ pub struct ClusterStatus {
     /// The transfer of each peer's table while learning (absent when nothing was
     /// learned at start).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub learn: Option<crate::cluster::transfer::LearnStatus>,
+    pub learn: Option<LearnStatus>,
     /// New entries the data path exported, and those it dropped (ring full).
     pub exported: u64,
     pub export_dropped: u64,
@@ -483,58 +483,63 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
         "new_flows"
     );
     for b in &vip.backends {
-        let mut check = match &b.last_check {
-            _ if b.state == AdminStatus::Maint => "unchecked (maint)".to_string(),
-            None => "-".to_string(),
-            Some(c) if c.ok => format!("ok {:.1}ms", c.latency_ms),
-            Some(c) => format!("failed: {}", c.error.as_deref().unwrap_or("?")),
-        };
-        if let Some(local) = &b.last_local_error {
-            check += &format!(
-                "; {} local check error(s), last: {}",
-                b.local_check_errors,
-                local.error.as_deref().unwrap_or("?")
-            );
-        }
+        render_backend(out, b);
+    }
+}
+
+/// One backend's line, and the lines under it that say more when there is more to say.
+fn render_backend(out: &mut String, b: &BackendStatus) {
+    let mut check = match &b.last_check {
+        _ if b.state == AdminStatus::Maint => "unchecked (maint)".to_string(),
+        None => "-".to_string(),
+        Some(c) if c.ok => format!("ok {:.1}ms", c.latency_ms),
+        Some(c) => format!("failed: {}", c.error.as_deref().unwrap_or("?")),
+    };
+    if let Some(local) = &b.last_local_error {
+        check += &format!(
+            "; {} local check error(s), last: {}",
+            b.local_check_errors,
+            local.error.as_deref().unwrap_or("?")
+        );
+    }
+    let _ = writeln!(
+        out,
+        "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  {}",
+        b.address,
+        b.weight,
+        b.state,
+        b.health,
+        b.mac.as_deref().unwrap_or("unresolved"),
+        b.slots,
+        b.active_flows,
+        b.packets,
+        b.bytes,
+        b.new_flows,
+        check
+    );
+    if b.weight_reason != "configured" && !b.weight_reason.is_empty() {
         let _ = writeln!(
             out,
-            "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  {}",
-            b.address,
-            b.weight,
-            b.state,
-            b.health,
-            b.mac.as_deref().unwrap_or("unresolved"),
-            b.slots,
-            b.active_flows,
-            b.packets,
-            b.bytes,
-            b.new_flows,
-            check
+            "    effective weight {:.2}: {}",
+            b.effective_weight, b.weight_reason
         );
-        if b.weight_reason != "configured" && !b.weight_reason.is_empty() {
+    }
+    if let Some(error) = &b.agent_error {
+        let _ = writeln!(out, "    agent check: {error}");
+    }
+    // An on-link backend is its own next hop: only a router is news.
+    match &b.next_hop {
+        Some(hop) if hop.address != b.address => {
             let _ = writeln!(
                 out,
-                "    effective weight {:.2}: {}",
-                b.effective_weight, b.weight_reason
+                "    next hop {} ({})",
+                hop.address,
+                hop.mac.as_deref().unwrap_or("unresolved")
             );
         }
-        if let Some(error) = &b.agent_error {
-            let _ = writeln!(out, "    agent check: {error}");
-        }
-        // An on-link backend is its own next hop: only a router is news.
-        match &b.next_hop {
-            Some(hop) if hop.address != b.address => {
-                let _ = writeln!(
-                    out,
-                    "    next hop {} ({})",
-                    hop.address,
-                    hop.mac.as_deref().unwrap_or("unresolved")
-                );
-            }
-            Some(_) => {}
-            None => {
-                let _ = writeln!(out, "    next hop: none (no route out of the interface)");
-            }
+        Some(_) => {}
+        None => {
+            let _ = writeln!(out, "    next hop: none (no route out of the interface)");
         }
     }
 }
@@ -830,4 +835,96 @@ pub mod tests {
             "the veth peer p-lb has no XDP program"
         );
     }
+}
+
+// ---- `[cluster]`: a joining node learning its peers' tables ----
+
+/// Where a learning node stands with one peer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PeerLearnState {
+    /// Asking (connecting, or waiting for the first answer).
+    #[default]
+    Asking,
+    /// Entries arriving.
+    Receiving,
+    /// Every entry of its table came.
+    Done,
+    /// Nothing came from it for `learn_timeout`: given up.
+    NoAnswer,
+}
+
+impl PeerLearnState {
+    pub fn is_final(self) -> bool {
+        matches!(self, PeerLearnState::Done | PeerLearnState::NoAnswer)
+    }
+}
+
+/// Learning from one peer, as status shows it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PeerLearn {
+    pub address: String,
+    pub state: PeerLearnState,
+    /// Entries of its table received so far, and how many it has (once it said).
+    pub received: u64,
+    pub total: Option<u64>,
+    /// Of those received, inserted here (the others: the flow had an entry here, or
+    /// this node lacks the VIP or backend).
+    pub inserted: u64,
+    /// Connections that broke and were resumed.
+    pub resumed: u32,
+    /// Since the first request; the whole transfer once done.
+    pub seconds: f64,
+}
+
+/// Learning from all peers: `cluster.learn` in status.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LearnStatus {
+    pub received: u64,
+    pub total: u64,
+    pub inserted: u64,
+    pub peers: Vec<PeerLearn>,
+}
+
+impl std::fmt::Display for LearnStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "learned {} of {} ({} new here)",
+            thousands(self.received),
+            thousands(self.total),
+            thousands(self.inserted)
+        )?;
+        for p in &self.peers {
+            let total = p.total.map_or("?".into(), thousands);
+            write!(
+                f,
+                "; {} {} {} of {total} in {:.1}s",
+                p.address,
+                serde_json::to_value(p.state)
+                    .ok()
+                    .and_then(|v| v.as_str().map(|s| s.replace('_', " ")))
+                    .unwrap_or_default(),
+                thousands(p.received),
+                p.seconds
+            )?;
+            if p.resumed > 0 {
+                write!(f, " (resumed {})", p.resumed)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `n` with thousands separated: "100,140".
+pub fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }

@@ -9,10 +9,10 @@
 //! take under the agent's lock), `TableBuilder` builds the tables from it outside the
 //! lock, rebuilding only VIPs whose inputs changed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use lb_common::{
-    BackendIdentity, BackendInfo, TABLE_GENERATIONS, TunnelConfig, VipInfo, VipKey,
+    BackendIdentity, BackendInfo, SourceKey, TABLE_GENERATIONS, TunnelConfig, VipInfo, VipKey,
     maglev::{MaglevBackend, build_table},
 };
 
@@ -42,6 +42,8 @@ pub struct Desired {
     pub backends: BTreeMap<u32, DesiredBackend>,
     /// Outer sources and MTU of tunnels (`LB_TUNNEL`).
     pub tunnel: TunnelConfig,
+    /// Sources whose new flows are balanced per connection (`LB_HOT_SRC`).
+    pub hot_sources: HashSet<SourceKey>,
 }
 
 /// One VIP's table as the model asks for it: the Maglev members, not yet built.
@@ -61,6 +63,7 @@ pub struct TableInputs {
     pub vips: Vec<VipInputs>,
     pub backends: BTreeMap<u32, DesiredBackend>,
     pub tunnel: TunnelConfig,
+    pub hot_sources: HashSet<SourceKey>,
 }
 
 impl TableInputs {
@@ -106,6 +109,7 @@ impl TableBuilder {
             vips,
             backends: inputs.backends.clone(),
             tunnel: inputs.tunnel,
+            hot_sources: inputs.hot_sources.clone(),
         }
     }
 
@@ -144,6 +148,9 @@ pub struct TableWriter {
     backends: HashMap<u32, DesiredBackend>,
     /// What `LB_TUNNEL` was last written with; None: not yet by this agent.
     tunnel: Option<TunnelConfig>,
+    /// What `LB_HOT_SRC` holds; None: not known (not read yet, or a write failed), so
+    /// the next `apply` reads it back first.
+    hot_sources: Option<HashSet<SourceKey>>,
 }
 
 impl TableWriter {
@@ -154,6 +161,7 @@ impl TableWriter {
             vips: HashMap::new(),
             backends: HashMap::new(),
             tunnel: None,
+            hot_sources: None,
         }
     }
 
@@ -194,6 +202,20 @@ impl TableWriter {
             self.tunnel = Some(desired.tunnel);
         }
         // Backends before the tables that name them.
+        self.write_backends(dataplane, desired, &mut report)?;
+        self.write_vips(dataplane, desired, &mut report)?;
+        self.remove_gone_vips(dataplane, desired, &mut report)?;
+        self.write_hot_sources(dataplane, &desired.hot_sources)?;
+        Ok(report)
+    }
+
+    /// Writes the backends that changed, and marks gone ones as serving nothing.
+    fn write_backends<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        desired: &Desired,
+        report: &mut ApplyReport,
+    ) -> Result<(), DataplaneError> {
         for (&id, backend) in &desired.backends {
             if !self.backends.contains_key(&id) {
                 // A new backend on this id: it starts from zero, not from a previous
@@ -222,6 +244,17 @@ impl TableWriter {
             report.backends_written += 1;
         }
 
+        Ok(())
+    }
+
+    /// Writes each changed VIP's table into the generation no packet reads, then
+    /// switches the VIP to it.
+    fn write_vips<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        desired: &Desired,
+        report: &mut ApplyReport,
+    ) -> Result<(), DataplaneError> {
         for vip in &desired.vips {
             assert_eq!(
                 vip.table.len(),
@@ -282,6 +315,16 @@ impl TableWriter {
             tables.active = Some(generation);
         }
 
+        Ok(())
+    }
+
+    /// Removes the VIPs `desired` no longer has.
+    fn remove_gone_vips<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        desired: &Desired,
+        report: &mut ApplyReport,
+    ) -> Result<(), DataplaneError> {
         let gone: Vec<VipKey> = self
             .vips
             .keys()
@@ -300,7 +343,31 @@ impl TableWriter {
             }
             report.vips_removed += 1;
         }
-        Ok(report)
+        Ok(())
+    }
+
+    /// Makes `LB_HOT_SRC` hold `hot`: what it holds and should not is removed, what it
+    /// lacks added. A failed write leaves it unknown: the next apply reads it back.
+    fn write_hot_sources<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        hot: &HashSet<SourceKey>,
+    ) -> Result<(), DataplaneError> {
+        if self.hot_sources.as_ref() == Some(hot) {
+            return Ok(());
+        }
+        let held: HashSet<SourceKey> = match self.hot_sources.take() {
+            Some(held) => held,
+            None => dataplane.hot_sources()?.into_iter().collect(),
+        };
+        for key in held.difference(hot) {
+            dataplane.set_hot_source(key, false)?;
+        }
+        for key in hot.difference(&held) {
+            dataplane.set_hot_source(key, true)?;
+        }
+        self.hot_sources = Some(hot.clone());
+        Ok(())
     }
 }
 
@@ -336,6 +403,7 @@ mod tests {
             }],
             backends,
             tunnel: Default::default(),
+            hot_sources: Default::default(),
         }
     }
 
@@ -556,5 +624,25 @@ mod tests {
         let report = writer.apply(&mut dp, &Desired::default()).unwrap();
         assert_eq!(report.vips_removed, 1);
         assert!(dp.vips.is_empty());
+    }
+
+    /// `LB_HOT_SRC` is written by the writer like every other map: it is made to hold
+    /// the desired hot sources, starting from what it held (a previous agent's).
+    #[test]
+    fn hot_sources_follow_the_desired_set() {
+        let source = |last: u8| {
+            let (addr, family) = lb_common::addr::to_map([10, 0, 0, last].into());
+            SourceKey::new(3, addr, family)
+        };
+        let mut dataplane = MemoryDataplane::default();
+        dataplane.hot_sources.insert(source(9));
+        let mut writer = TableWriter::new(SIZE);
+        let mut wanted = desired([1; 7]);
+        wanted.hot_sources = [source(1), source(2)].into();
+        writer.apply(&mut dataplane, &wanted).unwrap();
+        assert_eq!(dataplane.hot_sources, [source(1), source(2)].into());
+        wanted.hot_sources = [source(2)].into();
+        writer.apply(&mut dataplane, &wanted).unwrap();
+        assert_eq!(dataplane.hot_sources, [source(2)].into());
     }
 }

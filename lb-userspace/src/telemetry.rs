@@ -22,7 +22,7 @@ use crate::{
 /// A closing flow (client FIN seen) still counts as active while seen this recently.
 pub const CLOSING_GRACE: Duration = Duration::from_secs(3);
 
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Telemetry {
     /// Per backend id: connection-table entries seen within `flow_idle_timeout`, as of
     /// the last scan (`record_flows`).

@@ -15,7 +15,7 @@ use std::{
 use tokio::sync::watch;
 
 use crate::{
-    dataplane::Dataplane,
+    dataplane::{CounterReader, Dataplane},
     tables::{Desired, TableBuilder, TableInputs, TableWriter},
 };
 
@@ -63,6 +63,8 @@ impl Requested {
 pub struct Writer {
     inner: Arc<Inner>,
     dataplane: SharedDataplane,
+    /// The counters' read side: handles of their own, no lock the writing side holds.
+    counters: Arc<CounterReader>,
     written: watch::Receiver<Written>,
     mode: Mode,
 }
@@ -123,7 +125,16 @@ impl Writer {
         tables: TableWriter,
         desired: Desired,
     ) -> (Self, Work) {
+        let own = dataplane.counter_reader();
         let dataplane: SharedDataplane = Arc::new(Mutex::new(dataplane));
+        let counters = Arc::new(match own {
+            Ok(Some(reader)) => reader,
+            Ok(None) => CounterReader::shared(dataplane.clone()),
+            Err(error) => {
+                tracing::warn!("counters are read through the writer's lock: {error}");
+                CounterReader::shared(dataplane.clone())
+            }
+        });
         let (sender, receiver) = watch::channel(Written {
             ticket: 0,
             desired: Arc::new(desired),
@@ -136,6 +147,7 @@ impl Writer {
                 wake: Condvar::new(),
             }),
             dataplane: dataplane.clone(),
+            counters,
             written: receiver,
             mode: Mode::Thread(None),
         };
@@ -204,6 +216,12 @@ impl Writer {
     /// The data path, for reads. Held briefly: the writer waits for it.
     pub fn dataplane(&self) -> MutexGuard<'_, Box<dyn Dataplane + Send>> {
         self.dataplane.lock().expect("data path poisoned")
+    }
+
+    /// The counters' read side (status, metrics, rate samples): it does not wait for a
+    /// table write.
+    pub fn counters(&self) -> Arc<CounterReader> {
+        self.counters.clone()
     }
 
     /// The same lock, to share with tasks that read the data path on their own.
@@ -307,6 +325,7 @@ mod tests {
     fn inputs(members: &[u32]) -> TableInputs {
         let key = crate::model::vip_key("10.0.0.100".parse().unwrap(), 80, 6);
         TableInputs {
+            hot_sources: Default::default(),
             table_size: 7,
             vips: vec![crate::tables::VipInputs {
                 key,

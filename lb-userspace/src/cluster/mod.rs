@@ -307,7 +307,7 @@ impl Stats {
             address: self.address.map(|a| a.to_string()),
             learning,
             learned_at_start: self.learned_at_start,
-            learn: (!self.learn.is_empty()).then(|| LearnStatus::of(&self.learn)),
+            learn: (!self.learn.is_empty()).then(|| transfer::learn_status(&self.learn)),
             exported: counter(stat::CLUSTER_EXPORTED),
             export_dropped: counter(stat::CLUSTER_EXPORT_DROPPED),
             queue_dropped: self.queue_dropped,
@@ -735,7 +735,7 @@ impl<H: Host> Task<H> {
                 .iter()
                 .map(|p| stats.learn.get(p).map(|l| l.0.state).unwrap_or_default())
                 .collect();
-            (states, LearnStatus::of(&stats.learn))
+            (states, transfer::learn_status(&stats.learn))
         };
         if !states.iter().all(|s| s.is_final()) {
             if learning.logged.elapsed() >= LEARN_LOG_EVERY {

@@ -21,7 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde::{Deserialize, Serialize};
+pub use crate::status::{LearnStatus, PeerLearn, PeerLearnState, thousands};
 use tokio::{
     io::AsyncWriteExt,
     net::{TcpSocket, TcpStream},
@@ -69,19 +69,6 @@ impl From<tokio::time::error::Elapsed> for TransferError {
     fn from(_: tokio::time::error::Elapsed) -> Self {
         TransferError::Silent
     }
-}
-
-/// `n` with thousands separated: "100,140".
-pub fn thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 // ---- answering ----
@@ -319,101 +306,25 @@ async fn serve(
 
 // ---- learning ----
 
-/// Where a learning node stands with one peer.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PeerLearnState {
-    /// Asking (connecting, or waiting for the first answer).
-    #[default]
-    Asking,
-    /// Entries arriving.
-    Receiving,
-    /// Every entry of its table came.
-    Done,
-    /// Nothing came from it for `learn_timeout`: given up.
-    NoAnswer,
-}
-
-impl PeerLearnState {
-    pub fn is_final(self) -> bool {
-        matches!(self, PeerLearnState::Done | PeerLearnState::NoAnswer)
-    }
-}
-
-/// Learning from one peer, as status shows it.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct PeerLearn {
-    pub address: String,
-    pub state: PeerLearnState,
-    /// Entries of its table received so far, and how many it has (once it said).
-    pub received: u64,
-    pub total: Option<u64>,
-    /// Of those received, inserted here (the others: the flow had an entry here, or
-    /// this node lacks the VIP or backend).
-    pub inserted: u64,
-    /// Connections that broke and were resumed.
-    pub resumed: u32,
-    /// Since the first request; the whole transfer once done.
-    pub seconds: f64,
-}
-
-/// Learning from all peers: `cluster.learn` in status.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct LearnStatus {
-    pub received: u64,
-    pub total: u64,
-    pub inserted: u64,
-    pub peers: Vec<PeerLearn>,
-}
-
-impl LearnStatus {
-    pub fn of(peers: &BTreeMap<IpAddr, (PeerLearn, Instant, Option<Instant>)>) -> Self {
-        let peers: Vec<PeerLearn> = peers
-            .values()
-            .map(|(learn, started, ended)| PeerLearn {
-                seconds: ended
-                    .unwrap_or_else(Instant::now)
-                    .saturating_duration_since(*started)
-                    .as_secs_f64(),
-                ..learn.clone()
-            })
-            .collect();
-        LearnStatus {
-            received: peers.iter().map(|p| p.received).sum(),
-            total: peers.iter().map(|p| p.total.unwrap_or(p.received)).sum(),
-            inserted: peers.iter().map(|p| p.inserted).sum(),
-            peers,
-        }
-    }
-}
-
-impl std::fmt::Display for LearnStatus {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "learned {} of {} ({} new here)",
-            thousands(self.received),
-            thousands(self.total),
-            thousands(self.inserted)
-        )?;
-        for p in &self.peers {
-            let total = p.total.map_or("?".into(), thousands);
-            write!(
-                f,
-                "; {} {} {} of {total} in {:.1}s",
-                p.address,
-                serde_json::to_value(p.state)
-                    .ok()
-                    .and_then(|v| v.as_str().map(|s| s.replace('_', " ")))
-                    .unwrap_or_default(),
-                thousands(p.received),
-                p.seconds
-            )?;
-            if p.resumed > 0 {
-                write!(f, " (resumed {})", p.resumed)?;
-            }
-        }
-        Ok(())
+/// Learning from all peers, from each peer's progress and its start and end.
+pub fn learn_status(
+    peers: &BTreeMap<IpAddr, (PeerLearn, Instant, Option<Instant>)>,
+) -> LearnStatus {
+    let peers: Vec<PeerLearn> = peers
+        .values()
+        .map(|(learn, started, ended)| PeerLearn {
+            seconds: ended
+                .unwrap_or_else(Instant::now)
+                .saturating_duration_since(*started)
+                .as_secs_f64(),
+            ..learn.clone()
+        })
+        .collect();
+    LearnStatus {
+        received: peers.iter().map(|p| p.received).sum(),
+        total: peers.iter().map(|p| p.total.unwrap_or(p.received)).sum(),
+        inserted: peers.iter().map(|p| p.inserted).sum(),
+        peers,
     }
 }
 
@@ -879,7 +790,7 @@ mod tests {
                 None,
             ),
         );
-        let status = LearnStatus::of(&peers);
+        let status = learn_status(&peers);
         assert_eq!((status.received, status.total), (61_000, 100_140));
         let line = status.to_string();
         assert!(line.starts_with("learned 61,000 of 100,140"), "{line}");

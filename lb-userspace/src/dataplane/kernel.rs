@@ -21,9 +21,10 @@ use lb_common::{
 };
 
 use super::{
-    Adopted, AttachHints, AttachTarget, AttachedMode, Attachment, Counters, Dataplane,
-    DataplaneError, FlowReader, FlowWriter, Found, LoadOptions, attach,
+    Adopted, AttachHints, AttachTarget, AttachedMode, Attachment, CounterReader, Counters,
+    Dataplane, DataplaneError, FlowReader, FlowWriter, Found, LoadOptions, attach,
     batch::update_batch,
+    counters::CounterMaps,
     in_map,
     pins::{self, LINK_PIN, PINNED_MAPS},
     remove_pins,
@@ -558,14 +559,17 @@ impl AyaDataplane {
 
     /// Every outcome counter, summed over CPUs.
     fn outcomes(&self) -> Result<Vec<u64>, DataplaneError> {
-        let per_cpu = self.stats.get(&0, 0).map_err(in_map(MAP_STATS))?;
-        let mut sums = vec![0u64; stat::COUNT as usize];
-        for outcomes in per_cpu.iter() {
-            for (sum, count) in sums.iter_mut().zip(outcomes.counts) {
-                *sum += count;
-            }
+        self.counter_maps().outcomes()
+    }
+
+    /// The counter maps, for `counters` and their own-handle reader.
+    fn counter_maps(&self) -> CounterMaps<'_> {
+        CounterMaps {
+            stats: &self.stats,
+            vip_stats: &self.vip_stats,
+            backend_stats: &self.backend_stats,
+            sources: &self.sources,
         }
-        Ok(sums)
     }
 }
 
@@ -684,22 +688,6 @@ fn lb_xdp_error(source: aya::programs::ProgramError) -> DataplaneError {
     }
 }
 
-fn sum_per_cpu(
-    map: &PerCpuArray<MapData, TrafficCounters>,
-    name: &'static str,
-    index: u32,
-) -> Result<TrafficCounters, DataplaneError> {
-    let values = map.get(&index, 0).map_err(in_map(name))?;
-    Ok(values
-        .iter()
-        .fold(TrafficCounters::default(), |sum, c| TrafficCounters {
-            packets: sum.packets + c.packets,
-            bytes: sum.bytes + c.bytes,
-            new_flows: sum.new_flows + c.new_flows,
-            _reserved: 0,
-        }))
-}
-
 impl Dataplane for AyaDataplane {
     fn write_slots(&mut self, slots: &[(u32, u32)]) -> Result<(), DataplaneError> {
         // One bpf() call per chunk instead of one per slot (a full table is 65537).
@@ -748,22 +736,11 @@ impl Dataplane for AyaDataplane {
     }
 
     fn counters(&self, vip_ids: &[u32], backend_ids: &[u32]) -> Result<Counters, DataplaneError> {
-        let outcomes = self.outcomes()?;
-        let mut counters = Counters {
-            outcomes,
-            ..Counters::default()
-        };
-        for &id in vip_ids {
-            counters
-                .vips
-                .insert(id, sum_per_cpu(&self.vip_stats, MAP_VIP_STATS, id)?);
-        }
-        for &id in backend_ids {
-            counters
-                .backends
-                .insert(id, sum_per_cpu(&self.backend_stats, MAP_BACKEND_STATS, id)?);
-        }
-        Ok(counters)
+        self.counter_maps().counters(vip_ids, backend_ids)
+    }
+
+    fn counter_reader(&self) -> Result<Option<CounterReader>, DataplaneError> {
+        CounterReader::of(&self.counter_maps()).map(Some)
     }
 
     fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError> {
@@ -787,17 +764,7 @@ impl Dataplane for AyaDataplane {
     }
 
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
-        let mut sources = Vec::new();
-        for item in self.sources.iter() {
-            match item {
-                Ok((key, per_cpu)) => sources.push((key, per_cpu.iter().sum())),
-                Err(aya::maps::MapError::KeyNotFound) => continue,
-                Err(source) => {
-                    return Err(in_map(MAP_SOURCES)(source));
-                }
-            }
-        }
-        Ok(sources)
+        self.counter_maps().sources()
     }
 
     fn hot_sources(&self) -> Result<Vec<SourceKey>, DataplaneError> {

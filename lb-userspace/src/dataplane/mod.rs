@@ -12,12 +12,15 @@
 //!   packet reads a half-changed slot;
 //! - `batch.rs`: the bpf(2) batch commands (by hand: aya 0.14 has none) and
 //!   `FlowReader`, the connection-table scan built on them;
+//! - `counters.rs`: reading the counter maps, and `CounterReader`, the read side that
+//!   takes no lock the writer holds;
 //! - `attach.rs`: what an attach error from the kernel means for the interface;
 //! - `decap.rs`: the backends' decapsulation program (`lb decap`): attach, detach, status;
 //! - `memory.rs`: `MemoryDataplane`, compiled for unit tests only.
 
 mod attach;
 mod batch;
+mod counters;
 pub mod decap;
 mod kernel;
 #[cfg(test)]
@@ -37,6 +40,7 @@ use crate::config::Config;
 
 pub use attach::{AttachHints, SINGLE_BUFFER_MTU};
 pub use batch::{FlowReader, FlowWriter};
+pub use counters::CounterReader;
 pub use kernel::AyaDataplane;
 #[cfg(test)]
 pub use memory::{MemoryDataplane, Write};
@@ -130,6 +134,11 @@ pub trait Dataplane {
     /// A handle that reads the connection table on its own, so a long scan need not
     /// hold the agent's lock.
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError>;
+    /// A reader of the counters through handles of its own; None where the data path has
+    /// none to give (then it is read through its lock: `CounterReader::shared`).
+    fn counter_reader(&self) -> Result<Option<CounterReader>, DataplaneError> {
+        Ok(None)
+    }
     /// New flows per client source and VIP (summed over CPUs) since the program loaded.
     fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError>;
     /// The hot sources in `LB_HOT_SRC`: their new flows are hashed per connection.

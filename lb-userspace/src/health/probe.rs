@@ -13,12 +13,39 @@ use tokio::net::UdpSocket;
 
 use crate::config::{HealthConfig, parse_name, parse_record_type};
 
+/// Why a datagram check failed. The texts are what status shows as the check's error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProbeError {
+    /// An ICMP port unreachable came back.
+    #[error("port unreachable")]
+    PortUnreachable,
+    #[error("{0}")]
+    Io(String),
+    #[error("reply {reply:?} does not contain {expect:?}")]
+    Unexpected { reply: String, expect: String },
+    /// `query` or `query_type` is not a DNS name or type.
+    #[error("{0}")]
+    Query(String),
+    #[error("DNS query: {0}")]
+    Encode(String),
+    #[error("DNS: a malformed answer ({0})")]
+    Malformed(String),
+    #[error("DNS: the answer is not a response")]
+    NotAResponse,
+    /// Another query's answer (a late one, on a reused port).
+    #[error("DNS: the answer's id {answer} is not the query's {query}")]
+    OtherQuery { answer: u16, query: u16 },
+    /// The RFC mnemonic: SERVFAIL, NXDOMAIN, REFUSED ...
+    #[error("DNS {0}")]
+    Rcode(String),
+}
+
 /// The largest reply read (a DNS answer over UDP without EDNS is at most 512 bytes; a
 /// udp check's reply is text to look into).
 const REPLY_CAP: usize = 4096;
 
 /// A UDP socket of `target`'s family, connected to it.
-async fn connected(target: SocketAddr) -> Result<UdpSocket, String> {
+async fn connected(target: SocketAddr) -> Result<UdpSocket, ProbeError> {
     let local: SocketAddr = if target.is_ipv4() {
         ([0, 0, 0, 0], 0).into()
     } else {
@@ -29,16 +56,16 @@ async fn connected(target: SocketAddr) -> Result<UdpSocket, String> {
     Ok(socket)
 }
 
-fn describe(error: std::io::Error) -> String {
+fn describe(error: std::io::Error) -> ProbeError {
     match error.kind() {
-        std::io::ErrorKind::ConnectionRefused => "port unreachable".into(),
-        _ => error.to_string(),
+        std::io::ErrorKind::ConnectionRefused => ProbeError::PortUnreachable,
+        _ => ProbeError::Io(error.to_string()),
     }
 }
 
 /// `kind = "udp"`: sends `send`, passes on a reply that contains `expect` (any reply when
 /// unset). The caller bounds it with the timeout.
-pub async fn udp_check(config: &HealthConfig, target: SocketAddr) -> Result<(), String> {
+pub async fn udp_check(config: &HealthConfig, target: SocketAddr) -> Result<(), ProbeError> {
     let socket = connected(target).await?;
     let payload = config.send.as_deref().unwrap_or("");
     socket.send(payload.as_bytes()).await.map_err(describe)?;
@@ -48,12 +75,12 @@ pub async fn udp_check(config: &HealthConfig, target: SocketAddr) -> Result<(), 
 }
 
 /// Whether a udp check's `reply` passes: it contains `expect`, when that is set.
-pub fn check_udp_reply(config: &HealthConfig, reply: &[u8]) -> Result<(), String> {
+pub fn check_udp_reply(config: &HealthConfig, reply: &[u8]) -> Result<(), ProbeError> {
     match &config.expect {
-        Some(expect) if !contains(reply, expect.as_bytes()) => Err(format!(
-            "reply {:?} does not contain {expect:?}",
-            String::from_utf8_lossy(&reply[..reply.len().min(64)])
-        )),
+        Some(expect) if !contains(reply, expect.as_bytes()) => Err(ProbeError::Unexpected {
+            reply: String::from_utf8_lossy(&reply[..reply.len().min(64)]).into_owned(),
+            expect: expect.clone(),
+        }),
         _ => Ok(()),
     }
 }
@@ -64,38 +91,46 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 
 /// The query a dns check sends: `query` (default ".") of `query_type` (default NS), with
 /// recursion not desired (the backend answers from what it serves).
-pub fn dns_query(config: &HealthConfig, id: u16) -> Result<Message, String> {
-    let name = parse_name(config.query.as_deref().unwrap_or("."))?;
-    let kind = parse_record_type(config.query_type.as_deref().unwrap_or("NS"))?;
+pub fn dns_query(config: &HealthConfig, id: u16) -> Result<Message, ProbeError> {
+    let name = parse_name(config.query.as_deref().unwrap_or(".")).map_err(ProbeError::Query)?;
+    let kind = parse_record_type(config.query_type.as_deref().unwrap_or("NS"))
+        .map_err(ProbeError::Query)?;
     let mut message = Message::new(id, MessageType::Query, OpCode::Query);
     message.add_query(Query::query(name, kind));
     Ok(message)
 }
 
 /// Whether `reply` answers `query`: a response with its id, and NOERROR.
-pub fn check_dns_reply(query: &Message, reply: &[u8]) -> Result<(), String> {
-    let reply = Message::from_vec(reply).map_err(|e| format!("DNS: a malformed answer ({e})"))?;
+pub fn check_dns_reply(query: &Message, reply: &[u8]) -> Result<(), ProbeError> {
+    let reply = Message::from_vec(reply).map_err(|e| ProbeError::Malformed(e.to_string()))?;
     if reply.metadata.message_type != MessageType::Response {
-        return Err("DNS: the answer is not a response".into());
+        return Err(ProbeError::NotAResponse);
     }
     if reply.metadata.id != query.metadata.id {
-        return Err(format!(
-            "DNS: the answer's id {} is not the query's {}",
-            reply.metadata.id, query.metadata.id
-        ));
+        return Err(ProbeError::OtherQuery {
+            answer: reply.metadata.id,
+            query: query.metadata.id,
+        });
     }
     match reply.metadata.response_code {
         ResponseCode::NoError => Ok(()),
         // The RFC mnemonics: SERVFAIL, NXDOMAIN, REFUSED ...
-        code => Err(format!("DNS {}", format!("{code:?}").to_ascii_uppercase())),
+        code => Err(ProbeError::Rcode(format!("{code:?}").to_ascii_uppercase())),
     }
+}
+
+/// A dns check's query, as sent.
+pub fn encode(query: &Message) -> Result<Vec<u8>, ProbeError> {
+    query
+        .to_vec()
+        .map_err(|e| ProbeError::Encode(e.to_string()))
 }
 
 /// `kind = "dns"`: one query over UDP; a well-formed answer with the query's id and
 /// RCODE NOERROR passes. The caller bounds it with the timeout.
-pub async fn dns_check(config: &HealthConfig, target: SocketAddr) -> Result<(), String> {
+pub async fn dns_check(config: &HealthConfig, target: SocketAddr) -> Result<(), ProbeError> {
     let query = dns_query(config, fastrand::u16(..))?;
-    let bytes = query.to_vec().map_err(|e| format!("DNS query: {e}"))?;
+    let bytes = encode(&query)?;
     let socket = connected(target).await?;
     socket.send(&bytes).await.map_err(describe)?;
     let mut reply = vec![0u8; REPLY_CAP];
@@ -103,7 +138,7 @@ pub async fn dns_check(config: &HealthConfig, target: SocketAddr) -> Result<(), 
         let n = socket.recv(&mut reply).await.map_err(describe)?;
         match check_dns_reply(&query, &reply[..n]) {
             // Another query's late answer on a reused port: keep waiting for ours.
-            Err(why) if why.contains("is not the query's") => continue,
+            Err(ProbeError::OtherQuery { .. }) => continue,
             other => return other,
         }
     }
@@ -160,14 +195,33 @@ mod tests {
         );
         assert_eq!(
             check_dns_reply(&query, &answer(&query, 42, ResponseCode::ServFail)),
-            Err("DNS SERVFAIL".into())
+            Err(ProbeError::Rcode("SERVFAIL".into()))
         );
         let other = check_dns_reply(&query, &answer(&query, 41, ResponseCode::NoError));
-        assert!(other.unwrap_err().contains("id 41"));
+        assert_eq!(
+            other,
+            Err(ProbeError::OtherQuery {
+                answer: 41,
+                query: 42
+            })
+        );
         let garbage = check_dns_reply(&query, b"\x00\x2a\x81");
-        assert!(garbage.unwrap_err().contains("malformed"));
+        assert!(garbage.unwrap_err().to_string().contains("malformed"));
         let echoed = check_dns_reply(&query, &query.to_vec().unwrap());
-        assert!(echoed.unwrap_err().contains("not a response"));
+        assert_eq!(echoed, Err(ProbeError::NotAResponse));
+        // What status shows.
+        assert_eq!(
+            ProbeError::OtherQuery {
+                answer: 41,
+                query: 42
+            }
+            .to_string(),
+            "DNS: the answer's id 41 is not the query's 42"
+        );
+        assert_eq!(
+            ProbeError::Rcode("SERVFAIL".into()).to_string(),
+            "DNS SERVFAIL"
+        );
     }
 
     /// A UDP server on loopback that answers every datagram with `answer(datagram)`.
@@ -202,7 +256,10 @@ mod tests {
         assert_eq!(udp_check(&config, pong).await, Ok(()));
         let wrong = udp_server(|_| b"nope".to_vec()).await;
         let error = udp_check(&config, wrong).await.unwrap_err();
-        assert!(error.contains("does not contain \"pong\""), "{error}");
+        assert!(
+            error.to_string().contains("does not contain \"pong\""),
+            "{error}"
+        );
         // Nobody listens: the ICMP port unreachable fails it at once.
         let closed = UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let gone = closed.local_addr().unwrap();
@@ -211,7 +268,7 @@ mod tests {
         let error = tokio::time::timeout(Duration::from_secs(2), udp_check(&config, gone))
             .await
             .expect("answered before the timeout");
-        assert_eq!(error, Err("port unreachable".into()));
+        assert_eq!(error, Err(ProbeError::PortUnreachable));
         assert!(started.elapsed() < Duration::from_secs(1));
     }
 
@@ -231,7 +288,7 @@ mod tests {
         assert_eq!(dns_check(&config, noerror).await, Ok(()));
         assert_eq!(
             dns_check(&config, servfail).await,
-            Err("DNS SERVFAIL".into())
+            Err(ProbeError::Rcode("SERVFAIL".into()))
         );
     }
 }

@@ -6,6 +6,18 @@
 //! decision comes sooner; `down_interval` while down and not recovering. Every delay has
 //! ±10% jitter and the first check waits a random part of `fast_interval`, so a hundred
 //! backends are not probed at the same instant.
+//!
+//! The room of health: this module's checks of a backend's own address and the
+//! rise/fall bookkeeping; `probe` (the datagram and DNS checks, a check's result);
+//! `vipprobe` (checks through the VIP, sent the way the data path sends the VIP's
+//! traffic); `agentcheck` (the backend's own agent, HAProxy's agent-check). It may call
+//! `config`, `model`, `metrics` (check durations); it records results through the
+//! `CheckHost` and `AgentHost` traits the agent's state implements, never into the
+//! state directly.
+
+pub mod agentcheck;
+pub mod probe;
+pub mod vipprobe;
 
 use std::{
     collections::HashSet,
@@ -25,8 +37,8 @@ use crate::{
     config::{AdminState, HealthConfig, HealthKind, HealthTarget},
     metrics::Observed,
     model::{BackendState, CheckRecord, Health, Model, VipState},
-    vipprobe::VipPath,
 };
+use vipprobe::VipPath;
 
 /// Most of an HTTP check's body that is read (and then discarded).
 const HTTP_BODY_CAP: usize = 64 * 1024;
@@ -140,19 +152,19 @@ pub async fn check(
                 message,
                 local: true,
             })?;
-            return crate::vipprobe::check_via_vip(config, path)
+            return crate::health::vipprobe::check_via_vip(config, path)
                 .await
                 .map_err(Failure::remote);
         }
         match config.kind {
             HealthKind::Tcp => connect(target).await.map(drop),
             HealthKind::Http => http_check(config, target).await,
-            HealthKind::Udp => crate::probe::udp_check(config, target)
+            HealthKind::Udp => probe::udp_check(config, target)
                 .await
-                .map_err(Failure::remote),
-            HealthKind::Dns => crate::probe::dns_check(config, target)
+                .map_err(|e| Failure::remote(e.to_string())),
+            HealthKind::Dns => probe::dns_check(config, target)
                 .await
-                .map_err(Failure::remote),
+                .map_err(|e| Failure::remote(e.to_string())),
             HealthKind::None => Ok(()),
         }
     })
@@ -285,7 +297,7 @@ pub trait CheckHost: Send + 'static {
 #[derive(Clone)]
 pub struct HealthTasks {
     pub running: Arc<Mutex<HashSet<u32>>>,
-    pub agents: crate::agentcheck::Tasks,
+    pub agents: crate::health::agentcheck::Tasks,
     pub shutdown: CancellationToken,
 }
 

@@ -16,8 +16,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::AgentCheckConfig,
-    model::Model,
-    weights::{AgentReport, parse_agent_reply},
+    model::{
+        Model,
+        weights::{AgentReport, parse_agent_reply},
+    },
 };
 
 /// The most of an answer that is read: one line is all there is to say.

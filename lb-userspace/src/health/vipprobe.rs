@@ -37,6 +37,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::probe;
 use crate::config::{HealthConfig, HealthKind};
 
 /// Where a check through the VIP goes: the VIP, the MAC its frames carry (the backend's,
@@ -445,13 +446,14 @@ pub async fn check_via_vip(config: &HealthConfig, path: VipPath) -> Result<(), S
         HealthKind::Tcp => syn_probe(path, timeout),
         HealthKind::Udp => {
             let payload = config.send.as_deref().unwrap_or("").as_bytes();
-            crate::probe::check_udp_reply(&config, &datagram_probe(path, payload, timeout)?)
+            let reply = datagram_probe(path, payload, timeout)?;
+            probe::check_udp_reply(&config, &reply).map_err(|e| e.to_string())
         }
         HealthKind::Dns => {
-            let query = crate::probe::dns_query(&config, fastrand::u16(..))?;
-            let bytes = query.to_vec().map_err(|e| format!("DNS query: {e}"))?;
+            let query = probe::dns_query(&config, fastrand::u16(..)).map_err(|e| e.to_string())?;
+            let bytes = probe::encode(&query).map_err(|e| e.to_string())?;
             let reply = datagram_probe(path, &bytes, timeout)?;
-            crate::probe::check_dns_reply(&query, &reply)
+            probe::check_dns_reply(&query, &reply).map_err(|e| e.to_string())
         }
         HealthKind::Http | HealthKind::None => Err(format!(
             "{} checks through the VIP are not supported",

@@ -1,5 +1,10 @@
 //! The agent's view of its VIPs and backends, and the pure step from it to the tables
-//! the data path should hold (`Model::desired`).
+//! the data path should hold (`Model::desired`). `weights`: the load rules (slow start,
+//! least-flows, an agent's weight) that turn a configured weight into the one the table
+//! builder gets. May call `config`, `dataplane` (the adopted maps' types) and `tables`
+//! (the inputs it hands out); no I/O.
+
+pub mod weights;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
@@ -16,7 +21,6 @@ use crate::config::{
 };
 use crate::dataplane::Adopted;
 use crate::tables::{Desired, DesiredBackend, TableInputs, VipInputs};
-use crate::weights;
 
 /// What the health checks say of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -144,6 +148,13 @@ pub struct LoadState {
     pub ramp_started: Option<Instant>,
     /// Least-flows: its level (`weights::LEAST_FLOWS_LEVELS`).
     pub least_flows_level: usize,
+    /// Entering the table starts a slow-start ramp: true for a backend added after the
+    /// agent started, and for one seen serving or failing since. False for the backends
+    /// of the starting configuration until then: they begin together, and a ramp that
+    /// starts with each one's first passing checks would leave a backend returning a few
+    /// seconds later ramping against others still ramping (HAProxy: slowstart never
+    /// applies when it starts).
+    pub ramps_on_entry: bool,
 }
 
 impl Default for LoadState {
@@ -152,6 +163,7 @@ impl Default for LoadState {
             was_in_table: false,
             ramp_started: None,
             least_flows_level: weights::least_flows_neutral(),
+            ramps_on_entry: true,
         }
     }
 }
@@ -164,6 +176,11 @@ impl BackendState {
             AdminState::Ready => self.agent.admin.unwrap_or(AdminState::Ready),
             other => other,
         }
+    }
+
+    /// Its checks (or its agent) found it failing: not merely unchecked yet.
+    fn seen_failing(&self) -> bool {
+        self.agent.down || self.last_check.as_ref().is_some_and(|c| !c.ok && !c.local)
     }
 
     /// Not failed: by its health checks, or by its agent saying `down`.
@@ -583,7 +600,14 @@ impl Model {
                 let in_table = b.in_table();
                 if !in_table {
                     b.load.ramp_started = None;
-                } else if !b.load.was_in_table && vip.config.slow_start.is_some() {
+                    // Its next entry is a return: that ramps.
+                    if b.load.was_in_table || b.seen_failing() {
+                        b.load.ramps_on_entry = true;
+                    }
+                } else if !b.load.was_in_table
+                    && b.load.ramps_on_entry
+                    && vip.config.slow_start.is_some()
+                {
                     b.load.ramp_started = Some(now);
                 } else if let (Some(started), Some(ramp)) =
                     (b.load.ramp_started, vip.config.slow_start)
@@ -597,11 +621,14 @@ impl Model {
         }
     }
 
-    /// Marks the backends that take new flows now as having always done so: no ramp for
-    /// what already served when the agent started.
+    /// Marks the backends that take new flows now as having always done so, and the
+    /// others as starting with them: no ramp for what already served when the agent
+    /// started, nor for a backend of the starting configuration entering the table on its
+    /// first passing checks (`LoadState::ramps_on_entry`).
     pub fn settle_usable(&mut self) {
         for b in self.backends_mut() {
             b.load.was_in_table = b.in_table();
+            b.load.ramps_on_entry = false;
         }
     }
 
@@ -949,5 +976,132 @@ mod tests {
             .map(|b| desired.backends[&b.id].info.flags)
             .collect();
         assert_eq!(flags, [BACKEND_F_SERVES_FLOWS, 0, 0]);
+    }
+
+    /// Four backends of weight 1, tcp checks, `slow_start = "30s"`, a real-sized table.
+    fn ramping_model() -> Model {
+        let mut text = "[dataplane]\ninterface = \"eth0\"\nmaglev_table_size = 65537\n\
+             [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\n\
+             protocol = \"tcp\"\nslow_start = \"30s\"\n[vip.health]\nkind = \"tcp\"\n"
+            .to_string();
+        for last in 11..=14 {
+            text += &format!(
+                "[[vip.backend]]\naddress = \"10.0.0.{last}\"\nmac = \"02:00:00:00:00:{last}\"\n"
+            );
+        }
+        let mut model = Model::new(65537, 16, Duration::ZERO);
+        model.update(&Config::from_toml(&text).unwrap()).unwrap();
+        model
+    }
+
+    fn pass_checks(b: &mut BackendState) {
+        b.health = Health::Up;
+        b.last_check = Some(CheckRecord {
+            ok: true,
+            latency_ms: 1.0,
+            error: None,
+            local: false,
+        });
+    }
+
+    fn set_state(model: &mut Model, backend: usize, state: AdminState) {
+        let mut config = Config::from_toml(
+            "[dataplane]\ninterface = \"eth0\"\n[[vip]]\nname = \"x\"\n\
+             address = \"10.0.0.1\"\nport = 1\nprotocol = \"tcp\"\n",
+        )
+        .unwrap();
+        config.vips = vec![model.vips[0].config.clone()];
+        config.vips[0].backends[backend].state = state;
+        model.update(&config).unwrap();
+    }
+
+    /// Issue 34: after `lb maint` then `lb ready`, the returning backend's share of the
+    /// table is the share its effective weight gives beside the others'. Before the fix
+    /// the starting backends ramped from their first passing checks, so the returning one
+    /// (at 10%) ramped against others at 20%: 9,362 slots (1/7), not ~2,114 (10/310).
+    #[test]
+    fn a_backend_returning_from_maintenance_ramps_against_full_weights() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut model = ramping_model();
+        // The agent starts: every backend down until checked.
+        model.settle_usable();
+        for b in model.backends_mut() {
+            pass_checks(b);
+        }
+        model.note_usable(at(1));
+        set_state(&mut model, 0, AdminState::Maint);
+        model.note_usable(at(3));
+        set_state(&mut model, 0, AdminState::Ready);
+        model.note_usable(at(4));
+        pass_checks(&mut model.vips[0].backends[0]);
+        model.note_usable(at(5));
+
+        let vip = &model.vips[0];
+        let effective: Vec<(u32, String)> = vip
+            .backends
+            .iter()
+            .map(|b| {
+                let e = b.effective_weight(&vip.config, at(5));
+                (e.weight, e.reason)
+            })
+            .collect();
+        assert_eq!(effective[0], (10, "slow start 10%".to_string()));
+        for other in &effective[1..] {
+            assert_eq!(other, &(100, "configured".to_string()), "{effective:?}");
+        }
+        // The table built from the model's inputs gives each backend the share of slots
+        // its effective weight says.
+        let desired = model.table_inputs_at(at(5)).build();
+        let slots = Model::slot_counts(&desired);
+        let total: u32 = effective.iter().map(|(w, _)| w).sum();
+        for (b, (weight, _)) in vip.backends.iter().zip(&effective) {
+            let expected = 65537.0 * *weight as f64 / total as f64;
+            let held = slots.get(&b.id).copied().unwrap_or(0) as f64;
+            assert!(
+                (held - expected).abs() <= expected / 100.0 + 1.0,
+                "backend {}: {held} slots, its effective weight gives {expected:.0}",
+                b.config.address
+            );
+        }
+    }
+
+    /// What ramps: a backend that left the table, one whose checks failed before it
+    /// first passed, and one added after the start; not one of the starting backends on
+    /// its first passing checks.
+    #[test]
+    fn ramps_are_for_returning_and_new_backends() {
+        let t0 = Instant::now();
+        let mut model = ramping_model();
+        model.settle_usable();
+        model.vips[0].backends[1].last_check = Some(CheckRecord {
+            ok: false,
+            latency_ms: 1.0,
+            error: Some("connection refused".into()),
+            local: false,
+        });
+        model.note_usable(t0);
+        for b in model.backends_mut() {
+            pass_checks(b);
+        }
+        model.note_usable(t0 + Duration::from_secs(1));
+        let ramping: Vec<bool> = model
+            .backends()
+            .map(|b| b.load.ramp_started.is_some())
+            .collect();
+        assert_eq!(ramping, [false, true, false, false]);
+        let mut config = Config::from_toml(
+            "[dataplane]\ninterface = \"eth0\"\n[[vip]]\nname = \"x\"\n\
+             address = \"10.0.0.1\"\nport = 1\nprotocol = \"tcp\"\n",
+        )
+        .unwrap();
+        config.vips = vec![model.vips[0].config.clone()];
+        let mut added = config.vips[0].backends[0].clone();
+        added.address = "10.0.0.15".parse().unwrap();
+        config.vips[0].backends.push(added);
+        model.update(&config).unwrap();
+        pass_checks(&mut model.vips[0].backends[4]);
+        model.note_usable(t0 + Duration::from_secs(2));
+        assert!(model.vips[0].backends[4].load.ramp_started.is_some());
     }
 }

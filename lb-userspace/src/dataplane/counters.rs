@@ -1,0 +1,195 @@
+//! Reads of the data path's counters through map handles of their own: a status, a
+//! scrape or a rate sample reads them without the lock the table writer holds while it
+//! writes (the read side split from the write side, as Cilium splits its LBMaps).
+//! The kernel's `Dataplane::counters` reads through the same functions.
+
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use aya::maps::{IterableMap, Map, MapData, PerCpuArray, PerCpuHashMap};
+use lb_common::{
+    MAP_BACKEND_STATS, MAP_SOURCES, MAP_STATS, MAP_VIP_STATS, Outcomes, SourceKey, TrafficCounters,
+    stat,
+};
+
+use super::{Counters, Dataplane, DataplaneError, in_map};
+
+/// The counter maps, as the kernel's data path holds them (borrowed).
+pub(super) struct CounterMaps<'a> {
+    pub stats: &'a PerCpuArray<MapData, Outcomes>,
+    pub vip_stats: &'a PerCpuArray<MapData, TrafficCounters>,
+    pub backend_stats: &'a PerCpuArray<MapData, TrafficCounters>,
+    pub sources: &'a PerCpuHashMap<MapData, SourceKey, u64>,
+}
+
+/// A reader's own handles on the counter maps.
+struct OwnedCounterMaps {
+    stats: PerCpuArray<MapData, Outcomes>,
+    vip_stats: PerCpuArray<MapData, TrafficCounters>,
+    backend_stats: PerCpuArray<MapData, TrafficCounters>,
+    sources: PerCpuHashMap<MapData, SourceKey, u64>,
+}
+
+impl OwnedCounterMaps {
+    fn view(&self) -> CounterMaps<'_> {
+        CounterMaps {
+            stats: &self.stats,
+            vip_stats: &self.vip_stats,
+            backend_stats: &self.backend_stats,
+            sources: &self.sources,
+        }
+    }
+}
+
+impl CounterMaps<'_> {
+    /// Handles of their own on the same maps.
+    fn own_handles(&self) -> Result<OwnedCounterMaps, DataplaneError> {
+        Ok(OwnedCounterMaps {
+            stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
+                IterableMap::map(self.stats),
+                MAP_STATS,
+            )?))
+            .map_err(in_map(MAP_STATS))?,
+            vip_stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
+                IterableMap::map(self.vip_stats),
+                MAP_VIP_STATS,
+            )?))
+            .map_err(in_map(MAP_VIP_STATS))?,
+            backend_stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
+                IterableMap::map(self.backend_stats),
+                MAP_BACKEND_STATS,
+            )?))
+            .map_err(in_map(MAP_BACKEND_STATS))?,
+            // LB_SOURCES is an LRU per-CPU hash map.
+            sources: PerCpuHashMap::try_from(Map::PerCpuLruHashMap(dup(
+                IterableMap::map(self.sources),
+                MAP_SOURCES,
+            )?))
+            .map_err(in_map(MAP_SOURCES))?,
+        })
+    }
+
+    /// The outcome counters (indexed by `stat`), summed over CPUs.
+    pub fn outcomes(&self) -> Result<Vec<u64>, DataplaneError> {
+        let per_cpu = self.stats.get(&0, 0).map_err(in_map(MAP_STATS))?;
+        let mut sums = vec![0u64; stat::COUNT as usize];
+        for outcomes in per_cpu.iter() {
+            for (sum, count) in sums.iter_mut().zip(outcomes.counts) {
+                *sum += count;
+            }
+        }
+        Ok(sums)
+    }
+
+    pub fn counters(
+        &self,
+        vip_ids: &[u32],
+        backend_ids: &[u32],
+    ) -> Result<Counters, DataplaneError> {
+        let mut counters = Counters {
+            outcomes: self.outcomes()?,
+            ..Counters::default()
+        };
+        for &id in vip_ids {
+            counters
+                .vips
+                .insert(id, sum_per_cpu(self.vip_stats, MAP_VIP_STATS, id)?);
+        }
+        for &id in backend_ids {
+            counters
+                .backends
+                .insert(id, sum_per_cpu(self.backend_stats, MAP_BACKEND_STATS, id)?);
+        }
+        Ok(counters)
+    }
+
+    pub fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
+        let mut sources = Vec::new();
+        for item in self.sources.iter() {
+            match item {
+                Ok((key, per_cpu)) => sources.push((key, per_cpu.iter().sum())),
+                Err(aya::maps::MapError::KeyNotFound) => continue,
+                Err(source) => return Err(in_map(MAP_SOURCES)(source)),
+            }
+        }
+        Ok(sources)
+    }
+}
+
+/// Another file descriptor on the map of `map`.
+fn dup(map: &MapData, name: &'static str) -> Result<MapData, DataplaneError> {
+    let fd = map
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|source| DataplaneError::Pin {
+            path: PathBuf::from(name),
+            source,
+        })?;
+    MapData::from_fd(fd).map_err(in_map(name))
+}
+
+fn sum_per_cpu(
+    map: &PerCpuArray<MapData, TrafficCounters>,
+    name: &'static str,
+    index: u32,
+) -> Result<TrafficCounters, DataplaneError> {
+    let values = map.get(&index, 0).map_err(in_map(name))?;
+    Ok(values
+        .iter()
+        .fold(TrafficCounters::default(), |sum, c| TrafficCounters {
+            packets: sum.packets + c.packets,
+            bytes: sum.bytes + c.bytes,
+            new_flows: sum.new_flows + c.new_flows,
+            _reserved: 0,
+        }))
+}
+
+/// The read side of the data path's counters.
+pub struct CounterReader(Source);
+
+enum Source {
+    /// Handles of its own on the kernel's maps: no lock.
+    Maps(Box<OwnedCounterMaps>),
+    /// A data path without maps of its own to share (the in-memory one of unit tests):
+    /// read through its lock.
+    Shared(Arc<Mutex<Box<dyn Dataplane + Send>>>),
+}
+
+impl CounterReader {
+    pub(super) fn of(maps: &CounterMaps<'_>) -> Result<Self, DataplaneError> {
+        Ok(Self(Source::Maps(Box::new(maps.own_handles()?))))
+    }
+
+    /// A reader through `dataplane`'s lock, for a data path without own handles to give.
+    pub fn shared(dataplane: Arc<Mutex<Box<dyn Dataplane + Send>>>) -> Self {
+        Self(Source::Shared(dataplane))
+    }
+
+    /// The outcome counters and those of these VIPs and backends.
+    pub fn counters(
+        &self,
+        vip_ids: &[u32],
+        backend_ids: &[u32],
+    ) -> Result<Counters, DataplaneError> {
+        match &self.0 {
+            Source::Maps(maps) => maps.view().counters(vip_ids, backend_ids),
+            Source::Shared(dataplane) => lock(dataplane).counters(vip_ids, backend_ids),
+        }
+    }
+
+    /// New flows per source (`LB_SOURCES`), summed over CPUs.
+    pub fn sources(&self) -> Result<Vec<(SourceKey, u64)>, DataplaneError> {
+        match &self.0 {
+            Source::Maps(maps) => maps.view().sources(),
+            Source::Shared(dataplane) => lock(dataplane).sources(),
+        }
+    }
+}
+
+fn lock(
+    dataplane: &Mutex<Box<dyn Dataplane + Send>>,
+) -> std::sync::MutexGuard<'_, Box<dyn Dataplane + Send>> {
+    dataplane.lock().expect("data path poisoned")
+}

@@ -1,0 +1,249 @@
+//! What readers read: a copy of the agent's state (`StatusSource`), taken under its lock
+//! without a syscall, turned into a status or a metrics scrape after the lock is let go,
+//! with the data path's counters read through the writer's read side (which takes no
+//! lock the writer holds). So a scrape does not wait for a table write, and a health
+//! result does not wait for a scrape.
+//!
+//! Owns nothing that lives on; may call `model`, `status`, `telemetry`, `announce`,
+//! `metrics` (its `Observed` and `Scrape`), `health` (a check's description), `cluster`
+//! (its counters) and `dataplane` (the counter reader).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use lb_common::stat;
+
+use crate::{
+    announce, cluster,
+    config::{Config, Forward},
+    dataplane::{AttachedMode, CounterReader, Counters},
+    explain::NextHop,
+    health,
+    metrics::{Observed, Scrape},
+    model::{BackendState, Health, Model, VipState},
+    neighbor::Interface,
+    status::{BackendStatus, DataplaneStatus, HotSource, Start, Status, VipStatus},
+    tables::Desired,
+    telemetry::{Telemetry, source_address},
+};
+
+/// A copy of what a status is made of (`State::status_source`).
+pub struct StatusSource {
+    pub(crate) model: Model,
+    /// The tables the data path holds.
+    pub(crate) desired: Arc<Desired>,
+    pub(crate) counters: Arc<CounterReader>,
+    pub(crate) telemetry: Telemetry,
+    pub(crate) interface: Interface,
+    pub(crate) interface_gone: Option<Instant>,
+    pub(crate) mode: Option<AttachedMode>,
+    pub(crate) native_refused: Option<String>,
+    pub(crate) config: Config,
+    pub(crate) start: Start,
+    pub(crate) announce: announce::State,
+    pub(crate) cluster: Option<cluster::Shared>,
+    pub(crate) observed: Observed,
+}
+
+impl StatusSource {
+    /// What `lb status` shows.
+    pub fn status(&self) -> anyhow::Result<Status> {
+        Ok(self.status_and_outcomes()?.0)
+    }
+
+    /// What one metrics scrape renders.
+    pub fn scrape(&self) -> anyhow::Result<Scrape> {
+        let (status, outcomes) = self.status_and_outcomes()?;
+        Ok(Scrape {
+            status,
+            outcomes,
+            observed: self.observed.clone(),
+        })
+    }
+
+    /// The status, and the outcome counters it was made from (indexed by `stat`).
+    fn status_and_outcomes(&self) -> anyhow::Result<(Status, Vec<u64>)> {
+        let vip_ids: Vec<u32> = self.model.vips.iter().map(|v| v.id).collect();
+        let counters = self.counters.counters(&vip_ids, &self.backend_ids())?;
+        let slots = Model::slot_counts(&self.desired);
+        let now = Instant::now();
+        let vips = self
+            .model
+            .vips
+            .iter()
+            .map(|vip| {
+                let traffic = counters.vips.get(&vip.id).copied().unwrap_or_default();
+                let backends = vip
+                    .backends
+                    .iter()
+                    .map(|b| self.backend_status(vip, b, &counters, &slots, now))
+                    .collect();
+                self.vip_status(vip, traffic, backends, now)
+            })
+            .collect();
+        let status = Status {
+            dataplane: DataplaneStatus {
+                interface: self.interface.name.clone(),
+                interface_mac: self
+                    .interface_gone
+                    .is_none()
+                    .then(|| self.interface.mac.to_string()),
+                xdp_mode: self.mode,
+                native_refused: self.native_refused.clone(),
+                detached: self.interface_gone.map(|since| {
+                    format!(
+                        "interface {} is gone (for {:.0}s); attaches again when an \
+                         interface of that name returns",
+                        self.interface.name,
+                        now.saturating_duration_since(since).as_secs_f64()
+                    )
+                }),
+                maglev_table_size: self.model.table_size,
+                conntrack_entries: self.telemetry.conntrack_size,
+                conntrack_entries_in_use: self.telemetry.conntrack_size,
+                conntrack_capacity: u64::from(self.config.dataplane.conntrack_entries),
+                conntrack_scan_age_seconds: self
+                    .telemetry
+                    .last_scan
+                    .map(|at| now.saturating_duration_since(at).as_secs_f64()),
+                start: self.start.clone(),
+            },
+            vips,
+            counters: stat::NAMES
+                .iter()
+                .zip(&counters.outcomes)
+                .map(|(name, value)| (name.to_string(), *value))
+                .collect(),
+            node: announce::node_status(&self.announce_view(), now),
+            cluster: self.cluster.as_ref().map(|shared| {
+                shared
+                    .lock()
+                    .expect("cluster stats poisoned")
+                    .status(&counters.outcomes, now)
+            }),
+        };
+        Ok((status, counters.outcomes))
+    }
+
+    /// One backend's status: its state, its counters and its slots in the table.
+    fn backend_status(
+        &self,
+        vip: &VipState,
+        b: &BackendState,
+        counters: &Counters,
+        slots: &BTreeMap<u32, usize>,
+        now: Instant,
+    ) -> BackendStatus {
+        let traffic = counters.backends.get(&b.id).copied().unwrap_or_default();
+        let effective = b.effective_weight(&vip.config, now);
+        BackendStatus {
+            address: b.config.address.to_string(),
+            weight: b.config.weight,
+            state: b.admin_status(),
+            // Not checked in maintenance: what it was is no news.
+            health: if b.is_maint() {
+                Health::Unknown
+            } else {
+                b.health
+            },
+            mac: b.mac.map(|m| m.to_string()),
+            next_hop: b.next_hop.map(|hop| NextHop {
+                address: hop.to_string(),
+                mac: b.mac.map(|m| m.to_string()),
+            }),
+            in_table: b.in_table(),
+            slots: slots.get(&b.id).copied().unwrap_or(0),
+            active_flows: self.telemetry.flows_of(b.id),
+            packets: traffic.packets,
+            bytes: traffic.bytes,
+            new_flows: traffic.new_flows,
+            check: health::describe_check(
+                vip.config.health_of(&b.config),
+                vip.config.health_port_of(&b.config),
+            ),
+            consecutive: b.streak,
+            last_check: b.last_check.clone(),
+            local_check_errors: b.local_check_errors,
+            last_local_error: b.last_local_error.clone(),
+            new_flows_per_second: self
+                .telemetry
+                .new_flow_rates
+                .get(&b.id)
+                .copied()
+                .unwrap_or(0.0),
+            effective_weight: effective.weight as f64 / crate::model::weights::SCALE as f64,
+            weight_reason: effective.reason,
+            agent_error: b.agent.error.clone(),
+        }
+    }
+
+    fn vip_status(
+        &self,
+        vip: &VipState,
+        traffic: lb_common::TrafficCounters,
+        backends: Vec<BackendStatus>,
+        now: Instant,
+    ) -> VipStatus {
+        // Healthy: not failed by its checks, and reachable (its MAC is known); unhealthy:
+        // failed or unreachable. A backend in maintenance is neither: it is not checked.
+        let healthy = vip
+            .backends
+            .iter()
+            .filter(|b| !b.is_maint() && b.health != Health::Down && b.mac.is_some())
+            .count();
+        let unchecked = vip.backends.iter().filter(|b| b.is_maint()).count();
+        let (announced, announcement) = announce::describe_vip(&self.announce_view(), vip, now);
+        VipStatus {
+            name: vip.config.name.clone(),
+            announced,
+            announcement,
+            address: vip.config.address.to_string(),
+            port: vip.config.port,
+            protocol: vip.config.protocol,
+            hash: vip.config.hash,
+            forward: vip.config.forward,
+            gue_port: (vip.config.forward == Forward::Gue).then(|| vip.config.gue_port()),
+            packets: traffic.packets,
+            bytes: traffic.bytes,
+            new_flows: traffic.new_flows,
+            healthy_backends: healthy,
+            unhealthy_backends: vip.backends.len() - healthy - unchecked,
+            top_sources: self
+                .telemetry
+                .top_sources
+                .get(&vip.id)
+                .cloned()
+                .unwrap_or_default(),
+            hot_sources: self
+                .telemetry
+                .hot
+                .of_vip(vip.id)
+                .into_iter()
+                .map(|(key, share)| HotSource {
+                    address: source_address(&key).to_string(),
+                    share,
+                })
+                .collect(),
+            busiest_over_average: self
+                .telemetry
+                .busiest_over_average
+                .get(&vip.id)
+                .copied()
+                .unwrap_or(0.0),
+            backends,
+        }
+    }
+
+    fn announce_view(&self) -> announce::View<'_> {
+        announce::View {
+            config: self.config.announce.as_ref(),
+            vips: &self.model.vips,
+            state: &self.announce,
+        }
+    }
+
+    fn backend_ids(&self) -> Vec<u32> {
+        self.model.backends().map(|b| b.id).collect()
+    }
+}
