@@ -574,10 +574,16 @@ fn top_redraws_under_a_pseudo_terminal() {
         .expect("run script");
     let screen = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "lb top failed: {screen}");
+    // A first screen that says it is measuring (the first rates need two samples),
+    // then the two redraws asked for.
+    assert!(
+        screen.contains("lb top: measuring rates over 300ms"),
+        "{screen:?}"
+    );
     assert_eq!(
         screen.matches("\x1b[H\x1b[2J").count(),
-        2,
-        "two redraws: {screen:?}"
+        3,
+        "the measuring screen and two redraws: {screen:?}"
     );
     assert_eq!(
         screen.matches("web 10.99.0.100:80/tcp").count(),
