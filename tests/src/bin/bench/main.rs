@@ -15,6 +15,7 @@
 
 mod control;
 mod frames;
+mod generator;
 mod openloop;
 mod packet;
 mod procs;
@@ -188,7 +189,10 @@ fn run(args: &Args) -> Result<()> {
                 continue;
             }
             goals.push(Goal {
-                what: format!("veth {proto}, {flows} flows: lb_xdp / xdp_mac_swap Mpps"),
+                what: format!(
+                    "veth {proto}, {flows} flows ({}): lb_xdp / xdp_mac_swap Mpps",
+                    r.generator
+                ),
                 measured: format!(
                     "{} ({} / {} Mpps)",
                     num(*ratio, 3),
