@@ -14,11 +14,13 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 
 /// Which generator made a set of figures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Generator {
     /// BPF_PROG_TEST_RUN live frames of `xdp_bench_tx` (XDP_TX out of gen's veth).
+    #[value(name = "live")]
     LiveFrames,
     /// AF_PACKET `sendmmsg` with PACKET_QDISC_BYPASS (skbs into gen's veth).
+    #[value(name = "af-packet")]
     AfPacket,
 }
 
@@ -138,5 +140,21 @@ impl PacketGen {
             refused,
             seconds: start.elapsed().as_secs_f64(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eperm_is_found_under_context() {
+        let eperm = anyhow::Error::new(io::Error::from_raw_os_error(libc::EPERM))
+            .context("bpf_prog_test_run")
+            .context("BPF_PROG_TEST_RUN live frames");
+        assert!(is_eperm(&eperm));
+        let enoent = anyhow::Error::new(io::Error::from_raw_os_error(libc::ENOENT)).context("x");
+        assert!(!is_eperm(&enoent));
+        assert!(!is_eperm(&anyhow::anyhow!("Operation not permitted")));
     }
 }

@@ -58,6 +58,10 @@ struct Args {
     /// Fewer and shorter rounds: checks that everything runs, figures are rough.
     #[arg(long)]
     quick: bool,
+    /// The veth section's packet generator (default: live frames where the kernel
+    /// allows them, else af-packet, with a warning).
+    #[arg(long, value_enum)]
+    veth_generator: Option<generator::Generator>,
     /// Seconds per wrk run.
     #[arg(long)]
     wrk_seconds: Option<u32>,
@@ -173,6 +177,7 @@ fn run(args: &Args) -> Result<()> {
                 frames: 500_000,
                 batch: 64,
                 flows: vec![256, 16384],
+                generator: args.veth_generator,
             }
         } else {
             veth::Options {
@@ -180,6 +185,7 @@ fn run(args: &Args) -> Result<()> {
                 frames: 4_000_000,
                 batch: 64,
                 flows: vec![256, 16384],
+                generator: args.veth_generator,
             }
         };
         let r = veth::run(&opts)?;

@@ -58,6 +58,9 @@ pub struct Options {
     pub batch: u32,
     /// Flow counts the generator cycles through, one set of rounds each.
     pub flows: Vec<u64>,
+    /// The generator to use; None: live frames where the kernel allows them, else
+    /// AF_PACKET.
+    pub generator: Option<Generator>,
 }
 
 fn mac(m: [u8; 6]) -> String {
@@ -182,6 +185,7 @@ pub fn run(opts: &Options) -> Result<Results> {
             gen_ifindex,
             lb: &mut lb,
             swap_ebpf: &mut swap_ebpf,
+            generator: generators.first().copied().or(opts.generator),
         };
         let measured = measure(opts, flows, &mut bed)?;
         runs.extend(measured.runs);
@@ -257,6 +261,8 @@ struct Bed<'a> {
     gen_ifindex: u32,
     lb: &'a mut Instance,
     swap_ebpf: &'a mut aya::Ebpf,
+    /// The generator the first flow count found (None: try live frames).
+    generator: Option<Generator>,
 }
 
 /// What the rounds for one flow count measured.
@@ -278,6 +284,7 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
         gen_ifindex,
         lb,
         swap_ebpf,
+        generator: known,
     } = bed;
     let (gen_ns, lb_ns, gen_ifindex) = (*gen_ns, *lb_ns, *gen_ifindex);
     // Generator and sink share one object instance, so one BENCH_SINK for both counts.
@@ -356,10 +363,14 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
         })?
     };
 
-    // Live frames where the kernel allows them: one frame tells (the sink counts it
-    // before any round starts).
-    let generator = match live(&live_frames[0], 1) {
-        Ok(_) => Generator::LiveFrames,
+    // Live frames where the kernel allows them: one frame tells, at the first flow count
+    // (the sink counts it before any round starts). Unless the caller chose.
+    let probe = match known {
+        Some(g) => Ok(*g),
+        None => live(&live_frames[0], 1).map(|_| Generator::LiveFrames),
+    };
+    let generator = match probe {
+        Ok(g) => g,
         Err(e) if generator::is_eperm(&e) => {
             eprintln!(
                 "bench: WARNING: the kernel refuses live frames ({e:#}): the veth section \
