@@ -4,8 +4,10 @@
 //! `xdp_bench_tx`) are the cheapest generator, but some kernels refuse them with EPERM,
 //! even to root. Where they do, an AF_PACKET socket on the same interface sends
 //! pre-built frames with `sendmmsg` past the qdisc (PACKET_QDISC_BYPASS): dearer per
-//! frame for the sender, so its Mpps are lower, but lb and the MAC-swap baseline get the
-//! same frames from the same generator in the same rounds, so their ratio still holds.
+//! frame for the sender, so its Mpps are lower; lb and the MAC-swap baseline get the
+//! same frames from the same generator in the same rounds, so their ratio compares like
+//! with like, though not with a ratio that live frames made (the sender's share of each
+//! frame's cost differs).
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};

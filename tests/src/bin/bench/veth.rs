@@ -228,9 +228,11 @@ pub fn run(opts: &Options) -> Result<Results> {
             "THE KERNEL REFUSED LIVE FRAMES (BPF_PROG_TEST_RUN with \
              BPF_F_TEST_XDP_LIVE_FRAMES: EPERM): rows marked \"AF_PACKET sendmmsg\" were made \
              by an AF_PACKET socket on gen's eth0 (sendmmsg of 256, PACKET_QDISC_BYPASS, one \
-             pre-built frame per flow). The sender's own cost per frame is higher than live \
-             frames', so these Mpps are lower than live frames would show; lb and the \
-             baseline had the same generator in the same rounds, so their ratio stands. \
+             pre-built frame per flow). The sender's own cost per frame (an skb each) is \
+             higher than live frames', so these Mpps are lower than live frames would show. \
+             lb and the baseline had the same generator in the same rounds, so their ratio \
+             compares like with like; but the sender's share of each frame's cost differs \
+             between generators: compare AF_PACKET ratios with AF_PACKET ratios only. \
              Frames the full veth ring refused are in the JSON (\"refused\").",
         );
     }
@@ -375,7 +377,8 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
             eprintln!(
                 "bench: WARNING: the kernel refuses live frames ({e:#}): the veth section \
                  sends with an AF_PACKET socket (sendmmsg, PACKET_QDISC_BYPASS) instead; \
-                 its Mpps are lower than live frames', the ratios to the baseline stand"
+                 its Mpps are lower than live frames', and its ratios to the baseline are \
+                 comparable with other AF_PACKET runs only"
             );
             Generator::AfPacket
         }
