@@ -17,6 +17,7 @@
 
 mod control;
 mod frames;
+mod generator;
 mod openloop;
 mod packet;
 mod procs;
@@ -60,6 +61,10 @@ struct Args {
     /// Fewer and shorter rounds: checks that everything runs, figures are rough.
     #[arg(long)]
     quick: bool,
+    /// The veth section's packet generator (default: live frames where the kernel
+    /// allows them, else af-packet, with a warning).
+    #[arg(long, value_enum)]
+    veth_generator: Option<generator::Generator>,
     /// Seconds per wrk run.
     #[arg(long)]
     wrk_seconds: Option<u32>,
@@ -175,6 +180,7 @@ fn run(args: &Args) -> Result<()> {
                 frames: 500_000,
                 batch: 64,
                 flows: vec![256, 16384],
+                generator: args.veth_generator,
             }
         } else {
             veth::Options {
@@ -182,6 +188,7 @@ fn run(args: &Args) -> Result<()> {
                 frames: 4_000_000,
                 batch: 64,
                 flows: vec![256, 16384],
+                generator: args.veth_generator,
             }
         };
         let r = veth::run(&opts)?;
@@ -191,7 +198,10 @@ fn run(args: &Args) -> Result<()> {
                 continue;
             }
             goals.push(Goal {
-                what: format!("veth {proto}, {flows} flows: lb_xdp / xdp_mac_swap Mpps"),
+                what: format!(
+                    "veth {proto}, {flows} flows ({}): lb_xdp / xdp_mac_swap Mpps",
+                    r.generator
+                ),
                 measured: format!(
                     "{} ({} / {} Mpps)",
                     num(*ratio, 3),

@@ -14,6 +14,12 @@
 //! work at all: a veth delivers XDP frames only to a peer that has an XDP program.
 //! The tunnel cases (TCP to VIPs whose backends are reached by ipip / gue, their next
 //! hop gen's MAC) come back wrapped, and the sink counts them the same way.
+//!
+//! Where the kernel refuses live frames (EPERM, even to root, on some kernels), an
+//! AF_PACKET socket on gen's eth0 sends the same frames instead, pre-built one per flow
+//! (`generator`): the bench says so loudly, and the report names the generator of every
+//! figure. Either way the generator thread is pinned to one CPU, where the veth NAPI
+//! of both ends runs too: the Mpps are per core.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::thread::sleep;
@@ -29,6 +35,7 @@ use lb_userspace::dataplane::Dataplane;
 use serde_json::{Value, json};
 
 use crate::frames::{Frame, L4, TCP_ACK};
+use crate::generator::{self, Generator, PacketGen};
 use crate::packet::{GUE_PORT_VIP, IPIP_PORT, load_program, make_tunnels, tunnel_vips, xdp};
 use crate::report::{Table, median, num, range};
 use lb_tests::program::Instance;
@@ -51,6 +58,9 @@ pub struct Options {
     pub batch: u32,
     /// Flow counts the generator cycles through, one set of rounds each.
     pub flows: Vec<u64>,
+    /// The generator to use; None: live frames where the kernel allows them, else
+    /// AF_PACKET.
+    pub generator: Option<Generator>,
 }
 
 fn mac(m: [u8; 6]) -> String {
@@ -105,6 +115,8 @@ struct Run {
     received: u64,
     seconds: f64,
     lb_tx: Option<u64>,
+    /// Frames the AF_PACKET generator offered that the veth refused (ring full).
+    refused: u64,
 }
 
 pub struct Results {
@@ -112,6 +124,8 @@ pub struct Results {
     pub json: Value,
     /// (protocol, flows, lb Mpps, baseline Mpps, ratio).
     pub ratios: Vec<(String, u64, f64, f64, f64)>,
+    /// The generator(s) that made the figures.
+    pub generator: String,
 }
 
 pub fn run(opts: &Options) -> Result<Results> {
@@ -150,9 +164,10 @@ pub fn run(opts: &Options) -> Result<Results> {
     let mut swap_ebpf = load_program("xdp_mac_swap")?;
     let mut runs: Vec<Value> = Vec::new();
     let mut table = Table::new(
-        "Through a veth pair, native XDP (Mpps received back, medians)",
+        "Through a veth pair, native XDP (Mpps received back on one core, medians)",
         &[
             "traffic",
+            "generator",
             "lb_xdp Mpps",
             "lb loss",
             "mac_swap Mpps",
@@ -162,6 +177,7 @@ pub fn run(opts: &Options) -> Result<Results> {
     );
     let mut ratios = Vec::new();
     let mut summary = Vec::new();
+    let mut generators: Vec<Generator> = Vec::new();
     for &flows in &opts.flows {
         let mut bed = Bed {
             gen_ns: &gen_ns,
@@ -169,6 +185,7 @@ pub fn run(opts: &Options) -> Result<Results> {
             gen_ifindex,
             lb: &mut lb,
             swap_ebpf: &mut swap_ebpf,
+            generator: generators.first().copied().or(opts.generator),
         };
         let measured = measure(opts, flows, &mut bed)?;
         runs.extend(measured.runs);
@@ -177,7 +194,15 @@ pub fn run(opts: &Options) -> Result<Results> {
         }
         ratios.extend(measured.ratios);
         summary.extend(measured.summary);
+        if !generators.contains(&measured.generator) {
+            generators.push(measured.generator);
+        }
     }
+    let generator = generators
+        .iter()
+        .map(|g| g.name())
+        .collect::<Vec<_>>()
+        .join(" + ");
     let lb_counters = lb.dataplane.counters(&[], &[])?.outcomes;
     let lb_counters: serde_json::Map<String, Value> = stat::NAMES
         .iter()
@@ -194,9 +219,23 @@ pub fn run(opts: &Options) -> Result<Results> {
         opts.rounds, opts.frames, opts.batch
     ));
     table.note(
-        "Generator and both programs share the machine's CPUs; Mpps = frames received by \
-         the sink / duration of the generator's call.",
+        "The generator thread is pinned to one CPU; the veth NAPI of both ends runs in its \
+         softirqs there, so generator and both programs share that core: Mpps = frames \
+         received by the sink / duration of the generator's sending.",
     );
+    if generators.contains(&Generator::AfPacket) {
+        table.note(
+            "THE KERNEL REFUSED LIVE FRAMES (BPF_PROG_TEST_RUN with \
+             BPF_F_TEST_XDP_LIVE_FRAMES: EPERM): rows marked \"AF_PACKET sendmmsg\" were made \
+             by an AF_PACKET socket on gen's eth0 (sendmmsg of 256, PACKET_QDISC_BYPASS, one \
+             pre-built frame per flow). The sender's own cost per frame (an skb each) is \
+             higher than live frames', so these Mpps are lower than live frames would show. \
+             lb and the baseline had the same generator in the same rounds, so their ratio \
+             compares like with like; but the sender's share of each frame's cost differs \
+             between generators: compare AF_PACKET ratios with AF_PACKET ratios only. \
+             Frames the full veth ring refused are in the JSON (\"refused\").",
+        );
+    }
     drop(lb);
     drop(swap_ebpf);
     let tunnels = tunnel_table(&ratios);
@@ -205,6 +244,7 @@ pub fn run(opts: &Options) -> Result<Results> {
         json: json!({
             "frames_per_run": opts.frames,
             "batch": opts.batch,
+            "generator": generator,
             "backends": BACKENDS,
             "summary": summary,
             "runs": runs,
@@ -212,6 +252,7 @@ pub fn run(opts: &Options) -> Result<Results> {
             "ethtool_nonzero_total": ethtool,
         }),
         ratios,
+        generator,
     })
 }
 
@@ -222,10 +263,11 @@ struct Bed<'a> {
     gen_ifindex: u32,
     lb: &'a mut Instance,
     swap_ebpf: &'a mut aya::Ebpf,
+    /// The generator the first flow count found (None: try live frames).
+    generator: Option<Generator>,
 }
 
 /// What the rounds for one flow count measured.
-#[derive(Default)]
 struct Measured {
     runs: Vec<Value>,
     /// Table rows, one per protocol.
@@ -233,6 +275,7 @@ struct Measured {
     /// (protocol, flows, lb Mpps, baseline Mpps, ratio).
     ratios: Vec<(String, u64, f64, f64, f64)>,
     summary: Vec<Value>,
+    generator: Generator,
 }
 
 /// Rounds of lb against the baseline with the generator cycling through `flows` flows.
@@ -243,9 +286,9 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
         gen_ifindex,
         lb,
         swap_ebpf,
+        generator: known,
     } = bed;
     let (gen_ns, lb_ns, gen_ifindex) = (*gen_ns, *lb_ns, *gen_ifindex);
-    let mut out = Measured::default();
     // Generator and sink share one object instance, so one BENCH_SINK for both counts.
     // The Ethernet header of every frame below (IPv4).
     let mut eth = [0u8; 14];
@@ -268,13 +311,13 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
             .ok_or_else(|| anyhow!("no map {MAP_BENCH_SINK}"))?,
     )?;
 
-    let frame = |l4: L4, dport: u16| {
+    let frame = |l4: L4, sport: u16, dport: u16| {
         Frame {
             dst_mac: LB_MAC,
             src_mac: GEN_MAC,
             src: IpAddr::from(Ipv4Addr::new(10, 200, 0, 1)),
             dst: IpAddr::from(VIP),
-            sport: 1024,
+            sport,
             dport,
             l4,
         }
@@ -282,11 +325,16 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
     };
     let ack = L4::Tcp { flags: TCP_ACK };
     let protos = [
-        ("tcp", frame(ack, 80)),
-        ("udp", frame(L4::Udp, 53)),
-        (TCP_IPIP, frame(ack, IPIP_PORT)),
-        (TCP_GUE, frame(ack, GUE_PORT_VIP)),
+        ("tcp", ack, 80),
+        ("udp", L4::Udp, 53),
+        (TCP_IPIP, ack, IPIP_PORT),
+        (TCP_GUE, ack, GUE_PORT_VIP),
     ];
+    // What live frames start from: `xdp_bench_tx` steps the source port from there.
+    let live_frames: Vec<Vec<u8>> = protos
+        .iter()
+        .map(|&(_, l4, dport)| frame(l4, 1024, dport))
+        .collect();
 
     // xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
     let ctx_for = |len: usize| -> Vec<u8> {
@@ -295,36 +343,96 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
             .flat_map(|v| v.to_ne_bytes())
             .collect()
     };
-
-    let send = |frame: &[u8]| -> Result<Run> {
+    // `repeat` live frames of `frame` on one core; returns the call's duration.
+    let live = |frame: &[u8], repeat: u32| -> Result<f64> {
         let ctx = ctx_for(frame.len());
-        let (sent0, recv0) = (sum(&counters, BENCH_SENT)?, sum(&counters, BENCH_RECEIVED)?);
         let tx = gen_ebpf
             .program("xdp_bench_tx")
             .ok_or_else(|| anyhow!("no xdp_bench_tx"))?;
         let tx: &Xdp = tx.try_into()?;
-        let seconds = gen_ns.run(|| -> Result<f64> {
+        gen_ns.run(|| -> Result<f64> {
+            generator::pin_to_this_cpu()?;
             let start = Instant::now();
             tx.test_run(TestRunOptions {
                 data_in: Some(frame),
                 ctx_in: Some(&ctx),
-                repeat: opts.frames,
+                repeat,
                 attrs: TestRunAttrs::new().xdp_live_frames(opts.batch),
                 ..TestRunOptions::default()
             })
             .context("BPF_PROG_TEST_RUN live frames")?;
             Ok(start.elapsed().as_secs_f64())
-        })??;
+        })?
+    };
+
+    // Live frames where the kernel allows them: one frame tells, at the first flow count
+    // (the sink counts it before any round starts). Unless the caller chose.
+    let probe = match known {
+        Some(g) => Ok(*g),
+        None => live(&live_frames[0], 1).map(|_| Generator::LiveFrames),
+    };
+    let generator = match probe {
+        Ok(g) => g,
+        Err(e) if generator::is_eperm(&e) => {
+            eprintln!(
+                "bench: WARNING: the kernel refuses live frames ({e:#}): the veth section \
+                 sends with an AF_PACKET socket (sendmmsg, PACKET_QDISC_BYPASS) instead; \
+                 its Mpps are lower than live frames', and its ratios to the baseline are \
+                 comparable with other AF_PACKET runs only"
+            );
+            Generator::AfPacket
+        }
+        Err(e) => return Err(e),
+    };
+    let mut out = Measured {
+        runs: Vec::new(),
+        rows: Vec::new(),
+        ratios: Vec::new(),
+        summary: Vec::new(),
+        generator,
+    };
+    // For AF_PACKET: its socket, and one pre-built frame per flow and protocol (as many
+    // flows as `xdp_bench_tx` cycles through).
+    let (packet_gen, flow_frames) = match generator {
+        Generator::LiveFrames => (None, Vec::new()),
+        Generator::AfPacket => {
+            let sender = gen_ns.run(|| PacketGen::open(IFACE))??;
+            let ports = 1024..1024 + flows.clamp(1, 64512) as u16;
+            let frames: Vec<Vec<Vec<u8>>> = protos
+                .iter()
+                .map(|&(_, l4, dport)| ports.clone().map(|p| frame(l4, p, dport)).collect())
+                .collect();
+            (Some(sender), frames)
+        }
+    };
+
+    // One run of protocol `pi` with the chosen generator.
+    let send = |pi: usize| -> Result<Run> {
+        let (sent0, recv0) = (sum(&counters, BENCH_SENT)?, sum(&counters, BENCH_RECEIVED)?);
+        let (seconds, accepted, refused) = match &packet_gen {
+            None => (live(&live_frames[pi], opts.frames)?, None, 0),
+            Some(sender) => {
+                let sent = gen_ns.run(|| {
+                    generator::pin_to_this_cpu()?;
+                    sender.send(&flow_frames[pi], opts.frames.into())
+                })??;
+                (sent.seconds, Some(sent.accepted), sent.refused)
+            }
+        };
         // Frames still in the veth rings land within microseconds.
         sleep(Duration::from_millis(100));
+        let sent = match accepted {
+            Some(n) => n,
+            None => sum(&counters, BENCH_SENT)? - sent0,
+        };
         Ok(Run {
-            sent: sum(&counters, BENCH_SENT)? - sent0,
+            sent,
             received: sum(&counters, BENCH_RECEIVED)? - recv0,
             seconds,
             lb_tx: None,
+            refused,
         })
     };
-
     // [proto][0 = lb, 1 = baseline] -> (received Mpps, sent Mpps, loss) per round.
     let mut mpps: Vec<[Vec<f64>; 2]> = protos.iter().map(|_| [vec![], vec![]]).collect();
     let mut sent_mpps: Vec<[Vec<f64>; 2]> = protos.iter().map(|_| [vec![], vec![]]).collect();
@@ -335,7 +443,7 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
             round + 1,
             opts.rounds
         );
-        for (pi, (proto, frame)) in protos.iter().enumerate() {
+        for (pi, (proto, ..)) in protos.iter().enumerate() {
             // Alternate which program goes first.
             let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
             for which in order {
@@ -343,7 +451,7 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
                     let program = lb.dataplane.program_mut()?;
                     let link = lb_ns.run(|| program.attach(IFACE, XdpMode::Driver))??;
                     let tx_before = lb.dataplane.forwarded()?;
-                    let run = send(frame);
+                    let run = send(pi);
                     let tx_after = lb.dataplane.forwarded()?;
                     lb.dataplane.program_mut()?.detach(link)?;
                     let mut run = run?;
@@ -352,7 +460,7 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
                 } else {
                     let program = xdp(swap_ebpf, "xdp_mac_swap")?;
                     let link = lb_ns.run(|| program.attach(IFACE, XdpMode::Driver))??;
-                    let run = send(frame);
+                    let run = send(pi);
                     xdp(swap_ebpf, "xdp_mac_swap")?.detach(link)?;
                     run?
                 };
@@ -368,6 +476,8 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
                     "flows": flows,
                     "proto": proto,
                     "program": if which == 0 { "lb_xdp" } else { "xdp_mac_swap" },
+                    "generator": generator.name(),
+                    "refused": run.refused,
                     "sent": run.sent,
                     "received": run.received,
                     "seconds": run.seconds,
@@ -379,7 +489,7 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
             }
         }
     }
-    for (pi, (proto, _)) in protos.iter().enumerate() {
+    for (pi, (proto, ..)) in protos.iter().enumerate() {
         let r: Vec<f64> = mpps[pi][0]
             .iter()
             .zip(&mpps[pi][1])
@@ -389,6 +499,7 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
         let ratio = median(&r);
         out.rows.push(vec![
             format!("{proto} ({flows} flows)"),
+            generator.name().to_string(),
             num(lb_m, 2),
             format!("{}%", num(median(&loss[pi][0]) * 100.0, 2)),
             num(base_m, 2),
@@ -401,6 +512,7 @@ fn measure(opts: &Options, flows: u64, bed: &mut Bed) -> Result<Measured> {
         out.summary.push(json!({
             "proto": proto,
             "flows": flows,
+            "generator": generator.name(),
             "lb_received_mpps": median(&mpps[pi][0]),
             "lb_sent_mpps": median(&sent_mpps[pi][0]),
             "lb_loss": median(&loss[pi][0]),
