@@ -366,12 +366,45 @@ impl IdPool {
     pub fn give_back(&mut self, id: u32, now: Instant) {
         self.free.push_back((id, Some(now)));
     }
+
+    /// Why `take` found no id at `now`: every id in use, or ids free but held in
+    /// quarantine (how many, and how long until the first is free).
+    pub fn refusal(&self, what: &'static str, now: Instant) -> ModelError {
+        let held: Vec<Duration> = self
+            .free
+            .iter()
+            .filter_map(|(_, freed)| *freed)
+            .map(|freed| self.quarantine.saturating_sub(now.duration_since(freed)))
+            .filter(|left| !left.is_zero())
+            .collect();
+        match held.first() {
+            Some(first) => ModelError::Held {
+                what,
+                held: held.len(),
+                free_in: first.as_secs().max(1),
+            },
+            None => ModelError::Exhausted(what),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("more {0}s than the data path was sized for at start; restart the agent")]
+    #[error("more {0}s than the data path holds: every {0} id is in use")]
     Exhausted(&'static str),
+    /// Ids of removed backends wait out the flow idle time before reuse, so that an old
+    /// flow's entry cannot reach a new backend; a restart keeps them held (the pinned
+    /// connection table still names them).
+    #[error(
+        "no free {what} id now: {held} ids of {what}s removed within the flow idle time are \
+         held so that their flows' entries cannot reach a new {what}; the first is free in \
+         {free_in}s: retry then (a restart does not free them)"
+    )]
+    Held {
+        what: &'static str,
+        held: usize,
+        free_in: u64,
+    },
 }
 
 /// Every VIP and backend the agent serves, with ids stable across updates.
@@ -445,7 +478,10 @@ impl Model {
                     );
                     let id = match self.reserved_vips.remove(&key) {
                         Some(id) => id,
-                        None => self.vip_ids.take(now).ok_or(ModelError::Exhausted("VIP"))?,
+                        None => self
+                            .vip_ids
+                            .take(now)
+                            .ok_or_else(|| self.vip_ids.refusal("VIP", now))?,
                     };
                     (id, Vec::new())
                 }
@@ -556,7 +592,7 @@ impl Model {
             None => (
                 self.backend_ids
                     .take(now)
-                    .ok_or(ModelError::Exhausted("backend"))?,
+                    .ok_or_else(|| self.backend_ids.refusal("backend", now))?,
                 backend_config.mac,
                 initial_health(vip_config, backend_config),
             ),
@@ -953,6 +989,38 @@ mod tests {
         );
         assert_eq!(pool.take(later(29)), None, "id {a} is still in quarantine");
         assert_eq!(pool.take(later(30)), Some(a));
+    }
+
+    #[test]
+    fn a_refusal_says_whether_ids_are_held_or_all_in_use() {
+        let start = Instant::now();
+        let mut pool = IdPool::new(2, Duration::from_secs(30));
+        let a = pool.take(start).unwrap();
+        let b = pool.take(start).unwrap();
+        let all_in_use = pool.refusal("backend", start).to_string();
+        assert!(
+            all_in_use.contains("every backend id is in use"),
+            "{all_in_use}"
+        );
+        pool.give_back(a, start);
+        pool.give_back(b, start + Duration::from_secs(5));
+        let held = pool.refusal("backend", start + Duration::from_secs(10));
+        let text = held.to_string();
+        assert!(
+            matches!(
+                held,
+                ModelError::Held {
+                    held: 2,
+                    free_in: 20,
+                    ..
+                }
+            ),
+            "{held:?}"
+        );
+        assert!(
+            text.contains("free in 20s") && !text.contains("restart the agent"),
+            "{text}"
+        );
     }
 
     #[test]
