@@ -443,10 +443,32 @@ impl State {
     ) -> Result<String, ControlError> {
         let what = format!("{vip} backend {backend} -> {state}");
         let target = *vip;
-        self.change(what, |config| {
+        let what = self.change(what, |config| {
             find_backend(config, &target, backend)?.state = state;
             Ok(())
+        })?;
+        Ok(match self.agent_overrides(&target, backend) {
+            Some(agent) => format!(
+                "{what}; its agent check says {agent}, which applies while the admin state \
+                 is ready: that state holds until its agent says ready"
+            ),
+            None => what,
         })
+    }
+
+    /// The state a backend's agent check holds it in although its admin state is ready
+    /// (`[vip.agent]` said drain or maint), if any.
+    fn agent_overrides(&self, vip: &VipTarget, backend: IpAddr) -> Option<AdminState> {
+        let vip = self.model.vips.iter().find(|v| {
+            v.config.address == vip.address
+                && v.config.port == vip.port
+                && v.config.protocol == vip.protocol
+        })?;
+        let b = vip.backends.iter().find(|b| b.config.address == backend)?;
+        (b.config.state == AdminState::Ready)
+            .then_some(b.agent.admin)
+            .flatten()
+            .filter(|agent| *agent != AdminState::Ready)
     }
 
     /// `lb backend add VIP BACKEND [--weight N]`: takes traffic once its MAC is known and
@@ -1889,6 +1911,31 @@ mod tests {
         assert_eq!(member_weights(&shared), [100, 100]);
         shared.record_agent(id, parse_agent_reply("down"));
         assert_eq!(member_weights(&shared), [100], "down: out of the table");
+    }
+
+    #[test]
+    fn lb_ready_says_when_the_agent_check_keeps_the_backend_drained() {
+        use crate::model::weights::parse_agent_reply;
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let b11: IpAddr = "10.0.0.11".parse().unwrap();
+        let id = shared.model.vips[0].backends[0].id;
+        shared.record_agent(id, parse_agent_reply("drain"));
+        let answer = shared
+            .set_admin_state(&web(), b11, AdminState::Ready)
+            .unwrap();
+        assert!(
+            answer.ends_with(
+                "-> ready; its agent check says drain, which applies while the admin state \
+                 is ready: that state holds until its agent says ready"
+            ),
+            "{answer}"
+        );
+        assert_eq!(shared.model.vips[0].backends[0].admin_word(), "draining");
+        shared.record_agent(id, parse_agent_reply("ready"));
+        let answer = shared
+            .set_admin_state(&web(), b11, AdminState::Ready)
+            .unwrap();
+        assert!(answer.ends_with("-> ready"), "{answer}");
     }
 
     #[test]
