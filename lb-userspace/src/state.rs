@@ -1913,6 +1913,22 @@ mod tests {
         assert_eq!(member_weights(&shared), [100], "down: out of the table");
     }
 
+    /// A runtime refusal names the setting once and no index of the file (the backend
+    /// added is in no file).
+    #[test]
+    fn lb_backend_add_at_the_balancers_own_address_is_refused_once_without_a_file_index() {
+        let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let refusal = shared
+            .add_backend(&web(), "10.0.0.2".parse().unwrap(), 1)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            refusal,
+            "address: 10.0.0.2 is an address of dataplane.interface eth0 (this balancer): a \
+             backend must be another host on its segment"
+        );
+    }
+
     #[test]
     fn lb_ready_says_when_the_agent_check_keeps_the_backend_drained() {
         use crate::model::weights::parse_agent_reply;
