@@ -67,7 +67,16 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     let pin_dir = config.dataplane.pin_dir();
     ensure_bpffs(&pin_dir)?;
     lock.lock_pins(&pin_dir)?;
-    let started = start(&config).await?;
+    // Every listener is bound before the data path is touched: a socket or port in use
+    // stops the start with nothing attached (not an attached program without an agent).
+    let listeners = Listeners::bind(&config).await?;
+    let started = match start(&config).await {
+        Ok(started) => started,
+        Err(error) => {
+            listeners.abandon();
+            return Err(error);
+        }
+    };
     let interface = started.neighbors.interface().clone();
     let mut state = State::new(
         config_path,
@@ -91,6 +100,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     let state = Arc::new(Mutex::new(state));
     let services = Services::start(
         &config,
+        listeners,
         &state,
         started.capture,
         started.announcer,
@@ -365,6 +375,33 @@ fn attach_hints(report: &doctor::Report) -> AttachHints {
     }
 }
 
+/// The control socket and the metrics endpoint, bound before the data path is touched.
+struct Listeners {
+    control: control::ControlSocket,
+    metrics: Option<tokio::net::TcpListener>,
+}
+
+impl Listeners {
+    async fn bind(config: &Config) -> anyhow::Result<Self> {
+        let control = control::ControlSocket::bind(config.control.socket.clone()).await?;
+        let metrics = match config.control.metrics {
+            Some(address) => match metrics::bind(address).await {
+                Ok(listener) => Some(listener),
+                Err(error) => {
+                    control.abandon();
+                    return Err(error);
+                }
+            },
+            None => None,
+        };
+        Ok(Self { control, metrics })
+    }
+
+    fn abandon(self) {
+        self.control.abandon();
+    }
+}
+
 /// The tasks that serve beside the main loop.
 struct Services {
     shutdown: CancellationToken,
@@ -377,6 +414,7 @@ struct Services {
 impl Services {
     async fn start(
         config: &Config,
+        listeners: Listeners,
         state: &Arc<Mutex<State>>,
         capture: Option<(aya::maps::RingBuf<aya::maps::MapData>, PathBuf)>,
         announcer: Option<Announcer>,
@@ -411,22 +449,17 @@ impl Services {
             });
         }
         let health_tasks = HealthTasks::new(shutdown.clone());
-        let control = control::serve(
-            config.control.socket.clone(),
-            state.clone(),
-            health_tasks.clone(),
-        )
-        .await?;
+        let control = control::serve(listeners.control, state.clone(), health_tasks.clone());
         state::spawn_checks(state, &health_tasks);
-        let metrics = match config.control.metrics {
-            Some(address) => {
+        let metrics = match listeners.metrics {
+            Some(listener) => {
                 let state = state.clone();
                 let scraper: metrics::Scraper = Arc::new(move || {
                     // Copied under the lock; the counters are read after it.
                     let source = state.lock().expect("agent state poisoned").status_source();
                     source.scrape()
                 });
-                Some(metrics::serve(address, scraper, shutdown.clone()).await?)
+                Some(metrics::serve(listener, scraper, shutdown.clone()))
             }
             None => None,
         };

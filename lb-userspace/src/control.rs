@@ -34,12 +34,31 @@ use crate::{
 
 /// Binds the socket (0600, parent created 0700 if missing) and serves until `shutdown`,
 /// within the listener limits of `listen`.
-pub async fn serve(
+/// The control socket, bound (0600) before the data path is touched, not yet served: a
+/// socket in use stops the start with nothing attached.
+pub struct ControlSocket {
+    listener: UnixListener,
     path: PathBuf,
+}
+
+impl ControlSocket {
+    pub async fn bind(path: PathBuf) -> anyhow::Result<Self> {
+        let listener = bind(&path).await?;
+        Ok(Self { listener, path })
+    }
+
+    /// The start failed before serving: the socket file goes with it.
+    pub fn abandon(self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+pub fn serve(
+    socket: ControlSocket,
     shared: Arc<Mutex<State>>,
     health_tasks: HealthTasks,
-) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let listener = bind(&path).await?;
+) -> tokio::task::JoinHandle<()> {
+    let ControlSocket { listener, path } = socket;
     let shutdown = health_tasks.shutdown.clone();
     let app = Router::new()
         .route("/status", get(status))
@@ -56,10 +75,10 @@ pub async fn serve(
             shared,
             health_tasks,
         });
-    Ok(tokio::spawn(async move {
+    tokio::spawn(async move {
         crate::listen::serve(listener, "control socket", app, LIMITS, shutdown).await;
         let _ = std::fs::remove_file(&path);
-    }))
+    })
 }
 
 async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
@@ -322,7 +341,8 @@ mod tests {
         let socket = dir.join("lb.sock");
         let state = Arc::new(Mutex::new(shared(config("eth0", &["10.0.0.11"]))));
         let tasks = HealthTasks::new(tokio_util::sync::CancellationToken::new());
-        serve(socket.clone(), state, tasks.clone()).await.unwrap();
+        let bound = ControlSocket::bind(socket.clone()).await.unwrap();
+        serve(bound, state, tasks.clone());
         (socket, CancellationGuard(tasks.shutdown, dir))
     }
 

@@ -481,24 +481,29 @@ pub type Scraper = Arc<dyn Fn() -> anyhow::Result<Scrape> + Send + Sync>;
 /// Serves `GET /metrics` on `address` until `shutdown`, within the listener limits of
 /// `listen` (a local user can reach this port: nothing it does here costs the agent
 /// more than those connections).
-pub async fn serve(
-    address: SocketAddr,
+/// The metrics endpoint's listener, bound before the data path is touched: a port in
+/// use stops the start with nothing attached.
+pub async fn bind(address: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(address)
+        .await
+        .with_context(|| format!("binding the metrics endpoint {address}"))
+}
+
+pub fn serve(
+    listener: tokio::net::TcpListener,
     scraper: Scraper,
     shutdown: CancellationToken,
-) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
-        .with_context(|| format!("binding the metrics endpoint {address}"))?;
+) -> tokio::task::JoinHandle<()> {
     let app = Router::new()
         .route("/metrics", get(metrics))
         .with_state(scraper);
-    Ok(tokio::spawn(crate::listen::serve(
+    tokio::spawn(crate::listen::serve(
         listener,
         "metrics endpoint",
         app,
         crate::listen::LIMITS,
         shutdown,
-    )))
+    ))
 }
 
 async fn metrics(

@@ -29,6 +29,11 @@ pub const SETPRIV: Tool = Tool {
     command: "setpriv",
     package: "util-linux",
 };
+/// Runs `lb` in a test's network namespace with the host's mounts (bpffs shared).
+pub const NSENTER: Tool = Tool {
+    command: "nsenter",
+    package: "util-linux",
+};
 /// Reads the package's man pages.
 pub const ZCAT: Tool = Tool {
     command: "zcat",

@@ -188,3 +188,114 @@ fn a_backend_back_from_maintenance_ramps_beside_full_weights() {
         );
     }
 }
+
+/// A start that cannot bind its listeners attaches nothing (issue 41 item 2): with the
+/// metrics port or the control socket in use, `lb run` exits 1 naming it, and leaves no
+/// program on the interface, no pins and no socket file of its own.
+#[test]
+fn a_start_whose_listeners_cannot_bind_attaches_nothing() {
+    let test = "a_start_whose_listeners_cannot_bind_attaches_nothing";
+    if !nix::unistd::geteuid().is_root() {
+        return skip(test, "needs root (a network namespace)");
+    }
+    if !lb_tests::host::require_tool(test, lb_tests::host::NSENTER) {
+        return;
+    }
+    let bin = match find_lb_bin() {
+        Ok(bin) => bin,
+        Err(why) => return skip(test, &why),
+    };
+    let ns = Netns::new("bind").unwrap();
+    let ip = |args: &[&str]| {
+        let mut all = vec!["-n", ns.name()];
+        all.extend_from_slice(args);
+        lb_tests::netns::ip(&all).unwrap();
+    };
+    ip(&[
+        "link",
+        "add",
+        "veth-lb",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "veth-peer",
+    ]);
+    ip(&["addr", "add", "10.98.0.2/24", "dev", "veth-lb"]);
+    ip(&["link", "set", "veth-lb", "up"]);
+    ip(&["link", "set", "veth-peer", "up"]);
+    let dir = tempfile::tempdir().unwrap();
+    let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/{}-bind", ns.name()));
+    // Held inside the namespace for the whole test: the metrics port and a live socket.
+    let metrics = ns
+        .run(|| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .unwrap();
+    let port = metrics.local_addr().unwrap().port();
+    let busy_socket = dir.path().join("busy.sock");
+    let _busy = std::os::unix::net::UnixListener::bind(&busy_socket).unwrap();
+    let cases = [
+        (
+            "the metrics port in use",
+            format!("{}", dir.path().join("lb.sock").display()),
+            format!("127.0.0.1:{port}"),
+            format!("binding the metrics endpoint 127.0.0.1:{port}"),
+        ),
+        (
+            "the control socket in use",
+            format!("{}", busy_socket.display()),
+            "off".to_string(),
+            "is in use: is another agent running?".to_string(),
+        ),
+    ];
+    for (what, socket, metrics, want) in &cases {
+        let path = dir.path().join("lb.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[dataplane]\ninterface = \"veth-lb\"\nxdp_mode = \"generic\"\n\
+                 pin_path = \"{}\"\n[control]\nsocket = \"{socket}\"\nmetrics = \"{metrics}\"\n\
+                 [[vip]]\nname = \"web\"\naddress = \"10.98.0.100\"\nport = 8080\n\
+                 protocol = \"tcp\"\n[vip.health]\nkind = \"none\"\n\
+                 [[vip.backend]]\naddress = \"10.98.0.11\"\nmac = \"02:00:00:00:00:0b\"\n",
+                pins.display()
+            ),
+        )
+        .unwrap();
+        // nsenter, not `ip netns exec`: the agent keeps the host's mounts, as under
+        // systemd, so a pinned link would outlive it (under `ip netns exec` the private
+        // bpffs it mounts goes away with it, and so would the evidence).
+        let out = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", ns.path().display()))
+            .arg(&bin)
+            .args(["run", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let link = lb_tests::netns::ip(&["-n", ns.name(), "link", "show", "veth-lb"]).unwrap();
+        let pinned: Vec<_> = std::fs::read_dir(&pins)
+            .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        // Whatever happened, leave nothing behind for the next case or test.
+        let _ = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", ns.path().display()))
+            .arg(&bin)
+            .args(["detach", "--config"])
+            .arg(&path)
+            .output();
+        let _ = lb_tests::netns::ip(&["-n", ns.name(), "link", "set", "veth-lb", "xdp", "off"]);
+        let _ = std::fs::remove_dir_all(&pins);
+        assert_eq!(out.status.code(), Some(1), "{what}: want exit 1:\n{stderr}");
+        assert!(
+            stderr.contains(want.as_str()),
+            "{what}: want {want:?}:\n{stderr}"
+        );
+        assert!(!link.contains("xdp"), "{what}: lb run attached: {link}");
+        assert!(pinned.is_empty(), "{what}: lb run left pins: {pinned:?}");
+    }
+    assert!(
+        !dir.path().join("lb.sock").exists(),
+        "the failed start left its control socket file"
+    );
+    drop(metrics);
+}
