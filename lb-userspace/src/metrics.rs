@@ -176,6 +176,7 @@ pub fn render(scrape: &Scrape) -> anyhow::Result<String> {
         gauge.set(value as i64);
         registry.register(name, help, gauge);
     }
+    register_agent(&mut registry, &scrape.status.agent);
     registry.register(
         "health_check_duration_seconds",
         "Duration of health checks",
@@ -189,6 +190,42 @@ pub fn render(scrape: &Scrape) -> anyhow::Result<String> {
     let mut text = String::new();
     encode(&mut text, &registry).context("encoding metrics")?;
     Ok(text)
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VersionLabels {
+    version: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    /// "ok" or "refused".
+    result: String,
+}
+
+/// The agent itself: its version, its reloads and when the file was last loaded.
+fn register_agent(registry: &mut Registry, agent: &crate::status::AgentStatus) {
+    family::<VersionLabels, Gauge>(registry, "build_info", "lb's version (always 1)")
+        .get_or_create(&VersionLabels {
+            version: agent.version.clone(),
+        })
+        .set(1);
+    let reloads = family::<ResultLabels, Counter>(registry, "reload", "Reloads by result");
+    for (result, count) in [("ok", agent.reloads_ok), ("refused", agent.reloads_refused)] {
+        reloads
+            .get_or_create(&ResultLabels {
+                result: result.into(),
+            })
+            .inc_by(count);
+    }
+    let last = Gauge::<i64>::default();
+    last.set(agent.last_load_unix_seconds as i64);
+    registry.register(
+        "last_reload_timestamp_seconds",
+        "When the configuration was last loaded successfully (the start, then each accepted \
+         reload), in seconds since the Unix epoch",
+        last,
+    );
 }
 
 fn register_vips(registry: &mut Registry, status: &Status) {

@@ -23,7 +23,7 @@ use crate::{
     metrics::{Observed, Scrape},
     model::{BackendState, Health, Model, VipState},
     neighbor::Interface,
-    status::{BackendStatus, DataplaneStatus, HotSource, Start, Status, VipStatus},
+    status::{AgentStatus, BackendStatus, DataplaneStatus, HotSource, Start, Status, VipStatus},
     tables::Desired,
     telemetry::{Telemetry, source_address},
 };
@@ -44,6 +44,7 @@ pub struct StatusSource {
     pub(crate) announce: announce::State,
     pub(crate) cluster: Option<cluster::Shared>,
     pub(crate) observed: Observed,
+    pub(crate) agent: AgentStatus,
 }
 
 impl StatusSource {
@@ -122,6 +123,7 @@ impl StatusSource {
                     .expect("cluster stats poisoned")
                     .status(&counters.outcomes, now)
             }),
+            agent: self.agent.clone(),
         };
         Ok((status, counters.outcomes))
     }

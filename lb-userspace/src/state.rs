@@ -31,7 +31,7 @@ use crate::{
     model::{CheckRecord, Model, ModelError, weights::AgentReport},
     neighbor::{self, Interface, RouteLookup},
     snapshot::StatusSource,
-    status::{Start, Status},
+    status::{AgentStatus, LastReload, Start, Status},
     tables::TableInputs,
     telemetry::{Telemetry, source_address},
     writer::{Requested, Writer},
@@ -72,6 +72,24 @@ pub struct State {
     last_inputs: TableInputs,
     /// How routes are looked up (`neighbor::route_to`; a fake in unit tests).
     route_of: RouteLookup,
+    /// Since when this agent runs, and its reloads (status `agent`, the reload metrics).
+    started: Instant,
+    reloads: Reloads,
+}
+
+/// The reloads asked of this agent.
+#[derive(Clone, Debug)]
+struct Reloads {
+    ok: u64,
+    refused: u64,
+    /// The last successful load of the file: the start's, then each accepted reload.
+    last_load: std::time::SystemTime,
+    last: Option<LastReload>,
+}
+
+fn unix_seconds(at: std::time::SystemTime) -> u64 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs())
 }
 
 /// Why a reload was refused; nothing changed.
@@ -137,6 +155,43 @@ impl State {
             cluster: None,
             last_inputs: TableInputs::default(),
             route_of: neighbor::route_to,
+            started: Instant::now(),
+            reloads: Reloads {
+                ok: 0,
+                refused: 0,
+                last_load: std::time::SystemTime::now(),
+                last: None,
+            },
+        }
+    }
+
+    /// Counts a reload and keeps its outcome (`error`: why it was refused).
+    fn record_reload(&mut self, error: Option<String>) {
+        let now = std::time::SystemTime::now();
+        match error {
+            None => {
+                self.reloads.ok += 1;
+                self.reloads.last_load = now;
+            }
+            Some(_) => self.reloads.refused += 1,
+        }
+        self.reloads.last = Some(LastReload {
+            at_unix_seconds: unix_seconds(now),
+            result: if error.is_none() { "ok" } else { "refused" }.into(),
+            error,
+        });
+    }
+
+    /// The agent itself, as status shows it.
+    fn agent_status(&self) -> AgentStatus {
+        AgentStatus {
+            version: env!("CARGO_PKG_VERSION").into(),
+            uptime_seconds: self.started.elapsed().as_secs(),
+            config_path: self.config_path.display().to_string(),
+            reloads_ok: self.reloads.ok,
+            reloads_refused: self.reloads.refused,
+            last_load_unix_seconds: unix_seconds(self.reloads.last_load),
+            last_reload: self.reloads.last.clone(),
         }
     }
 
@@ -688,6 +743,7 @@ impl State {
             announce: self.announce.clone(),
             cluster: self.cluster.clone(),
             observed: self.observed.clone(),
+            agent: self.agent_status(),
         }
     }
 
@@ -944,10 +1000,12 @@ pub fn reload(
 ) -> Result<(Vec<String>, Requested), ReloadError> {
     let result = {
         let mut guard = state.lock().expect("agent state poisoned");
-        Config::load(&guard.config_path)
+        let result = Config::load(&guard.config_path)
             .map_err(ReloadError::from)
             .and_then(|new| guard.reload(new))
-            .map(|changes| (changes, guard.tables.requested()))
+            .map(|changes| (changes, guard.tables.requested()));
+        guard.record_reload(result.as_ref().err().map(|error| with_sources(error)));
+        result
     };
     let (changes, written) = match result {
         Ok(done) => done,
@@ -1927,6 +1985,58 @@ mod tests {
             "address: 10.0.0.2 is an address of dataplane.interface eth0 (this balancer): a \
              backend must be another host on its segment"
         );
+    }
+
+    #[tokio::test]
+    async fn status_and_metrics_count_reloads_and_say_the_last_one() {
+        let dir = std::env::temp_dir().join(format!("lb-reload-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("lb.toml");
+        let state = Arc::new(Mutex::new(shared(config("eth0", &["10.0.0.11"]))));
+        state.lock().unwrap().config_path = file.clone();
+        let tasks = HealthTasks::new(tokio_util::sync::CancellationToken::new());
+        let started = state.lock().unwrap().status().unwrap().agent;
+        assert_eq!(started.version, env!("CARGO_PKG_VERSION"));
+        assert_eq!(started.config_path, file.display().to_string());
+        assert_eq!((started.reloads_ok, started.reloads_refused), (0, 0));
+        assert!(started.last_reload.is_none() && started.last_load_unix_seconds > 0);
+        // No file yet: refused. Then the same configuration written out: accepted.
+        assert!(reload(&state, &tasks).is_err());
+        std::fs::write(
+            &file,
+            "[dataplane]\ninterface = \"eth0\"\nmaglev_table_size = 7\n[[vip]]\n\
+             name = \"web\"\naddress = \"10.0.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+             [vip.health]\nkind = \"none\"\n[[vip.backend]]\naddress = \"10.0.0.11\"\n\
+             mac = \"02:00:00:00:00:00\"\n",
+        )
+        .unwrap();
+        let refused = state.lock().unwrap().status().unwrap().agent;
+        let last = refused.last_reload.unwrap();
+        assert_eq!((refused.reloads_ok, refused.reloads_refused), (0, 1));
+        assert_eq!(last.result, "refused");
+        assert!(last.error.is_some_and(|e| e.contains("lb.toml")));
+        reload(&state, &tasks).unwrap();
+        let source = state.lock().unwrap().status_source();
+        let agent = source.status().unwrap().agent;
+        assert_eq!((agent.reloads_ok, agent.reloads_refused), (1, 1));
+        assert_eq!(agent.last_reload.unwrap().result, "ok");
+        let text = crate::metrics::render(&source.scrape().unwrap()).unwrap();
+        for line in [
+            "lb_reload_total{result=\"ok\"} 1",
+            "lb_reload_total{result=\"refused\"} 1",
+            &format!(
+                "lb_build_info{{version=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION")
+            ),
+            &format!(
+                "lb_last_reload_timestamp_seconds {}",
+                agent.last_load_unix_seconds
+            ),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

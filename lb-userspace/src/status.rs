@@ -31,6 +31,37 @@ pub struct Status {
     /// Sharing flows with other nodes (`[cluster]`); absent without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster: Option<ClusterStatus>,
+    /// The agent itself: what runs, since when, from which file, and its reloads.
+    #[serde(default)]
+    pub agent: AgentStatus,
+}
+
+/// The agent itself (`agent` in status; `lb_build_info` and the reload metrics).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AgentStatus {
+    /// lb's version (the package's).
+    pub version: String,
+    pub uptime_seconds: u64,
+    /// The file `lb reload` reads.
+    pub config_path: String,
+    /// Reloads accepted and refused since the start.
+    pub reloads_ok: u64,
+    pub reloads_refused: u64,
+    /// When the configuration was last loaded successfully (the start, then each
+    /// accepted reload), in seconds since the Unix epoch.
+    pub last_load_unix_seconds: u64,
+    /// The last reload asked for, if any.
+    pub last_reload: Option<LastReload>,
+}
+
+/// One reload's outcome.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LastReload {
+    pub at_unix_seconds: u64,
+    /// "ok" or "refused".
+    pub result: String,
+    /// Why it was refused.
+    pub error: Option<String>,
 }
 
 /// `[cluster]`: the entries this node shares with its peers.
@@ -642,6 +673,7 @@ pub mod tests {
             counters: BTreeMap::new(),
             node: NodeStatus::default(),
             cluster: None,
+            agent: AgentStatus::default(),
         }
     }
 
