@@ -26,6 +26,31 @@ fn config(dir: &Path, vip: &str, backend: &str, extra: &str) -> std::path::PathB
     path
 }
 
+/// A namespace whose interface `veth-lb` (10.98.0.2/24, up) is its own, with its peer up.
+fn namespace_with_veth(role: &str) -> Netns {
+    let ns = Netns::new(role).unwrap();
+    for args in [
+        &[
+            "link",
+            "add",
+            "veth-lb",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "veth-peer",
+        ][..],
+        &["addr", "add", "10.98.0.2/24", "dev", "veth-lb"],
+        &["link", "set", "veth-lb", "up"],
+        &["link", "set", "veth-peer", "up"],
+    ] {
+        let mut all = vec!["-n", ns.name()];
+        all.extend_from_slice(args);
+        lb_tests::netns::ip(&all).unwrap();
+    }
+    ns
+}
+
 #[test]
 fn check_and_run_refuse_the_balancers_own_address_and_an_open_cluster_key() {
     let test = "check_and_run_refuse_the_balancers_own_address_and_an_open_cluster_key";
@@ -36,25 +61,7 @@ fn check_and_run_refuse_the_balancers_own_address_and_an_open_cluster_key() {
         Ok(bin) => bin,
         Err(why) => return skip(test, &why),
     };
-    let ns = Netns::new("check").unwrap();
-    let ip = |args: &[&str]| {
-        let mut all = vec!["-n", ns.name()];
-        all.extend_from_slice(args);
-        lb_tests::netns::ip(&all).unwrap();
-    };
-    ip(&[
-        "link",
-        "add",
-        "veth-lb",
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "veth-peer",
-    ]);
-    ip(&["addr", "add", "10.98.0.2/24", "dev", "veth-lb"]);
-    ip(&["link", "set", "veth-lb", "up"]);
-    ip(&["link", "set", "veth-peer", "up"]);
+    let ns = namespace_with_veth("check");
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("cluster.key");
     std::fs::write(&key, "a cluster key of thirty-two bytes!").unwrap();
@@ -205,25 +212,7 @@ fn a_start_whose_listeners_cannot_bind_attaches_nothing() {
         Ok(bin) => bin,
         Err(why) => return skip(test, &why),
     };
-    let ns = Netns::new("bind").unwrap();
-    let ip = |args: &[&str]| {
-        let mut all = vec!["-n", ns.name()];
-        all.extend_from_slice(args);
-        lb_tests::netns::ip(&all).unwrap();
-    };
-    ip(&[
-        "link",
-        "add",
-        "veth-lb",
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "veth-peer",
-    ]);
-    ip(&["addr", "add", "10.98.0.2/24", "dev", "veth-lb"]);
-    ip(&["link", "set", "veth-lb", "up"]);
-    ip(&["link", "set", "veth-peer", "up"]);
+    let ns = namespace_with_veth("bind");
     let dir = tempfile::tempdir().unwrap();
     let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/{}-bind", ns.name()));
     // Held inside the namespace for the whole test: the metrics port and a live socket.
