@@ -71,6 +71,8 @@ pub const SOURCE_ENTRIES: u32 = 16384;
 pub const HOT_SOURCE_ENTRIES: u32 = 1024;
 /// Written by the agent only, read back by a restarted agent: what the pinned maps hold.
 pub const MAP_META: &str = "LB_META";
+/// The program array holding `dataplane.next_program` (pinned, never adopted).
+pub const MAP_NEXT: &str = "LB_NEXT";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.

@@ -11,6 +11,8 @@ mod encap;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
+mod next;
+#[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
 mod too_big;
@@ -42,7 +44,7 @@ mod program {
         count_traffic, export_flow, hot_source,
     };
     use crate::parse::{ethernet, parse};
-    use crate::{encap, too_big};
+    use crate::{encap, next, too_big};
 
     /// Slots per VIP table; set by the agent at load time (`lb_common::GLOBAL_MAGLEV_SIZE`).
     #[unsafe(no_mangle)]
@@ -75,14 +77,29 @@ mod program {
     // in the first buffer, so it may attach above a page-sized MTU (9000) natively.
     #[xdp(frags)]
     pub fn lb_xdp(ctx: XdpContext) -> u32 {
+        run(&ctx)
+    }
+
+    /// The same program, not multi-buffer aware: loaded instead of `lb_xdp` when
+    /// `dataplane.next_program` is not (the kernel tail-calls only between programs
+    /// that agree on it).
+    #[xdp]
+    pub fn lb_xdp_1buf(ctx: XdpContext) -> u32 {
+        run(&ctx)
+    }
+
+    /// Balances or passes the frame and counts what it did; a pass goes on to the
+    /// host's next program, if one is configured.
+    #[inline(always)]
+    fn run(ctx: &XdpContext) -> u32 {
         let stats = Stats::get();
-        let verdict = balance(&ctx, &stats).unwrap_or_else(|verdict| verdict);
+        let verdict = balance(ctx, &stats).unwrap_or_else(|verdict| verdict);
         stats.count(verdict.action);
         // A forwarded packet's reason is its action: count it once.
         if verdict.reason != verdict.action {
             stats.count(verdict.reason);
         }
-        verdict.action
+        next::pass_on(ctx, verdict.action)
     }
 
     /// `Ok` when forwarded (XDP_TX); `Err` for everything else, with its reason. Where

@@ -10,7 +10,9 @@
 use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns},
     macros::map,
-    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
+    maps::{
+        Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, ProgramArray, RingBuf,
+    },
 };
 use lb_common::{
     BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, ExportRecord, FlowEntry, FlowKey,
@@ -185,6 +187,15 @@ pub static LB_CAPTURE_WIN: PerCpuArray<RateWindow> = PerCpuArray::with_max_entri
 /// 0 -> this CPU's inserts in the current second (flood guard). Program only.
 #[map(name = "LB_FLOOD")]
 pub static LB_FLOOD: PerCpuArray<RateWindow> = PerCpuArray::with_max_entries(1, 0);
+
+/// 0 -> the host's next XDP program (`dataplane.next_program`), tail-called with every
+/// frame lb passes (`next::pass_on`); empty: frames pass to the kernel. Written by the
+/// agent (start, reload); pinned by it, because the kernel empties a program array once
+/// no user-space handle holds it, and the chain must outlive the agent. Not adopted: a
+/// new program gets a new one (a program array admits only programs of its first
+/// user's kind).
+#[map(name = "LB_NEXT")]
+pub static LB_NEXT: ProgramArray = ProgramArray::with_max_entries(1, 0);
 
 /// index -> u64 (`lb_common::meta`): layout version and sizes of the pinned maps.
 /// Written and read by the agent only (restart adoption); 8 entries.

@@ -235,6 +235,11 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     } = check_host(config).await?;
     let mut options = LoadOptions::from_config(config, interface.mac.0);
     options.ifindex = interface.index;
+    // Checked by `preflight` already; opened once more for the program it holds now.
+    let next = preflight::next_program(config)?;
+    if let Some(next) = &next {
+        options.program = next.caller();
+    }
     let pin_dir = config.dataplane.pin_dir();
     ensure_bpffs(&pin_dir)?;
     let (mut dataplane, found) = AyaDataplane::load_pinned(EBPF_OBJECT, options, &pin_dir)
@@ -298,7 +303,19 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         report.tables_switched,
         report.backends_written
     );
+    // Before the program runs: a frame it passes goes to the host's program from the
+    // first, also while it takes over from a previous agent's.
+    dataplane.chain(next.as_ref())?;
+    if let Some(next) = &next {
+        tracing::info!(
+            "frames lb passes go on to {} ({}), tail-called by {}",
+            next.label(),
+            next.path.display(),
+            next.caller()
+        );
+    }
     let attached = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode, &hints)?;
+    dataplane.pin_next_program_map()?;
     if let Some(why) = &attached.native_refused {
         tracing::warn!("xdp_mode = \"auto\": attached in generic mode; native refused: {why}");
     }

@@ -528,7 +528,7 @@ fn decap_line(status: &crate::dataplane::decap::DecapStatus) -> String {
 /// `lb doctor`: exit 0 when no check fails, else 1.
 async fn doctor(config: &Path, json: bool, fix: bool) -> anyhow::Result<ExitCode> {
     let config = Config::load(config)?;
-    let mut report = crate::doctor::Report::run(&config).await;
+    let mut report = crate::doctor::Report::run_with_dispatcher(&config).await;
     if fix {
         report = crate::doctor::fix(&config, report).await?;
     }

@@ -311,6 +311,10 @@ pub struct DataplaneConfig {
     /// The same for IPv6 backends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tunnel_source6: Option<IpAddr>,
+    /// A pinned XDP program (a host firewall) that the program tail-calls with every
+    /// frame it passes (`dataplane::next`); re-opened at each reload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_program: Option<PathBuf>,
 }
 
 impl DataplaneConfig {
@@ -1188,13 +1192,18 @@ impl DataplaneConfig {
                 format!("{size} is not a prime (65537 is the usual choice)"),
             ));
         }
-        if let Some(path) = &self.pin_path
-            && !path.is_absolute()
-        {
-            return Err(invalid(
-                "dataplane.pin_path",
-                format!("{} is not an absolute path", path.display()),
-            ));
+        for (field, path) in [
+            ("dataplane.pin_path", &self.pin_path),
+            ("dataplane.next_program", &self.next_program),
+        ] {
+            if let Some(path) = path
+                && !path.is_absolute()
+            {
+                return Err(invalid(
+                    field,
+                    format!("{} is not an absolute path", path.display()),
+                ));
+            }
         }
         check_duration("dataplane.flow_idle_timeout", self.flow_idle_timeout)?;
         for (field, source, v4) in [
@@ -1843,6 +1852,7 @@ address = "10.0.0.11"
                 pin_path: None,
                 tunnel_source: None,
                 tunnel_source6: None,
+                next_program: None,
             }
         );
         assert_eq!(config.control.socket, PathBuf::from("/run/lb/lb.sock"));

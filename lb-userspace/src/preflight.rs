@@ -7,14 +7,18 @@
 //! changes make the interface's part again (`interface_checks`).
 //!
 //! Owns nothing; calls `config` (the checks themselves), `neighbor` (routes), `model`
-//! (the ids the data path has room for) and `cluster` (its key and address rules).
+//! (the ids the data path has room for), `cluster` (its key and address rules) and
+//! `dataplane::next` (the pinned program `next_program` names).
 //! `lb run` also runs `lb doctor`'s host checks (privileges, bpffs, a foreign XDP
 //! program); those are `lb doctor`'s to show, not `lb check`'s.
 
 use crate::{
     cluster,
     config::{Config, ConfigError},
-    dataplane::vip_capacity,
+    dataplane::{
+        next::{self, NextProgram},
+        vip_capacity,
+    },
     model::Model,
     neighbor::{self, Interface, RouteLookup},
 };
@@ -34,15 +38,18 @@ pub enum Check {
     ClusterKey,
     /// `[cluster]`: an address of the peers' family to bind.
     ClusterAddress,
+    /// `dataplane.next_program`: a pinned XDP program that lb's program can tail-call.
+    NextProgram,
 }
 
 impl Check {
-    pub const ALL: [Check; 5] = [
+    pub const ALL: [Check; 6] = [
         Check::Capacity,
         Check::InterfaceAddresses,
         Check::Routes,
         Check::ClusterKey,
         Check::ClusterAddress,
+        Check::NextProgram,
     ];
 
     /// Its name in `lb check`'s output.
@@ -53,6 +60,7 @@ impl Check {
             Check::Routes => "routes",
             Check::ClusterKey => "cluster key",
             Check::ClusterAddress => "cluster address",
+            Check::NextProgram => "next program",
         }
     }
 
@@ -68,6 +76,7 @@ impl Check {
     fn applies(self, config: &Config) -> bool {
         match self {
             Check::ClusterKey | Check::ClusterAddress => config.cluster.is_some(),
+            Check::NextProgram => config.dataplane.next_program.is_some(),
             _ => true,
         }
     }
@@ -156,10 +165,30 @@ fn run_one(
                 .map(drop)
                 .map_err(|error| invalid("cluster.address", error.to_string()))
         }
+        (Check::NextProgram, _, _) => next_program(config).map(drop),
         // Not applicable, or skipped by `run`.
         _ => Ok(()),
     }
 }
+
+/// `dataplane.next_program`, opened (None when not configured); a pin that is missing,
+/// not a program, not XDP or not one lb can tail-call is refused naming the field. `lb
+/// run` loads the build of its program that can call it; a reload re-opens it, so a
+/// program pinned anew at the same path is taken up.
+pub fn next_program(config: &Config) -> Result<Option<NextProgram>, ConfigError> {
+    let Some(path) = &config.dataplane.next_program else {
+        return Ok(None);
+    };
+    next::open(path)
+        .map(Some)
+        .map_err(|error| ConfigError::Invalid {
+            field: NEXT_PROGRAM_FIELD.into(),
+            reason: error.to_string(),
+        })
+}
+
+/// The field `next_program` refusals name.
+pub const NEXT_PROGRAM_FIELD: &str = "dataplane.next_program";
 
 /// A key error as the field's reason: the path and why.
 fn key_reason(error: cluster::ClusterError) -> String {
@@ -245,7 +274,8 @@ mod tests {
                 "interface addresses",
                 "routes",
                 "cluster key",
-                "cluster address"
+                "cluster address",
+                "next program"
             ]
         );
         let here = eth0();
@@ -314,7 +344,7 @@ mod tests {
         let private = cluster(&key_file(&dir, 0o600));
         let outcomes = run(&private, Some(&here), on_link, Mode::Start).unwrap();
         assert!(
-            outcomes.iter().all(|(_, o)| *o == Outcome::Passed),
+            outcomes[..5].iter().all(|(_, o)| *o == Outcome::Passed),
             "{outcomes:?}"
         );
         // No address of the peers' family to bind.
@@ -326,6 +356,29 @@ mod tests {
             "cluster.address"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A `next_program` pin that is not there (issue 37) is refused naming the field,
+    /// by `lb check` and `lb run` alike (the real program kinds: tests/tests/neighbour.rs).
+    #[test]
+    fn a_missing_next_program_is_refused_naming_the_field() {
+        let missing = config(
+            "next_program = \"/sys/fs/bpf/lb-preflight-no-such-program\"",
+            "10.0.0.100",
+            "10.0.0.11",
+        );
+        for mode in [Mode::Check, Mode::Start] {
+            let error = run(&missing, Some(&eth0()), on_link, mode).unwrap_err();
+            assert!(
+                matches!(&error, ConfigError::Invalid { field, reason }
+                    if field == "dataplane.next_program"
+                        && reason.contains("lb-preflight-no-such-program")),
+                "{error}"
+            );
+        }
+        let good = config("", "10.0.0.100", "10.0.0.11");
+        let outcomes = run(&good, Some(&eth0()), on_link, Mode::Check).unwrap();
+        assert_eq!(outcomes[5], (Check::NextProgram, Outcome::NotConfigured));
     }
 
     /// Without the interface here, the checks that need it are skipped, said so; the

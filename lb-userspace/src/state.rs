@@ -374,12 +374,36 @@ impl State {
             .map(|difference| format!("undoes runtime change: {}", difference.what))
             .collect();
         changes.extend(describe_changes(&self.model, &model));
+        // Last, as nothing after it refuses: the slot is written only by a reload that
+        // is applied.
+        changes.extend(self.chain_next_program(&new)?);
         self.remove_when_drained.clear();
         self.replace_model(model);
         self.file = new.clone();
         self.config = new;
         self.sync();
         Ok(changes)
+    }
+
+    /// Opens `dataplane.next_program` again (a program pinned anew at its path is taken
+    /// up) and puts it in the slot lb tail-calls, or empties the slot; says so when the
+    /// program there changes.
+    fn chain_next_program(&mut self, new: &Config) -> Result<Option<String>, ReloadError> {
+        let next = crate::preflight::next_program(new)?;
+        let before = self
+            .tables
+            .dataplane()
+            .set_next_program(next.as_ref())
+            .map_err(|error| ConfigError::Invalid {
+                field: crate::preflight::NEXT_PROGRAM_FIELD.into(),
+                reason: error.to_string(),
+            })?;
+        let now = next.as_ref().map(|n| n.id);
+        Ok((before != now).then(|| {
+            let was = before.map_or("none".into(), |id| format!("id {id}"));
+            let is = next.map_or("none".into(), |n| format!("{} ({})", n.label(), n.path.display()));
+            format!("dataplane.next_program: {was} -> {is}")
+        }))
     }
 
     /// Where the running configuration differs from the file: the net effect of the

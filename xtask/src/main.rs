@@ -44,6 +44,9 @@ const APT_PACKAGES: &[&str] = &[
     "util-linux",
     "bsdutils",
     "gzip",
+    // xdp-filter and xdp-loader: a host firewall behind lb (`next_program`) and a foreign
+    // program on the hook, in tests/tests/neighbour.rs; `lb doctor`'s dispatcher probe.
+    "xdp-tools",
 ];
 /// Debian packages only the benchmarks use: the load generator and what lb is compared
 /// with (HAProxy) and balances to (nginx).

@@ -16,7 +16,7 @@ use lb_common::{
     GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS,
     MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_EMBRYONIC,
     MAP_EXPORT, MAP_HOT_SOURCES, MAP_MAGLEV, MAP_META, MAP_SOURCES, MAP_STATS, MAP_TUNNEL,
-    MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS,
+    MAP_NEXT, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey, TABLE_GENERATIONS,
     TrafficCounters, TunnelConfig, VipInfo, VipKey, stat,
 };
 
@@ -26,6 +26,7 @@ use super::{
     batch::update_batch,
     counters::CounterMaps,
     in_map,
+    next::{self, NextProgram},
     pins::{self, LINK_PIN, PINNED_MAPS},
     remove_pins,
     slots::Vips,
@@ -223,7 +224,11 @@ impl AyaDataplane {
             }
         }
         let mut ebpf = loader.load(object)?;
-        let program: &mut Xdp = program(&mut ebpf)?;
+        let program: &mut Xdp = ebpf
+            .program_mut(options.program)
+            .ok_or(aya::programs::ProgramError::NotLoaded)
+            .and_then(|p| p.try_into())
+            .map_err(lb_xdp_error)?;
         program.load().map_err(lb_xdp_error)?;
         Ok(ebpf)
     }
@@ -545,6 +550,61 @@ impl AyaDataplane {
         Ok(names)
     }
 
+    /// Puts `next` in the slot the program tail-calls with the frames it passes, or
+    /// empties it (None). Refused when the loaded build cannot call `next` (the kernel
+    /// admits only a program of the same multi-buffer kind): a restart loads the other.
+    pub fn chain(&mut self, next: Option<&NextProgram>) -> Result<Option<u32>, DataplaneError> {
+        if let Some(next) = next
+            && next.caller() != self.options.program
+        {
+            return Err(DataplaneError::NextProgramKind {
+                path: next.path.clone(),
+                label: next.label(),
+                caller: next.caller(),
+                loaded: self.options.program,
+            });
+        }
+        let fd = self.next_map()?;
+        let before =
+            next::slot_program(fd.as_fd()).map_err(|e| syscall_error(MAP_NEXT, "lookup", e))?;
+        let written = match next {
+            Some(next) => next.put_in(fd.as_fd()),
+            None => next::clear_slot(fd.as_fd()),
+        };
+        written.map_err(|e| syscall_error(MAP_NEXT, "bpf_map_update_elem", e))?;
+        Ok(before)
+    }
+
+    /// Pins `LB_NEXT` in the pin directory in place of a previous program's, so the slot
+    /// outlives the agent (the kernel empties a program array no user-space handle holds).
+    /// Called once the program is attached: until then the previous program runs, and
+    /// its array must keep its pin.
+    pub fn pin_next_program_map(&mut self) -> Result<(), DataplaneError> {
+        let Some(dir) = self.pin_dir.clone() else {
+            return Ok(());
+        };
+        let path = dir.join(MAP_NEXT);
+        pins::remove_pin(&path)?;
+        let map = self
+            .ebpf
+            .map(MAP_NEXT)
+            .ok_or(DataplaneError::MissingMap { map: MAP_NEXT })?;
+        map.pin(&path)
+            .map_err(|source| DataplaneError::PinMap { path, source })
+    }
+
+    /// A descriptor of `LB_NEXT`, which stays in `ebpf` (`follow` shares it with the
+    /// program it loads, as every map of this instance).
+    fn next_map(&self) -> Result<std::os::fd::OwnedFd, DataplaneError> {
+        let Some(aya::maps::Map::ProgramArray(map)) = self.ebpf.map(MAP_NEXT) else {
+            return Err(DataplaneError::MissingMap { map: MAP_NEXT });
+        };
+        map.fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| syscall_error(MAP_NEXT, "dup", e))
+    }
+
     /// Writes a connection-table entry (tests: to age or plant an entry).
     pub fn insert_flow(&mut self, key: &FlowKey, entry: &FlowEntry) -> Result<(), DataplaneError> {
         self.conntrack
@@ -573,9 +633,15 @@ impl AyaDataplane {
     }
 }
 
+/// The build of the balancer that was loaded (`LoadOptions::program`).
 fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
+    let loaded = [next::LB_XDP, next::LB_XDP_1BUF].into_iter().find(|name| {
+        ebpf.program(name)
+            .and_then(|p| <&Xdp>::try_from(p).ok())
+            .is_some_and(|p| p.fd().is_ok())
+    });
     let program = ebpf
-        .program_mut("lb_xdp")
+        .program_mut(loaded.unwrap_or(next::LB_XDP))
         .ok_or_else(|| lb_xdp_error(aya::programs::ProgramError::NotLoaded))?;
     program.try_into().map_err(lb_xdp_error)
 }
@@ -801,5 +867,12 @@ impl Dataplane for AyaDataplane {
 
     fn follow_interface(&mut self, target: &AttachTarget) -> Result<AttachedMode, DataplaneError> {
         self.follow(target)
+    }
+
+    fn set_next_program(
+        &mut self,
+        next: Option<&NextProgram>,
+    ) -> Result<Option<u32>, DataplaneError> {
+        self.chain(next)
     }
 }

@@ -15,6 +15,8 @@
 //! - `counters.rs`: reading the counter maps, and `CounterReader`, the read side that
 //!   takes no lock the writer holds;
 //! - `attach.rs`: what an attach error from the kernel means for the interface;
+//! - `next.rs`: `dataplane.next_program`, the host's XDP program lb tail-calls with the
+//!   frames it passes: opening its pin, and which build of lb's program can call it;
 //! - `decap.rs`: the backends' decapsulation program (`lb decap`): attach, detach, status;
 //! - `memory.rs`: `MemoryDataplane`, compiled for unit tests only.
 
@@ -25,6 +27,7 @@ pub mod decap;
 mod kernel;
 #[cfg(test)]
 mod memory;
+pub mod next;
 pub mod peer;
 mod pins;
 mod slots;
@@ -88,6 +91,18 @@ pub enum DataplaneError {
     PinLink {
         path: PathBuf,
         source: aya::pin::PinError,
+    },
+    #[error(
+        "{path} is now {label}, which {caller} can tail-call and \
+         the running {loaded} cannot (the kernel chains only programs that agree on \
+         multi-buffer frames): restart the agent to load {caller} (lb run adopts the \
+         pinned state; flows continue)"
+    )]
+    NextProgramKind {
+        path: PathBuf,
+        label: String,
+        caller: &'static str,
+        loaded: &'static str,
     },
     #[error("pinning map {path}")]
     PinMap {
@@ -154,6 +169,15 @@ pub trait Dataplane {
     fn follow_interface(&mut self, target: &AttachTarget) -> Result<AttachedMode, DataplaneError> {
         Ok(target.attached.unwrap_or(AttachedMode::Generic))
     }
+    /// Puts `next` (`dataplane.next_program`) in the slot the program tail-calls with the
+    /// frames it passes, or empties it; returns the id of the program the slot held. A
+    /// data path without a program (in memory) has nothing to do.
+    fn set_next_program(
+        &mut self,
+        _next: Option<&next::NextProgram>,
+    ) -> Result<Option<u32>, DataplaneError> {
+        Ok(None)
+    }
 }
 
 /// Where `Dataplane::follow_interface` attaches.
@@ -217,6 +241,9 @@ pub struct LoadOptions {
     pub ifindex: u32,
     /// `[cluster]`: the program exports the entries it creates (`LB_EXPORT`).
     pub cluster_export: bool,
+    /// Which build of the program to load: `next::LB_XDP`, or `next::LB_XDP_1BUF` to
+    /// tail-call a `next_program` that is not multi-buffer aware.
+    pub program: &'static str,
 }
 
 impl LoadOptions {
@@ -233,6 +260,7 @@ impl LoadOptions {
             source_sample: lb_common::DEFAULT_SOURCE_SAMPLE,
             ifindex: 0,
             cluster_export: config.cluster.is_some(),
+            program: next::LB_XDP,
         }
     }
 }

@@ -5,7 +5,11 @@
 
 use serde::Serialize;
 
-use super::facts::{Facts, Feature, Link, Peer, XdpFeatures};
+use super::{
+    dispatcher::Dispatcher,
+    facts::{Facts, Feature, Link, Peer, XdpFeatures},
+};
+use crate::dataplane::next::{LB_XDP, LB_XDP_1BUF};
 use crate::config::XdpModeSetting;
 
 /// The oldest kernel the program loads on: multi-buffer XDP (`xdp.frags`,
@@ -80,6 +84,7 @@ pub fn check(facts: &Facts) -> Vec<Finding> {
         jit(facts),
         interface(facts),
     ];
+    out.extend(facts.dispatcher.as_ref().map(dispatcher));
     let Some(link) = &facts.link else {
         return out;
     };
@@ -828,7 +833,8 @@ fn xdp_attached(facts: &Facts, link: &Link) -> Finding {
         .filter(|p| Some(p.id) != link.pinned_program)
         .collect();
     if let Some(other) = foreign.first() {
-        let whose = if other.name.as_deref() == Some("lb_xdp") {
+        let lb_build = |name: &str| [LB_XDP, LB_XDP_1BUF].contains(&name);
+        let whose = if other.name.as_deref().is_some_and(lb_build) {
             "another lb agent's program (not the one pinned in this pin_path)".to_string()
         } else {
             "another program".to_string()
@@ -837,9 +843,12 @@ fn xdp_attached(facts: &Facts, link: &Link) -> Finding {
             NAME,
             Level::Fail,
             format!(
-                "{whose} is attached to {iface}: {other}; lb cannot attach beside it: detach \
-                 it first (its owner, or `ip link set dev {iface} xdp off` for one attached \
-                 through netlink)"
+                "{whose} is attached to {iface}: {other}; lb replaces nothing and cannot \
+                 attach beside it: detach it first (its owner; `xdp-loader unload {iface} \
+                 --all` for one loaded with libxdp, as xdp-filter does; `ip link set dev \
+                 {iface} xdp off` for one attached through netlink), or run it behind lb: \
+                 pin it and name the pin in dataplane.next_program (lb passes it every frame \
+                 that is not for a VIP)"
             ),
         );
     }
@@ -853,6 +862,36 @@ fn xdp_attached(facts: &Facts, link: &Link) -> Finding {
             ),
         ),
         None => finding(NAME, Level::Ok, format!("no XDP program on {iface}")),
+    }
+}
+
+/// libxdp's dispatcher, when `lb doctor` probed it: lb does not need it, but a host
+/// program loaded with libxdp shares the hook with lb only through it (or by chaining).
+fn dispatcher(probe: &Dispatcher) -> Finding {
+    const NAME: &str = "libxdp-dispatcher";
+    match probe {
+        Dispatcher::Accepted => finding(
+            NAME,
+            Level::Ok,
+            "this kernel accepts libxdp's multi-program dispatcher (xdp-loader's check \
+             passed); lb does not use it: other XDP programs run behind lb through \
+             dataplane.next_program",
+        ),
+        Dispatcher::Refused { why } => finding(
+            NAME,
+            Level::Warn,
+            format!(
+                "this kernel refuses libxdp's multi-program dispatcher (xdp-loader: {why}): \
+                 programs loaded with libxdp (xdp-filter, xdp-loader) take the whole XDP \
+                 hook, so they cannot run beside lb on the interface; run them behind lb \
+                 with dataplane.next_program (a tail call, which this kernel allows)"
+            ),
+        ),
+        Dispatcher::NotChecked { why } => finding(
+            NAME,
+            Level::Ok,
+            format!("not checked: {why}; lb does not need it"),
+        ),
     }
 }
 

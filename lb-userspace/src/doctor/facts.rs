@@ -22,6 +22,9 @@ pub struct Facts {
     pub cpus: u32,
     /// The interface; `None` when there is none of that name in this network namespace.
     pub link: Option<Link>,
+    /// Whether libxdp's dispatcher loads here (`lb doctor` only: `dispatcher::probe`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatcher: Option<super::dispatcher::Dispatcher>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

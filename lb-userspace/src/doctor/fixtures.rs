@@ -39,6 +39,7 @@ fn facts(text: &str, mode: XdpModeSetting) -> Facts {
         },
         cpus: 2,
         link: None,
+        dispatcher: None,
     };
     let mut section = "";
     let mut driver = Driver::default();
@@ -336,7 +337,12 @@ fn another_program_on_the_interface_fails_and_is_named() {
         &report,
         "xdp-attached",
         Level::Fail,
-        &["xdp_filter (id 42, native)", "xdp off"],
+        &[
+            "xdp_filter (id 42, native)",
+            "xdp off",
+            "xdp-loader unload eth0 --all",
+            "dataplane.next_program",
+        ],
     );
     // lb's own pinned program is no obstacle: lb run adopts it.
     let ours = checked(
@@ -344,6 +350,12 @@ fn another_program_on_the_interface_fails_and_is_named() {
         Auto,
     );
     assert_level(&ours, "xdp-attached", Level::Ok, &["adopts"]);
+    // So is the build of it that calls a next program without multi-buffer frames.
+    let ours_1buf = checked(
+        &format!("attached: 42 lb_xdp_1buf native\npinned: 42\n{VETH}"),
+        Auto,
+    );
+    assert_level(&ours_1buf, "xdp-attached", Level::Ok, &["adopts"]);
     // Another lb's (pinned elsewhere) is.
     let other_lb = checked(
         &format!("attached: 42 lb_xdp native\npinned: 41\n{VETH}"),

@@ -42,6 +42,7 @@ pub async fn gather(config: &Config) -> Facts {
             .map(|cpus| cpus.len() as u32)
             .unwrap_or(1),
         link: None,
+        dispatcher: None,
     };
     let Ok((connection, handle, _)) = rtnetlink::new_connection() else {
         return facts;

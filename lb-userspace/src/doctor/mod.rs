@@ -7,9 +7,12 @@
 //! - `checks.rs`: the checks, pure functions of the facts (unit-tested against recorded
 //!   `ethtool` answers in `fixtures/`);
 //! - `gather.rs`: reads the host into facts;
-//! - `netlink.rs`: ethtool's and the netdev family's netlink messages (`--fix` too).
+//! - `netlink.rs`: ethtool's and the netdev family's netlink messages (`--fix` too);
+//! - `dispatcher.rs`: whether the kernel accepts libxdp's dispatcher (`lb doctor` only:
+//!   `lb run` does not need to know).
 
 mod checks;
+pub mod dispatcher;
 mod facts;
 #[cfg(test)]
 mod fixtures;
@@ -51,6 +54,13 @@ impl Report {
     /// Gathers and checks `config`'s host.
     pub async fn run(config: &Config) -> Report {
         Report::of(gather(config).await)
+    }
+
+    /// `lb doctor`'s report: `run`'s, and whether libxdp's dispatcher loads here.
+    pub async fn run_with_dispatcher(config: &Config) -> Report {
+        let mut facts = gather(config).await;
+        facts.dispatcher = Some(tokio::task::block_in_place(dispatcher::probe));
+        Report::of(facts)
     }
 
     pub fn failed(&self) -> bool {
@@ -104,6 +114,8 @@ pub async fn fix(config: &Config, report: Report) -> Result<Report, EthtoolError
     let ethtool = netlink::Ethtool::connect()?;
     ethtool.turn_off(&report.interface, &wanted).await?;
     let mut after = Report::run(config).await;
+    after.facts.dispatcher = report.facts.dispatcher.clone();
+    after.checks = check(&after.facts);
     let features = after.facts.link.as_ref().and_then(|l| l.features.as_ref());
     for name in &wanted {
         let now_off = features.and_then(|f| f.get(name)).is_some_and(|f| !f.on);

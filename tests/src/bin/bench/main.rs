@@ -15,6 +15,7 @@
 //! to it. Needs root; traffic only goes to namespaces it creates, and every namespace,
 //! server and agent is removed by a guard, also on error or Ctrl-C.
 
+mod chain;
 mod control;
 mod frames;
 mod generator;

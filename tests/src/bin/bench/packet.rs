@@ -457,7 +457,7 @@ fn tunnel_ratios(net: &[(String, usize, f64, f64, f64)]) -> Table {
 }
 
 /// One `repeat = n` call: (return value, kernel ns per run, wall ns per run).
-fn run_repeat(program: &Xdp, frame: &[u8], n: u32) -> Result<(u32, f64, f64)> {
+pub fn run_repeat(program: &Xdp, frame: &[u8], n: u32) -> Result<(u32, f64, f64)> {
     let start = Instant::now();
     let r = program
         .test_run(TestRunOptions {
@@ -765,11 +765,15 @@ pub fn run(opts: &Options) -> Result<Results> {
         ));
     }
     let ratios = tunnel_ratios(&net_all);
+    // What a passed frame costs with `next_program` (issue 37), in this run.
+    let not_vip = cases().into_iter().find(|c| c.name == "pass_not_vip");
+    let (chain, chain_json) = crate::chain::run(opts, &mut pass_ebpf, &not_vip.expect("case").frame)?;
     Ok(Results {
-        tables: vec![table, ratios],
+        tables: vec![table, ratios, chain],
         json: json!({
             "empty_program": "xdp_pass",
             "results": out_json,
+            "next_program": chain_json,
         }),
         net: net_all,
     })
