@@ -10,9 +10,7 @@
 use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns},
     macros::map,
-    maps::{
-        Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, ProgramArray, RingBuf,
-    },
+    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, ProgramArray, RingBuf},
 };
 use lb_common::{
     BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, ExportRecord, FlowEntry, FlowKey,

@@ -401,7 +401,9 @@ impl State {
         let now = next.as_ref().map(|n| n.id);
         Ok((before != now).then(|| {
             let was = before.map_or("none".into(), |id| format!("id {id}"));
-            let is = next.map_or("none".into(), |n| format!("{} ({})", n.label(), n.path.display()));
+            let is = next.map_or("none".into(), |n| {
+                format!("{} ({})", n.label(), n.path.display())
+            });
             format!("dataplane.next_program: {was} -> {is}")
         }))
     }

@@ -111,7 +111,9 @@ pub fn open(path: &Path) -> Result<NextProgram, NextError> {
         .to_string_lossy()
         .into_owned();
     if kind != "anon_inode:bpf-prog" {
-        let what = kind.trim_start_matches("anon_inode:").replace("bpf-", "BPF ");
+        let what = kind
+            .trim_start_matches("anon_inode:")
+            .replace("bpf-", "BPF ");
         return Err(NextError::NotProgram {
             path: path.to_path_buf(),
             what,
@@ -175,7 +177,12 @@ pub(super) fn set_slot(map: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Resu
 /// Empties slot 0 of the program array `map` (already empty: no error).
 pub(super) fn clear_slot(map: BorrowedFd<'_>) -> io::Result<()> {
     let key = 0u32;
-    let mut attr = [map.as_raw_fd() as u32 as u64, &key as *const u32 as u64, 0, 0];
+    let mut attr = [
+        map.as_raw_fd() as u32 as u64,
+        &key as *const u32 as u64,
+        0,
+        0,
+    ];
     match bpf(BPF_MAP_DELETE_ELEM, &mut attr) {
         Err(error) if error.raw_os_error() != Some(libc::ENOENT) => Err(error),
         _ => Ok(()),
@@ -210,7 +217,17 @@ pub(super) fn slot_program(map: BorrowedFd<'_>) -> io::Result<Option<u32>> {
 /// A new program array of one slot.
 fn program_array() -> io::Result<OwnedFd> {
     // map_type, key_size (4); value_size (4), max_entries (1); the rest zero.
-    let mut attr = [BPF_MAP_TYPE_PROG_ARRAY | (4 << 32), 4 | (1 << 32), 0, 0, 0, 0, 0, 0, 0];
+    let mut attr = [
+        BPF_MAP_TYPE_PROG_ARRAY | (4 << 32),
+        4 | (1 << 32),
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    ];
     bpf(BPF_MAP_CREATE, &mut attr).map(owned)
 }
 

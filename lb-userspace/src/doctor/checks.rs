@@ -9,8 +9,8 @@ use super::{
     dispatcher::Dispatcher,
     facts::{Facts, Feature, Link, Peer, XdpFeatures},
 };
-use crate::dataplane::next::{LB_XDP, LB_XDP_1BUF};
 use crate::config::XdpModeSetting;
+use crate::dataplane::next::{LB_XDP, LB_XDP_1BUF};
 
 /// The oldest kernel the program loads on: multi-buffer XDP (`xdp.frags`,
 /// `BPF_F_XDP_HAS_FRAGS`) and `bpf_xdp_load_bytes` are 5.18's; BPF links for XDP 5.9's.

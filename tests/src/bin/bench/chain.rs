@@ -41,9 +41,21 @@ pub fn run(opts: &Options, pass_ebpf: &mut aya::Ebpf, frame: &[u8]) -> Result<(T
     let (p, c, e) = (median(&lb_pass), median(&lb_chained), median(&empty));
     let mut table = Table::new(
         "A passed frame with next_program (kernel ns per run, medians)",
-        &["lb pass", "lb pass + tail call", "tail call (difference)", "chained / plain", "xdp_pass alone"],
+        &[
+            "lb pass",
+            "lb pass + tail call",
+            "tail call (difference)",
+            "chained / plain",
+            "xdp_pass alone",
+        ],
     );
-    table.row(vec![num(p, 1), num(c, 1), num(c - p, 1), num(c / p, 2), num(e, 1)]);
+    table.row(vec![
+        num(p, 1),
+        num(c, 1),
+        num(c - p, 1),
+        num(c / p, 2),
+        num(e, 1),
+    ]);
     table.note(format!(
         "{} rounds of repeat = {}, the three alternating in each round; the frame is \
          pass_not_vip's. The tail call's program is the test object's xdp_pass (it returns \
