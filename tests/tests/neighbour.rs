@@ -158,20 +158,33 @@ fn pinned_id(path: &Path) -> u32 {
 /// The lab's one-VIP configuration (TCP port 80) with `next_program = pin`, written to
 /// the lab's directory.
 fn write_config(lab: &Lab, mode: XdpMode, next_program: &Path) -> PathBuf {
-    let config = lab
-        .agent_config(
-            mode,
-            vec![lab.vip("web", false, 80, Protocol::Tcp, Health::None)],
-        )
-        .to_toml()
-        .replacen(
-            "[dataplane]\n",
-            &format!(
-                "[dataplane]\nnext_program = \"{}\"\n",
-                next_program.display()
-            ),
-            1,
-        );
+    write_config_pinned(lab, mode, next_program, None)
+}
+
+/// `write_config`, with the pins in `pins` (on the tests' bpffs, which outlives the
+/// agent: see `router::PinDir`).
+fn write_config_pinned(
+    lab: &Lab,
+    mode: XdpMode,
+    next_program: &Path,
+    pins: Option<&PinDir>,
+) -> PathBuf {
+    let config = lab.agent_config(
+        mode,
+        vec![lab.vip("web", false, 80, Protocol::Tcp, Health::None)],
+    );
+    let text = match pins {
+        Some(pins) => config.to_toml_pinned(pins.path()),
+        None => config.to_toml(),
+    };
+    let config = text.replacen(
+        "[dataplane]\n",
+        &format!(
+            "[dataplane]\nnext_program = \"{}\"\n",
+            next_program.display()
+        ),
+        1,
+    );
     let path = lab.dir().join("lb-next.toml");
     std::fs::write(&path, config).expect("write the config");
     path
@@ -215,7 +228,8 @@ fn xdp_filter_behind_lb_guards_the_host_and_a_new_pin_is_taken_up_on_reload() {
     firewall.block_source(blocked).expect("block a source");
     let first_id = pinned_id(&firewall.pin());
 
-    let config = write_config(&lab, XdpMode::Auto, &firewall.pin());
+    let pins = PinDir::new(&format!("lbt{}-neighbour", std::process::id())).expect("pins");
+    let config = write_config_pinned(&lab, XdpMode::Auto, &firewall.pin(), Some(&pins));
     let agent = start_agent(&lab, &bin, &config);
     // xdp-filter (xdp-tools 1.3) is not multi-buffer aware: the kernel lets only the
     // build of lb's program that is not either call it.
@@ -268,6 +282,36 @@ fn xdp_filter_behind_lb_guards_the_host_and_a_new_pin_is_taken_up_on_reload() {
         )),
         "the reload does not say it:\n{log}"
     );
+
+    // The agent stops, its program stays: so does the chain (the program array is
+    // pinned; the kernel would empty it with the agent's last handle otherwise).
+    firewall
+        .block_source(blocked)
+        .expect("block the source again");
+    assert!(!reaches_host(&lab, blocked), "the new rule does not hold");
+    agent.stop().expect("stop the agent");
+    assert!(
+        !reaches_host(&lab, blocked),
+        "the chain went with the agent"
+    );
+    assert!(reaches_host(&lab, allowed));
+    Conn::open(lab.client(), vip, TIMEOUT).expect("VIP traffic without an agent");
+
+    // A restarted agent adopts the running program (lb's own, by its pinned link) and
+    // chains the firewall before it takes over.
+    let agent = start_agent(&lab, &bin, &config);
+    assert!(
+        agent.log().contains("adopting the pinned data path"),
+        "{}",
+        agent.log()
+    );
+    assert!(
+        !reaches_host(&lab, blocked),
+        "the chain was lost at the restart"
+    );
+    assert!(reaches_host(&lab, allowed));
+    let s = spread(lab.client(), vip, 30).expect("spread");
+    assert_eq!(s.failures, 0, "{:?}\n{}", s.errors, s.table());
     agent.stop().expect("stop the agent");
 }
 
