@@ -510,3 +510,79 @@ fn a_next_program_that_is_missing_or_not_xdp_is_refused_naming_the_field() {
     assert!(run.stderr.contains("dataplane.next_program"), "{run}");
     assert!(attached_ids(&lab).is_empty(), "something was attached");
 }
+
+/// One VIP on 10.0.0.100:80 with one backend whose MAC is given: an instance of the
+/// program without an interface.
+const INSTANCE: &str = "[dataplane]\ninterface = \"lo\"\n[control]\nmetrics = \"off\"\n\
+    [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+    [vip.health]\nkind = \"none\"\n[[vip.backend]]\naddress = \"10.0.0.11\"\n\
+    mac = \"02:00:00:00:00:0b\"\n";
+
+/// An Ethernet + IPv4 + TCP ACK frame from 10.0.0.1 to 10.0.0.2:22: for no VIP.
+fn frame_for_no_vip() -> Vec<u8> {
+    let mut f = vec![2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 0x08, 0x00];
+    f.extend_from_slice(&[0x45, 0, 0, 40, 0, 0, 0x40, 0, 64, 6, 0, 0]);
+    f.extend_from_slice(&[10, 0, 0, 1, 10, 0, 0, 2]);
+    f.extend_from_slice(&[
+        0x9c, 0x40, 0, 22, 0, 0, 0, 1, 0, 0, 0, 1, 0x50, 0x10, 0xff, 0xff,
+    ]);
+    f.extend_from_slice(&[0, 0, 0, 0]);
+    f
+}
+
+/// The kernel's rule, asked of the kernel: a next program that takes multi-buffer frames
+/// (the test object's `xdp_pass`, `xdp.frags`) is called by `lb_xdp`, one that does not
+/// (`xdp_mac_swap`) by `lb_xdp_1buf`; the build that can call it does (the frame comes
+/// back as the next program made it), the other refuses naming both.
+#[test]
+fn the_build_of_lb_that_can_call_the_next_program_is_the_one_loaded() {
+    use aya::programs::{TestRun, TestRunOptions};
+    use lb_tests::program::{Instance, load_test_program};
+    use lb_userspace::dataplane::{DataplaneError, next};
+    let test = "the_build_of_lb_that_can_call_the_next_program_is_the_one_loaded";
+    if require_e2e(test).is_none() {
+        return;
+    }
+    let dir = PinDir::new(&format!("lbt{}-kinds", std::process::id())).expect("pins");
+    std::fs::create_dir_all(dir.path()).expect("pin directory");
+    let mut programs = Vec::new();
+    for (name, caller, other, action) in [
+        ("xdp_pass", next::LB_XDP, next::LB_XDP_1BUF, 2),
+        ("xdp_mac_swap", next::LB_XDP_1BUF, next::LB_XDP, 3),
+    ] {
+        let mut ebpf = load_test_program(name, 1).expect("the test program");
+        let pin = dir.path().join(name);
+        let program: &mut aya::programs::Xdp = ebpf
+            .program_mut(name)
+            .and_then(|p| p.try_into().ok())
+            .expect("an XDP program");
+        program.pin(&pin).expect("pin it");
+        let next = next::open(&pin).unwrap_or_else(|e| panic!("{name}: {e}"));
+        std::fs::remove_file(&pin).expect("unpin");
+        assert_eq!(next.caller(), caller, "{name}");
+
+        let mut calling = Instance::load_with(INSTANCE, |o| o.program = caller).expect("load");
+        calling.dataplane.chain(Some(&next)).expect("chain");
+        let frame = frame_for_no_vip();
+        let run = calling
+            .dataplane
+            .program_mut()
+            .expect("program")
+            .test_run(TestRunOptions {
+                data_in: Some(&frame),
+                ..TestRunOptions::default()
+            })
+            .expect("BPF_PROG_TEST_RUN");
+        assert_eq!(run.return_value, action, "{caller} chained to {name}");
+
+        let mut refusing = Instance::load_with(INSTANCE, |o| o.program = other).expect("load");
+        match refusing.dataplane.chain(Some(&next)) {
+            Err(error @ DataplaneError::NextProgramKind { .. }) => {
+                let text = error.to_string();
+                assert!(text.contains(caller) && text.contains(other), "{text}");
+            }
+            other => panic!("{name} chained to the other build: {other:?}"),
+        }
+        programs.push(ebpf);
+    }
+}
