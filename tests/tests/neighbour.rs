@@ -2,7 +2,9 @@
 //! - xdp-filter's program as `dataplane.next_program`: it drops one blocked source's
 //!   traffic to the balancer host's own address while VIP traffic, from that source too,
 //!   is balanced and other sources reach the host; xdp-filter loaded anew (a new program
-//!   pinned at the same path) is taken up by `lb reload`;
+//!   pinned at the same path) is taken up by `lb reload`; the chain holds with the agent
+//!   stopped, across a restart (adopted) and in generic mode as in native;
+//! - which build of lb's program can call a next program, asked of the kernel;
 //! - a foreign program (xdp-filter) already on the interface: `lb doctor` and `lb run`
 //!   refuse, naming it, its id and the fix, and it stays attached;
 //! - a `next_program` pin that is missing, a map or not XDP: `lb check` refuses naming
@@ -207,8 +209,9 @@ fn reaches_host(lab: &Lab, source: IpAddr) -> bool {
     Conn::open_from(lab.client(), source, host, DROPPED).is_ok()
 }
 
-/// xdp-filter behind lb: the host's traffic is filtered, VIP traffic is balanced, and a
-/// new xdp-filter program at the same pin is taken up on reload.
+/// xdp-filter behind lb: the host's traffic is filtered, VIP traffic is balanced, a new
+/// xdp-filter program at the same pin is taken up on reload, and the chain outlives the
+/// agent, holds across a restart and in both modes.
 #[test]
 fn xdp_filter_behind_lb_guards_the_host_and_a_new_pin_is_taken_up_on_reload() {
     let test = "xdp_filter_behind_lb_guards_the_host_and_a_new_pin_is_taken_up_on_reload";
@@ -308,6 +311,23 @@ fn xdp_filter_behind_lb_guards_the_host_and_a_new_pin_is_taken_up_on_reload() {
     assert!(
         !reaches_host(&lab, blocked),
         "the chain was lost at the restart"
+    );
+    assert!(reaches_host(&lab, allowed));
+    let s = spread(lab.client(), vip, 30).expect("spread");
+    assert_eq!(s.failures, 0, "{:?}\n{}", s.errors, s.table());
+    let status = agent.status_json().expect("status");
+    assert_eq!(status["dataplane"]["xdp_mode"], "native", "{status:#}");
+    agent.stop().expect("stop the agent");
+
+    // Generic mode: the tail call runs in lb's context whatever the mode (xdp-filter
+    // itself is loaded in skb mode on another interface).
+    let config = write_config_pinned(&lab, XdpMode::Generic, &firewall.pin(), Some(&pins));
+    let agent = start_agent(&lab, &bin, &config);
+    let status = agent.status_json().expect("status");
+    assert_eq!(status["dataplane"]["xdp_mode"], "generic", "{status:#}");
+    assert!(
+        !reaches_host(&lab, blocked),
+        "generic: the blocked source reached the host"
     );
     assert!(reaches_host(&lab, allowed));
     let s = spread(lab.client(), vip, 30).expect("spread");
