@@ -1383,6 +1383,24 @@ mod tests {
         assert_eq!(shared.model.vips, before);
     }
 
+    /// A reload whose `next_program` is not there is refused naming the field, and
+    /// nothing changes: not the backends it adds either (issue 37).
+    #[test]
+    fn a_reload_naming_a_missing_next_program_changes_nothing() {
+        let mut shared = shared(config("eth0", &["10.0.0.11"]));
+        let before = shared.model.vips.clone();
+        let mut new = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        new.dataplane.next_program = Some("/sys/fs/bpf/lb-state-no-such-program".into());
+        match shared.reload(new) {
+            Err(ReloadError::Config(ConfigError::Invalid { field, .. })) => {
+                assert_eq!(field, "dataplane.next_program")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(shared.model.vips, before);
+        assert_eq!(shared.config.dataplane.next_program, None);
+    }
+
     fn web() -> VipTarget {
         "10.0.0.100:80/tcp".parse().unwrap()
     }
