@@ -767,8 +767,7 @@ pub fn run(opts: &Options) -> Result<Results> {
     let ratios = tunnel_ratios(&net_all);
     // What a passed frame costs with `next_program` (issue 37), in this run.
     let not_vip = cases().into_iter().find(|c| c.name == "pass_not_vip");
-    let (chain, chain_json) =
-        crate::chain::run(opts, &mut pass_ebpf, &not_vip.expect("case").frame)?;
+    let (chain, chain_json) = crate::chain::run(opts, &not_vip.expect("case").frame)?;
     Ok(Results {
         tables: vec![table, ratios, chain],
         json: json!({
