@@ -53,10 +53,10 @@ pub fn run(opts: &Options, frame: &[u8]) -> Result<(Table, Value)> {
         "A passed frame with next_program (kernel ns per run, medians)",
         &[
             "lb pass",
-            "lb pass + tail call",
-            "tail call (difference)",
+            "lb pass + tail call + mac swap",
+            "difference",
             "chained / plain",
-            "xdp_pass alone",
+            "xdp_mac_swap alone",
         ],
     );
     table.row(vec![
