@@ -22,7 +22,7 @@ use crate::{
     control,
     dataplane::{
         AttachHints, AttachTarget, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions,
-        remove_pins,
+        next::NextProgram, remove_pins,
     },
     doctor::{self, Level},
     explain::monotonic_ns,
@@ -233,13 +233,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         announcer,
         opened,
     } = check_host(config).await?;
-    let mut options = LoadOptions::from_config(config, interface.mac.0);
-    options.ifindex = interface.index;
-    // Checked by `preflight` already; opened once more for the program it holds now.
-    let next = preflight::next_program(config)?;
-    if let Some(next) = &next {
-        options.program = next.caller();
-    }
+    let (options, next) = load_options(config, &interface)?;
     let pin_dir = config.dataplane.pin_dir();
     ensure_bpffs(&pin_dir)?;
     let (mut dataplane, found) = AyaDataplane::load_pinned(EBPF_OBJECT, options, &pin_dir)
@@ -303,19 +297,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         report.tables_switched,
         report.backends_written
     );
-    // Before the program runs: a frame it passes goes to the host's program from the
-    // first, also while it takes over from a previous agent's.
-    dataplane.chain(next.as_ref())?;
-    if let Some(next) = &next {
-        tracing::info!(
-            "frames lb passes go on to {} ({}), tail-called by {}",
-            next.label(),
-            next.path.display(),
-            next.caller()
-        );
-    }
-    let attached = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode, &hints)?;
-    dataplane.pin_next_program_map()?;
+    let attached = attach_chained(&mut dataplane, config, &interface.name, &hints, next)?;
     if let Some(why) = &attached.native_refused {
         tracing::warn!("xdp_mode = \"auto\": attached in generic mode; native refused: {why}");
     }
@@ -333,6 +315,46 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         announcer,
         cluster,
     })
+}
+
+/// The load-time options for `interface`, and `dataplane.next_program` opened (checked by
+/// `preflight` already; opened again for the program it holds now), whose kind says
+/// which build of the program to load.
+fn load_options(
+    config: &Config,
+    interface: &crate::neighbor::Interface,
+) -> anyhow::Result<(LoadOptions, Option<NextProgram>)> {
+    let mut options = LoadOptions::from_config(config, interface.mac.0);
+    options.ifindex = interface.index;
+    let next = preflight::next_program(config)?;
+    if let Some(next) = &next {
+        options.program = next.caller();
+    }
+    Ok((options, next))
+}
+
+/// Attaches (or takes over from a previous agent's program) with `next` chained before:
+/// a frame the program passes goes to the host's program from the first. The slot's map
+/// is pinned once attached, so the chain outlives this agent.
+fn attach_chained(
+    dataplane: &mut AyaDataplane,
+    config: &Config,
+    interface: &str,
+    hints: &AttachHints,
+    next: Option<NextProgram>,
+) -> anyhow::Result<crate::dataplane::Attachment> {
+    dataplane.chain(next.as_ref())?;
+    if let Some(next) = &next {
+        tracing::info!(
+            "frames lb passes go on to {} ({}), tail-called by {}",
+            next.label(),
+            next.path.display(),
+            next.caller()
+        );
+    }
+    let attached = dataplane.attach_pinned(interface, config.dataplane.xdp_mode, hints)?;
+    dataplane.pin_next_program_map()?;
+    Ok(attached)
 }
 
 /// Capability numbers (linux/capability.h).
