@@ -44,6 +44,8 @@ const APT_PACKAGES: &[&str] = &[
     "util-linux",
     "bsdutils",
     "gzip",
+    // The passive-health tests (tests/tests/outlier.rs) drop a backend's VIP traffic.
+    "nftables",
 ];
 /// Debian packages only the benchmarks use: the load generator and what lb is compared
 /// with (HAProxy) and balances to (nginx).
