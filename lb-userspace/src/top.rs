@@ -268,10 +268,10 @@ fn backend_rows(out: &mut String, vip: &VipStatus, per_backend: &[(f64, f64)]) {
 
 /// Passive health under a backend's row: its window's handshakes, an ejection's reason.
 fn outlier_line(o: &crate::status::OutlierStatus) -> String {
-    let line = format!("    handshakes {} of {} completed", o.completed, o.started);
     match (&o.ejected_until, &o.reason) {
-        (Some(_), Some(reason)) => format!("{line}; EJECTED: {reason}"),
-        _ => line,
+        // The reason has the window's handshakes.
+        (Some(_), Some(reason)) => format!("    EJECTED: {reason}"),
+        _ => format!("    handshakes {} of {} completed", o.completed, o.started),
     }
 }
 

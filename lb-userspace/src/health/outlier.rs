@@ -544,6 +544,24 @@ mod tests {
         assert_eq!(judged.started, judged.completed);
     }
 
+    #[test]
+    fn status_and_top_show_the_windows_handshakes_and_the_reason() {
+        let mut status = crate::status::tests::sample();
+        let reason = "12 of 40 handshakes completed in 10s; peers 100%";
+        status.vips[0].backends[0].outlier = Some(OutlierStatus {
+            started: 40,
+            completed: 12,
+            ejected_until: Some(crate::status::unix_now() + 10.0),
+            reason: Some(reason.into()),
+            ejections: 1,
+        });
+        let text = crate::status::render(&status);
+        let line = "handshakes: 12 of 40 completed in the window; EJECTED for ";
+        assert!(text.contains(line) && text.contains(reason), "{text}");
+        let top = crate::top::render(&status, None, 0.0, false);
+        assert!(top.contains(&format!("EJECTED: {reason}")), "{top}");
+    }
+
     fn refused(outlier: &str, protocol: &str) -> String {
         let text = format!(
             "{}[vip.outlier]\n{outlier}\n[[vip.backend]]\naddress = \"10.0.0.11\"\n",
