@@ -14,7 +14,7 @@ use core::ops::DerefMut;
 use crate::{
     BACKEND_NONE, Embryo, FlowEntry, FlowKey, FlowTuple, PROTO_UDP, VipInfo, VipKey,
     flow::{self, Lookup},
-    maglev_slot, stat, table_hash,
+    handshake, maglev_slot, stat, table_hash,
 };
 
 /// A parsed packet that may be for a VIP.
@@ -213,6 +213,9 @@ pub trait Tables: Lookup {
     /// A TCP packet that missed the connection table without a SYN: the debug capture
     /// may copy the frame.
     fn capture(&self, now: u64);
+    /// Adds one to backend `backend_id`'s handshake counter `event` (`handshake::*`,
+    /// `LB_BE_STATS`).
+    fn count_handshake(&self, _backend_id: u32, _event: u32) {}
 }
 
 /// `packet`'s backend, or why it is not forwarded, with what that does to the tables.
@@ -376,6 +379,7 @@ fn promote<T: Tables>(
     let embryo = embryo?;
     let backend_id = flow::remembered(tables, embryo, tag, vip.vip_id)?;
     tables.count(stat::CT_PROMOTED);
+    handshake::ack(tables, packet.rst, embryo, backend_id);
     if packet.proto != PROTO_UDP {
         tables.new_source(vip.vip_id, packet);
     }
@@ -408,7 +412,12 @@ fn remember<T: Tables>(
     if !packet.rst
         && let Some(embryo) = embryo
     {
-        *embryo = flow::embryo_for(tag, backend_id, packet.syn);
+        let fresh = flow::embryo_for(tag, backend_id, packet.syn);
+        *embryo = if packet.syn {
+            handshake::syn(tables, embryo, fresh)
+        } else {
+            fresh
+        };
         tables.count(stat::CT_EMBRYONIC);
     }
 }
@@ -519,6 +528,8 @@ pub mod memory {
         sources: RefCell<HashMap<SourceKey, u64>>,
         exported: RefCell<Vec<(FlowKey, FlowEntry)>>,
         captures: Cell<u64>,
+        /// Backends' handshake counters (`TrafficCounters::handshakes`), by backend id.
+        handshakes: RefCell<HashMap<u32, [u64; crate::handshake::COUNT]>>,
     }
 
     impl MemoryTables {
@@ -580,12 +591,22 @@ pub mod memory {
             self.captures.get()
         }
 
+        /// Backend `id`'s handshake counters, indexed by `handshake::STARTED` ...
+        pub fn handshakes(&self, id: u32) -> [u64; crate::handshake::COUNT] {
+            self.handshakes
+                .borrow()
+                .get(&id)
+                .copied()
+                .unwrap_or_default()
+        }
+
         /// Forgets every count, export and capture (the tables stay).
         pub fn reset_counts(&self) {
             self.counts.borrow_mut().clear();
             self.sources.borrow_mut().clear();
             self.exported.borrow_mut().clear();
             self.captures.set(0);
+            self.handshakes.borrow_mut().clear();
         }
 
         fn insert(&self, key: &FlowKey, entry: &FlowEntry) {
@@ -762,6 +783,11 @@ pub mod memory {
 
         fn capture(&self, _: u64) {
             self.tables.captures.set(self.tables.captures.get() + 1);
+        }
+
+        fn count_handshake(&self, backend_id: u32, event: u32) {
+            let mut handshakes = self.tables.handshakes.borrow_mut();
+            handshakes.entry(backend_id).or_default()[event as usize] += 1;
         }
     }
 }

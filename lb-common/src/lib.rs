@@ -14,6 +14,7 @@ pub mod maglev;
 pub mod addr;
 pub mod decide;
 pub mod flow;
+pub mod handshake;
 mod hash;
 pub use hash::{FlowTuple, finish as fmix32, flow_hash, stable_hash64, table_hash};
 
@@ -76,7 +77,7 @@ pub const MAP_NEXT: &str = "LB_NEXT";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 7;
+pub const LAYOUT_VERSION: u64 = 8;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -423,6 +424,11 @@ const _: () = assert!(size_of::<ExportRecord>() == 48);
 /// left by an earlier connection on the same tuple meets this flag at its next packet and
 /// gives way to the new connection.
 pub const EMBRYO_F_SYN: u16 = 1;
+/// `Embryo::flags`: the flow's SYN was sent again while it waited (`handshake::syn`).
+pub const EMBRYO_F_RETRIED: u16 = 2;
+/// `Embryo::flags`: the flow's handshake was counted completed (`handshake::ack`): an
+/// ACK whose entry the flood guard did not insert, sent again, is not counted twice.
+pub const EMBRYO_F_COMPLETED: u16 = 4;
 
 /// Value of `LB_EMBRYONIC`, indexed by `flow::embryo_place`: the backend the first
 /// packet of a flow took (a SYN, a UDP flow's first datagram, an ACK the connection table
@@ -463,8 +469,10 @@ pub struct TrafficCounters {
     /// connection-table entry.
     pub new_flows: u64,
     pub _reserved: u64,
+    /// Backends only: TCP handshakes, indexed by `handshake::STARTED` ... (zero for a VIP).
+    pub handshakes: [u64; handshake::COUNT],
 }
-const _: () = assert!(size_of::<TrafficCounters>() == 32);
+const _: () = assert!(size_of::<TrafficCounters>() == 64);
 
 /// Value of `LB_STATS` (one entry, per CPU): a counter for every outcome of the program,
 /// indexed by `stat`. One struct, so a packet looks the counters up once.

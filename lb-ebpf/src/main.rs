@@ -9,6 +9,8 @@ use lb_ebpf as _;
 #[cfg(target_arch = "bpf")]
 mod encap;
 #[cfg(target_arch = "bpf")]
+mod handshake;
+#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod next;
@@ -257,6 +259,11 @@ mod program {
         #[inline(always)]
         fn capture(&self, now: u64) {
             capture(self.ctx, self.stats, now);
+        }
+
+        #[inline(always)]
+        fn count_handshake(&self, backend_id: u32, event: u32) {
+            crate::handshake::count(backend_id, event);
         }
     }
 

@@ -549,6 +549,7 @@ async fn serve(
     // sampled over a real interval.
     flow_scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut scans = ScanPacer::default();
+    let mut outliers = tokio::time::interval(crate::health::outlier::SAMPLE);
     loop {
         tokio::select! {
             _ = sigterm.recv() => return Ok(()),
@@ -559,6 +560,12 @@ async fn serve(
             }
             _ = flow_scan.tick() => scan_and_sample(state, flow_reader, &mut scans).await,
             _ = load.tick() => state.lock().expect("agent state poisoned").refresh_load(Instant::now()),
+            _ = outliers.tick() => {
+                let mut state = state.lock().expect("agent state poisoned");
+                if let Err(error) = state.judge_outliers(Instant::now()) {
+                    tracing::warn!("passive health: {error:#}");
+                }
+            }
             // A link, route or neighbour changed somewhere: look at ours, and at the
             // backends' next hops (the refresh does too, in case a notification was
             // lost). A burst of notifications is one look.

@@ -155,6 +155,7 @@ pub fn render(scrape: &Scrape) -> anyhow::Result<String> {
     let mut registry = Registry::with_prefix("lb");
     register_vips(&mut registry, &scrape.status);
     register_backends(&mut registry, &scrape.status);
+    register_handshakes(&mut registry, &scrape.status);
     register_outcomes(&mut registry, &scrape.outcomes);
     if let Some(cluster) = &scrape.status.cluster {
         register_cluster(&mut registry, cluster);
@@ -334,6 +335,52 @@ fn register_backends(registry: &mut Registry, status: &Status) {
                     .get_or_create(&labels)
                     .set(i64::from(b.state == state));
             }
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    vip: String,
+    backend: String,
+    /// "completed" or "failed".
+    outcome: String,
+}
+
+/// Passive health: each backend's TCP handshakes and ejections (`[vip.outlier]`).
+fn register_handshakes(registry: &mut Registry, status: &Status) {
+    let handshakes = family::<OutcomeLabels, Counter>(
+        registry,
+        "backend_handshakes",
+        "TCP handshakes with a backend: completed (the client's first ACK came), failed \
+         (the client had to send its SYN again)",
+    );
+    let ejections = family::<BackendLabels, Counter>(
+        registry,
+        "backend_ejections",
+        "Ejections by passive health ([vip.outlier]) since the agent started; the reason is \
+         in status and the log",
+    );
+    for vip in &status.vips {
+        for b in &vip.backends {
+            let label = |outcome: &str| OutcomeLabels {
+                vip: vip.name.clone(),
+                backend: b.address.clone(),
+                outcome: outcome.into(),
+            };
+            let counts = [
+                ("completed", b.handshakes.completed),
+                ("failed", b.handshakes.retried),
+            ];
+            for (outcome, count) in counts {
+                handshakes.get_or_create(&label(outcome)).inc_by(count);
+            }
+            let labels = BackendLabels {
+                vip: vip.name.clone(),
+                backend: b.address.clone(),
+            };
+            let ejected = b.outlier.as_ref().map_or(0, |o| o.ejections);
+            ejections.get_or_create(&labels).inc_by(ejected);
         }
     }
 }

@@ -177,6 +177,12 @@ impl StatusSource {
             effective_weight: effective.weight as f64 / crate::model::weights::SCALE as f64,
             weight_reason: effective.reason,
             agent_error: b.agent.error.clone(),
+            handshakes: crate::health::outlier::totals(&traffic),
+            outlier: vip
+                .config
+                .outlier
+                .is_some()
+                .then(|| crate::health::outlier::status(&b.outlier, now)),
         }
     }
 

@@ -695,6 +695,16 @@ impl State {
         Ok(())
     }
 
+    /// Passive health (`[vip.outlier]`): judges the backends by their handshakes; new
+    /// tables when one leaves or returns.
+    pub fn judge_outliers(&mut self, now: Instant) -> anyhow::Result<()> {
+        let reader = self.tables.counters();
+        if health::outlier::sample(&mut self.model, &reader, now)? {
+            self.sync();
+        }
+        Ok(())
+    }
+
     /// Hands the writer the telemetry's hot sources (it writes `LB_HOT_SRC`, as every
     /// other data-path write), saying which became hot and which no longer are.
     fn follow_hot_sources(&mut self, now: Instant) {

@@ -336,6 +336,38 @@ pub struct BackendStatus {
     /// Why the backend's last agent answer was not used (`[vip.agent]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_error: Option<String>,
+    /// TCP handshakes the data path counted for it (`lb_common::handshake`).
+    #[serde(default)]
+    pub handshakes: Handshakes,
+    /// Passive health, with `[vip.outlier]` (null without).
+    #[serde(default)]
+    pub outlier: Option<OutlierStatus>,
+}
+
+/// A backend's TCP handshakes since the data path counted them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handshakes {
+    /// First SYNs of flows sent to it (spoofed ones included).
+    pub started: u64,
+    /// Flows whose SYN the client had to send again (their first attempt failed).
+    pub retried: u64,
+    /// Flows whose first ACK came: the handshake completed.
+    pub completed: u64,
+}
+
+/// Passive health of a backend (`[vip.outlier]`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OutlierStatus {
+    /// Handshakes judged in the window (seen twice: completed, or retried).
+    pub started: u64,
+    /// Of those, completed.
+    pub completed: u64,
+    /// While ejected: until when (seconds since the Unix epoch); null in the table.
+    pub ejected_until: Option<f64>,
+    /// Why it was last ejected ("12 of 40 handshakes completed in 10s; peers 100%").
+    pub reason: Option<String>,
+    /// Ejections since the agent started.
+    pub ejections: u64,
 }
 
 fn render_cluster(out: &mut String, cluster: &ClusterStatus) {
@@ -518,6 +550,32 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
     }
 }
 
+/// A backend's passive health, under its line: the window's handshakes, and an ejection.
+fn render_outlier(out: &mut String, o: &OutlierStatus) {
+    let mut line = format!(
+        "    handshakes: {} of {} completed in the window",
+        o.completed, o.started
+    );
+    match (o.ejected_until, &o.reason) {
+        (Some(until), Some(reason)) => {
+            let left = until - crate::status::unix_now();
+            line += &format!("; EJECTED for {:.0}s more: {reason}", left.max(0.0));
+        }
+        (None, Some(reason)) if o.ejections > 0 => {
+            line += &format!("; ejected {}x, last: {reason}", o.ejections);
+        }
+        _ => {}
+    }
+    let _ = writeln!(out, "{line}");
+}
+
+/// Now, in seconds since the Unix epoch.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// One backend's line, and the lines under it that say more when there is more to say.
 fn render_backend(out: &mut String, b: &BackendStatus) {
     let mut check = match &b.last_check {
@@ -557,6 +615,9 @@ fn render_backend(out: &mut String, b: &BackendStatus) {
     }
     if let Some(error) = &b.agent_error {
         let _ = writeln!(out, "    agent check: {error}");
+    }
+    if let Some(outlier) = &b.outlier {
+        render_outlier(out, outlier);
     }
     // An on-link backend is its own next hop: only a router is news.
     match &b.next_hop {
@@ -635,6 +696,8 @@ pub mod tests {
             effective_weight: 1.0,
             weight_reason: "configured".into(),
             agent_error: None,
+            handshakes: Handshakes::default(),
+            outlier: None,
         };
         Status {
             dataplane: DataplaneStatus {

@@ -260,6 +260,18 @@ fn backend_rows(out: &mut String, vip: &VipStatus, per_backend: &[(f64, f64)]) {
             );
             let _ = writeln!(out, "{}", fit(&line));
         }
+        if let Some(o) = &b.outlier {
+            let _ = writeln!(out, "{}", fit(&outlier_line(o)));
+        }
+    }
+}
+
+/// Passive health under a backend's row: its window's handshakes, an ejection's reason.
+fn outlier_line(o: &crate::status::OutlierStatus) -> String {
+    match (&o.ejected_until, &o.reason) {
+        // The reason has the window's handshakes.
+        (Some(_), Some(reason)) => format!("    EJECTED: {reason}"),
+        _ => format!("    handshakes {} of {} completed", o.completed, o.started),
     }
 }
 

@@ -47,6 +47,8 @@ const APT_PACKAGES: &[&str] = &[
     // xdp-filter and xdp-loader: a host firewall behind lb (`next_program`) and a foreign
     // program on the hook, in tests/tests/neighbour.rs; `lb doctor`'s dispatcher probe.
     "xdp-tools",
+    // The passive-health tests (tests/tests/outlier.rs) drop a backend's VIP traffic.
+    "nftables",
 ];
 /// Debian packages only the benchmarks use: the load generator and what lb is compared
 /// with (HAProxy) and balances to (nginx).

@@ -143,6 +143,7 @@ fn sum_per_cpu(
             bytes: sum.bytes + c.bytes,
             new_flows: sum.new_flows + c.new_flows,
             _reserved: 0,
+            handshakes: std::array::from_fn(|i| sum.handshakes[i] + c.handshakes[i]),
         }))
 }
 

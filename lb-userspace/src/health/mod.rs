@@ -13,9 +13,11 @@
 //! traffic); `agentcheck` (the backend's own agent, HAProxy's agent-check). It may call
 //! `config`, `model`, `metrics` (check durations); it records results through the
 //! `CheckHost` and `AgentHost` traits the agent's state implements, never into the
-//! state directly.
+//! state directly. `outlier`: passive health, backends judged by their clients'
+//! handshakes (the data path's counters), changing the model in the agent's step.
 
 pub mod agentcheck;
+pub mod outlier;
 pub mod probe;
 pub mod vipprobe;
 

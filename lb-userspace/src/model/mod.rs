@@ -1,9 +1,10 @@
 //! The agent's view of its VIPs and backends, and the pure step from it to the tables
 //! the data path should hold (`Model::desired`). `weights`: the load rules (slow start,
 //! least-flows, an agent's weight) that turn a configured weight into the one the table
-//! builder gets. May call `config`, `dataplane` (the adopted maps' types) and `tables`
+//! builder gets. `outlier`: a backend's passive-health state. May call `config`, `dataplane` (the adopted maps' types) and `tables`
 //! (the inputs it hands out); no I/O.
 
+pub mod outlier;
 pub mod weights;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -122,6 +123,8 @@ pub struct BackendState {
     pub agent: AgentState,
     /// Load rules (`slow_start`, `balance = "least-flows"`).
     pub load: LoadState,
+    /// Passive health (`[vip.outlier]`): its clients' handshakes, and an ejection.
+    pub outlier: outlier::Outlier,
 }
 
 /// What a backend's agent check last said. A malformed or missing answer changes
@@ -219,9 +222,12 @@ impl BackendState {
         self.config.state == AdminState::Maint
     }
 
-    /// May new flows go to this backend?
+    /// May new flows go to this backend? (Not while passive health ejected it.)
     pub fn in_table(&self) -> bool {
-        self.admin_state() == AdminState::Ready && self.mac.is_some() && self.alive()
+        self.admin_state() == AdminState::Ready
+            && self.mac.is_some()
+            && self.alive()
+            && !self.outlier.is_ejected()
     }
 
     /// Starts or ends a drain when the admin state in force moved into or out of it.
@@ -614,6 +620,7 @@ impl Model {
             drained: false,
             agent: AgentState::default(),
             load: LoadState::default(),
+            outlier: Default::default(),
         })
     }
 
