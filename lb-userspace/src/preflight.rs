@@ -34,15 +34,18 @@ pub enum Check {
     ClusterKey,
     /// `[cluster]`: an address of the peers' family to bind.
     ClusterAddress,
+    /// https checks: every `ca_file` is readable and holds PEM certificates.
+    CaFiles,
 }
 
 impl Check {
-    pub const ALL: [Check; 5] = [
+    pub const ALL: [Check; 6] = [
         Check::Capacity,
         Check::InterfaceAddresses,
         Check::Routes,
         Check::ClusterKey,
         Check::ClusterAddress,
+        Check::CaFiles,
     ];
 
     /// Its name in `lb check`'s output.
@@ -53,6 +56,7 @@ impl Check {
             Check::Routes => "routes",
             Check::ClusterKey => "cluster key",
             Check::ClusterAddress => "cluster address",
+            Check::CaFiles => "ca files",
         }
     }
 
@@ -68,6 +72,7 @@ impl Check {
     fn applies(self, config: &Config) -> bool {
         match self {
             Check::ClusterKey | Check::ClusterAddress => config.cluster.is_some(),
+            Check::CaFiles => !ca_files(config).is_empty(),
             _ => true,
         }
     }
@@ -156,9 +161,33 @@ fn run_one(
                 .map(drop)
                 .map_err(|error| invalid("cluster.address", error.to_string()))
         }
+        (Check::CaFiles, _, _) => {
+            for (field, path) in ca_files(config) {
+                crate::health::tls::read_ca_file(path)
+                    .map_err(|why| invalid(&field, format!("{}: {why}", path.display())))?;
+            }
+            Ok(())
+        }
         // Not applicable, or skipped by `run`.
         _ => Ok(()),
     }
+}
+
+/// Every `ca_file` an https check reads, with its field.
+fn ca_files(config: &Config) -> Vec<(String, &std::path::Path)> {
+    let mut files = Vec::new();
+    for (i, vip) in config.vips.iter().enumerate() {
+        files.extend(
+            vip.health
+                .ca_file_to_read()
+                .map(|path| (format!("vip[{i}].health.ca_file"), path)),
+        );
+        for (j, backend) in vip.backends.iter().enumerate() {
+            let own = backend.health.as_ref().and_then(|h| h.ca_file_to_read());
+            files.extend(own.map(|path| (format!("vip[{i}].backend[{j}].health.ca_file"), path)));
+        }
+    }
+    files
 }
 
 /// A key error as the field's reason: the path and why.
@@ -169,14 +198,14 @@ fn key_reason(error: cluster::ClusterError) -> String {
     }
 }
 
-/// The checks against the interface, on their own: made again at every reload and
-/// runtime change, where the interface is known.
+/// The checks against the interface, and the CA files' contents: made again at every
+/// reload and runtime change, where the interface is known.
 pub fn interface_checks(
     config: &Config,
     interface: &Interface,
     route_of: RouteLookup,
 ) -> Result<(), ConfigError> {
-    for check in [Check::InterfaceAddresses, Check::Routes] {
+    for check in [Check::InterfaceAddresses, Check::Routes, Check::CaFiles] {
         run_one(check, config, Some(interface), route_of)?;
     }
     Ok(())
@@ -245,7 +274,8 @@ mod tests {
                 "interface addresses",
                 "routes",
                 "cluster key",
-                "cluster address"
+                "cluster address",
+                "ca files"
             ]
         );
         let here = eth0();
@@ -314,9 +344,10 @@ mod tests {
         let private = cluster(&key_file(&dir, 0o600));
         let outcomes = run(&private, Some(&here), on_link, Mode::Start).unwrap();
         assert!(
-            outcomes.iter().all(|(_, o)| *o == Outcome::Passed),
+            outcomes[..5].iter().all(|(_, o)| *o == Outcome::Passed),
             "{outcomes:?}"
         );
+        assert_eq!(outcomes[5], (Check::CaFiles, Outcome::NotConfigured));
         // No address of the peers' family to bind.
         let v6_peer = private.clone();
         let mut v6_peer = v6_peer;
@@ -352,6 +383,60 @@ mod tests {
             outcomes[1],
             (Check::InterfaceAddresses, Outcome::NoInterface)
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An https check's `ca_file` (issue 35): missing, unreadable or not PEM is refused
+    /// by `lb check` and `lb run` alike, and at a reload, naming the field.
+    #[test]
+    fn ca_files_are_read_and_refused_by_their_field() {
+        let dir = tempfile_dir();
+        let https = |ca_file: &std::path::Path| {
+            Config::from_toml(&format!(
+                "[dataplane]\ninterface = \"eth0\"\n[[vip]]\nname = \"web\"\n\
+                 address = \"10.0.0.100\"\nport = 443\nprotocol = \"tcp\"\n[vip.health]\n\
+                 kind = \"https\"\n[[vip.backend]]\naddress = \"10.0.0.11\"\n\
+                 [[vip.backend]]\naddress = \"10.0.0.12\"\n[vip.backend.health]\n\
+                 kind = \"https\"\nsni = \"backend.test\"\nca_file = \"{}\"\n",
+                ca_file.display()
+            ))
+            .unwrap()
+        };
+        let good = concat!(env!("CARGO_MANIFEST_DIR"), "/src/health/testdata/ca.pem");
+        let outcomes = run(&https(good.as_ref()), Some(&eth0()), on_link, Mode::Check).unwrap();
+        assert_eq!(outcomes[5], (Check::CaFiles, Outcome::Passed));
+        let here = eth0();
+        interface_checks(&https(good.as_ref()), &here, on_link).unwrap();
+
+        let not_pem = dir.join("not-pem");
+        std::fs::write(&not_pem, "just text\n").unwrap();
+        let broken = dir.join("broken-pem");
+        std::fs::write(
+            &broken,
+            "-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        for (path, why) in [
+            (dir.join("missing"), "No such file"),
+            (not_pem, "no PEM certificate"),
+            (broken, "not a PEM file"),
+            (dir.clone(), "Is a directory"),
+        ] {
+            let config = https(&path);
+            for error in [
+                run(&config, Some(&here), on_link, Mode::Check).unwrap_err(),
+                interface_checks(&config, &here, on_link).unwrap_err(),
+            ] {
+                assert!(
+                    matches!(&error, ConfigError::Invalid { field, reason }
+                        if field == "vip[0].backend[1].health.ca_file"
+                            && reason.contains(why)
+                            && reason.contains(&path.display().to_string())),
+                    "{}: {error}",
+                    path.display()
+                );
+            }
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -807,7 +807,11 @@ fn initial_health(vip: &VipConfig, backend: &BackendConfig) -> Health {
     match vip.health_of(backend).kind {
         HealthKind::None => Health::Unknown,
         // Down until the first checks pass: a backend that never started gets no traffic.
-        HealthKind::Tcp | HealthKind::Http | HealthKind::Udp | HealthKind::Dns => Health::Down,
+        HealthKind::Tcp
+        | HealthKind::Http
+        | HealthKind::Https
+        | HealthKind::Udp
+        | HealthKind::Dns => Health::Down,
     }
 }
 
