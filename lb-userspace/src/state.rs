@@ -1952,11 +1952,21 @@ mod tests {
                 .as_deref()
                 .is_some_and(|e| e.contains("sideways"))
         );
+        assert_eq!(b.state_reason, None);
         shared.record_agent(id, parse_agent_reply("drain"));
         let b = &shared.model.vips[0].backends[0];
         assert_eq!(b.admin_word(), "draining");
         assert!(b.serves_flows() && !b.in_table(), "drained like `lb drain`");
         assert_eq!(member_weights(&shared), [100]);
+        // Status says why, in JSON and in the text (issue 41 item 5).
+        let status = shared.status().unwrap();
+        let reason = status.vips[0].backends[0].state_reason.clone().unwrap();
+        assert!(reason.starts_with("agent check says drain"), "{reason}");
+        let text = crate::status::render(&status);
+        assert!(
+            text.contains(&format!("    draining because {reason}")),
+            "{text}"
+        );
         // The file's maint wins over the agent's ready.
         shared
             .set_admin_state(&web(), "10.0.0.11".parse().unwrap(), AdminState::Maint)
@@ -1969,6 +1979,11 @@ mod tests {
         assert_eq!(member_weights(&shared), [100, 100]);
         shared.record_agent(id, parse_agent_reply("down"));
         assert_eq!(member_weights(&shared), [100], "down: out of the table");
+        let status = shared.status().unwrap();
+        assert_eq!(
+            status.vips[0].backends[0].state_reason.as_deref(),
+            Some("agent check says down")
+        );
     }
 
     /// A runtime refusal names the setting once and no index of the file (the backend
