@@ -370,6 +370,16 @@ pub struct ControlConfig {
     /// `None` when the file says `metrics = "off"` (or `""`).
     #[serde(with = "metrics_addr")]
     pub metrics: Option<SocketAddr>,
+    /// The group whose members may read status through the operators' socket (which
+    /// answers status and explain and refuses changes); absent: no such socket.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub operators_group: Option<String>,
+    /// Where the operators' socket is; see [`ControlConfig::operators_socket`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub operators_socket: Option<PathBuf>,
+    /// Where runtime changes are kept across restarts; see [`Config::state_file`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_file: Option<PathBuf>,
 }
 
 impl Default for ControlConfig {
@@ -377,6 +387,9 @@ impl Default for ControlConfig {
         ControlConfig {
             socket: PathBuf::from("/run/lb/lb.sock"),
             metrics: Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 9650))),
+            operators_group: None,
+            operators_socket: None,
+            state_file: None,
         }
     }
 }
@@ -905,6 +918,17 @@ pub fn same_routes(a: &Option<AnnounceConfig>, b: &Option<AnnounceConfig>) -> bo
 }
 
 impl Config {
+    /// Where the runtime changes (`lb drain`, `lb backend add` ...) are kept so that a
+    /// restarted agent makes them again: `control.state_file`, else beside the control
+    /// socket (`/run/lb/lb.state.json`): one per agent, and gone at a reboot with the
+    /// pins, which hold the rest of the running state.
+    pub fn state_file(&self) -> PathBuf {
+        self.control
+            .state_file
+            .clone()
+            .unwrap_or_else(|| self.control.socket.with_extension("state.json"))
+    }
+
     /// Parses and validates a configuration file's text.
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
         let config: Config = toml::from_str(text)
@@ -1079,6 +1103,18 @@ impl Config {
             ("dataplane.pin_path", d.pin_path != n.pin_path),
             ("debug", old.debug != new.debug),
             ("control.socket", old.control.socket != new.control.socket),
+            (
+                "control.operators_group",
+                old.control.operators_group != new.control.operators_group,
+            ),
+            (
+                "control.operators_socket",
+                old.control.operators_socket != new.control.operators_socket,
+            ),
+            (
+                "control.state_file",
+                old.control.state_file != new.control.state_file,
+            ),
             // The endpoint is bound once, at start.
             (
                 "control.metrics",
@@ -1242,7 +1278,54 @@ impl DataplaneConfig {
 }
 
 impl ControlConfig {
+    /// The operators' socket, when `operators_group` asks for one: `operators_socket`,
+    /// else `lb-operators.sock` beside `socket`.
+    pub fn operators_socket(&self) -> Option<PathBuf> {
+        self.operators_group.as_ref()?;
+        Some(
+            self.operators_socket
+                .clone()
+                .unwrap_or_else(|| self.socket.with_file_name("lb-operators.sock")),
+        )
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(path) = &self.operators_socket {
+            if self.operators_group.is_none() {
+                return Err(invalid(
+                    "control.operators_socket",
+                    "needs control.operators_group: the group that may open it",
+                ));
+            }
+            if !path.is_absolute() {
+                return Err(invalid(
+                    "control.operators_socket",
+                    format!("{} is not an absolute path", path.display()),
+                ));
+            }
+            if *path == self.socket {
+                return Err(invalid(
+                    "control.operators_socket",
+                    "is control.socket: the operators' socket must be a path of its own",
+                ));
+            }
+        }
+        if let Some(path) = &self.state_file
+            && !path.is_absolute()
+        {
+            return Err(invalid(
+                "control.state_file",
+                format!("{} is not an absolute path", path.display()),
+            ));
+        }
+        if let Some(group) = &self.operators_group
+            && (group.is_empty() || group.contains(|c: char| c == ':' || c.is_whitespace()))
+        {
+            return Err(invalid(
+                "control.operators_group",
+                format!("{group:?} is not a group name"),
+            ));
+        }
         // The agent may change directory; a relative socket path would then point
         // somewhere else than the one the CLI connects to.
         if !self.socket.is_absolute() {
@@ -3395,6 +3478,45 @@ weight = 3
         assert_eq!(
             rejected_field(|c| c.vips[0].min_healthy = 0),
             "vip[0].min_healthy"
+        );
+    }
+
+    /// `[control]`: the operators' socket needs its group; paths are absolute.
+    #[test]
+    fn operators_socket_and_state_file_keys() {
+        let config = Config::from_toml(&MINIMAL.replace(
+            "[dataplane]",
+            "[control]\noperators_group = \"lb\"\nstate_file = \"/var/lib/lb/x.json\"\n[dataplane]",
+        ))
+        .unwrap();
+        assert_eq!(
+            config.control.operators_socket(),
+            Some(PathBuf::from("/run/lb/lb-operators.sock"))
+        );
+        assert_eq!(config.state_file(), PathBuf::from("/var/lib/lb/x.json"));
+        assert_eq!(minimal().control.operators_socket(), None);
+        assert_eq!(
+            minimal().state_file(),
+            PathBuf::from("/run/lb/lb.state.json")
+        );
+        assert_eq!(
+            rejected_field(|c| c.control.operators_socket = Some("/run/lb/ops.sock".into())),
+            "control.operators_socket"
+        );
+        assert_eq!(
+            rejected_field(|c| {
+                c.control.operators_group = Some("lb".into());
+                c.control.operators_socket = Some(c.control.socket.clone());
+            }),
+            "control.operators_socket"
+        );
+        assert_eq!(
+            rejected_field(|c| c.control.operators_group = Some("l b".into())),
+            "control.operators_group"
+        );
+        assert_eq!(
+            rejected_field(|c| c.control.state_file = Some("state.json".into())),
+            "control.state_file"
         );
     }
 }

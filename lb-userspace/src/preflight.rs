@@ -36,16 +36,19 @@ pub enum Check {
     ClusterAddress,
     /// https checks: every `ca_file` is readable and holds PEM certificates.
     CaFiles,
+    /// `control.operators_group` is a group of this host.
+    OperatorsGroup,
 }
 
 impl Check {
-    pub const ALL: [Check; 6] = [
+    pub const ALL: [Check; 7] = [
         Check::Capacity,
         Check::InterfaceAddresses,
         Check::Routes,
         Check::ClusterKey,
         Check::ClusterAddress,
         Check::CaFiles,
+        Check::OperatorsGroup,
     ];
 
     /// Its name in `lb check`'s output.
@@ -57,6 +60,7 @@ impl Check {
             Check::ClusterKey => "cluster key",
             Check::ClusterAddress => "cluster address",
             Check::CaFiles => "ca files",
+            Check::OperatorsGroup => "operators group",
         }
     }
 
@@ -73,6 +77,7 @@ impl Check {
         match self {
             Check::ClusterKey | Check::ClusterAddress => config.cluster.is_some(),
             Check::CaFiles => !ca_files(config).is_empty(),
+            Check::OperatorsGroup => config.control.operators_group.is_some(),
             _ => true,
         }
     }
@@ -168,8 +173,25 @@ fn run_one(
             }
             Ok(())
         }
+        (Check::OperatorsGroup, _, _) => match &config.control.operators_group {
+            Some(group) => group_id(group)
+                .map(drop)
+                .map_err(|why| invalid("control.operators_group", why)),
+            None => Ok(()),
+        },
         // Not applicable, or skipped by `run`.
         _ => Ok(()),
+    }
+}
+
+/// The id of group `name` on this host. Err: why there is none.
+pub fn group_id(name: &str) -> Result<u32, String> {
+    match nix::unistd::Group::from_name(name) {
+        Ok(Some(group)) => Ok(group.gid.as_raw()),
+        Ok(None) => Err(format!(
+            "no group {name:?} on this host (create it: groupadd --system {name})"
+        )),
+        Err(errno) => Err(format!("looking up group {name:?}: {errno}")),
     }
 }
 
@@ -275,7 +297,8 @@ mod tests {
                 "routes",
                 "cluster key",
                 "cluster address",
-                "ca files"
+                "ca files",
+                "operators group"
             ]
         );
         let here = eth0();
@@ -348,6 +371,20 @@ mod tests {
             "{outcomes:?}"
         );
         assert_eq!(outcomes[5], (Check::CaFiles, Outcome::NotConfigured));
+        assert_eq!(outcomes[6], (Check::OperatorsGroup, Outcome::NotConfigured));
+        // An operators' group this host does not have.
+        let mut no_group = good.clone();
+        no_group.control.operators_group = Some("lb-no-such-group".into());
+        let error = run(&no_group, Some(&here), on_link, Mode::Check).unwrap_err();
+        assert!(
+            matches!(&error, ConfigError::Invalid { field, reason }
+                if field == "control.operators_group" && reason.contains("groupadd")),
+            "{error}"
+        );
+        let mut root_group = good.clone();
+        root_group.control.operators_group = Some("root".into());
+        let outcomes = run(&root_group, Some(&here), on_link, Mode::Check).unwrap();
+        assert_eq!(outcomes[6], (Check::OperatorsGroup, Outcome::Passed));
         // No address of the peers' family to bind.
         let v6_peer = private.clone();
         let mut v6_peer = v6_peer;

@@ -52,6 +52,13 @@ pub struct AgentStatus {
     pub last_load_unix_seconds: u64,
     /// The last reload asked for, if any.
     pub last_reload: Option<LastReload>,
+    /// Where the runtime changes are kept across restarts (`control.state_file`).
+    #[serde(default)]
+    pub state_file: String,
+    /// The runtime changes in force (the running configuration's differences from the
+    /// file, as the commands said them); a reload undoes them, a restart keeps them.
+    #[serde(default)]
+    pub runtime_changes: Vec<String>,
 }
 
 /// One reload's outcome.
@@ -398,6 +405,7 @@ pub fn render(status: &Status) -> String {
     for vip in &status.vips {
         render_vip(&mut out, vip, status.node.announcing);
     }
+    render_runtime_changes(&mut out, &status.agent);
     let nonzero: Vec<String> = status
         .counters
         .iter()
@@ -414,6 +422,19 @@ pub fn render(status: &Status) -> String {
         }
     );
     out
+}
+
+/// The runtime changes in force, when there are any.
+fn render_runtime_changes(out: &mut String, agent: &AgentStatus) {
+    if agent.runtime_changes.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\nruntime changes (kept across restarts in {}; a reload undoes them): {}",
+        agent.state_file,
+        agent.runtime_changes.join("; ")
+    );
 }
 
 fn render_dataplane(out: &mut String, status: &Status) {
@@ -814,6 +835,22 @@ pub mod tests {
             "02:00:00:00:00:fe"
         );
         assert!(json["vips"][0]["backends"][1]["next_hop"].is_null());
+    }
+
+    #[test]
+    fn runtime_changes_are_listed_with_their_state_file() {
+        let mut status = sample();
+        assert!(!render(&status).contains("runtime changes"));
+        status.agent.state_file = "/run/lb/lb.state.json".into();
+        status.agent.runtime_changes = vec!["10.0.0.100:80/tcp backend 10.0.0.11 -> drain".into()];
+        let text = render(&status);
+        assert!(
+            text.contains(
+                "runtime changes (kept across restarts in /run/lb/lb.state.json; a reload \
+                 undoes them): 10.0.0.100:80/tcp backend 10.0.0.11 -> drain\n"
+            ),
+            "{text}"
+        );
     }
 
     #[test]
