@@ -32,6 +32,7 @@ use crate::{
     neighbor::{self, Neighbors},
     preflight,
     state::{self, InterfaceChange, State},
+    statefile,
     status::Start,
     tables::TableWriter,
     writer::Writer,
@@ -58,7 +59,9 @@ pub enum OnExit {
 
 /// Runs the agent until SIGINT or SIGTERM.
 pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
-    let config = Config::load(&config_path)?;
+    let file = Config::load(&config_path)?;
+    // The runtime changes of the last run, made again before the first tables.
+    let config = with_saved_changes(&file, &config_path);
     // First: without privileges every later step fails, each in its own words.
     require_privileges()?;
     raise_open_file_limit();
@@ -86,6 +89,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         interface.clone(),
         started.mode,
     );
+    state.set_file_config(file);
     // A node without a table of its own learns its peers' before it announces.
     let learn = started.cluster.is_some() && !matches!(started.start, Start::Adopted);
     state.record_start(
@@ -414,6 +418,26 @@ fn attach_hints(report: &doctor::Report) -> AttachHints {
     }
 }
 
+/// The configuration to start with: the file's, with the runtime changes the state file
+/// kept made again (each logged, restored or not).
+fn with_saved_changes(file: &Config, config_path: &Path) -> Config {
+    let path = file.state_file();
+    match statefile::load(&path, config_path) {
+        Ok(changes) if changes.is_empty() => file.clone(),
+        Ok(changes) => {
+            let (config, lines) = statefile::restore(file, &changes);
+            for line in lines {
+                tracing::info!("{line} (from {})", path.display());
+            }
+            config
+        }
+        Err(error) => {
+            tracing::warn!("{error}: its runtime changes are not made again");
+            file.clone()
+        }
+    }
+}
+
 /// The control socket and the metrics endpoint, bound before the data path is touched.
 struct Listeners {
     control: control::ControlSocket,
@@ -422,7 +446,7 @@ struct Listeners {
 
 impl Listeners {
     async fn bind(config: &Config) -> anyhow::Result<Self> {
-        let control = control::ControlSocket::bind(config.control.socket.clone()).await?;
+        let control = control::ControlSocket::bind(&config.control).await?;
         let metrics = match config.control.metrics {
             Some(address) => match metrics::bind(address).await {
                 Ok(listener) => Some(listener),

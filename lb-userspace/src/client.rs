@@ -80,7 +80,9 @@ fn unreachable(socket: &Path, error: std::io::Error) -> anyhow::Error {
     let hint = match error.kind() {
         std::io::ErrorKind::PermissionDenied => format!(
             "permission denied: the control socket {} is root's (mode 0600); run this as \
-             root (e.g. with sudo)",
+             root (e.g. with sudo). Status, explain and top also answer the members of \
+             control.operators_group on the operators' socket (--socket PATH; by default \
+             lb-operators.sock beside the control socket)",
             socket.display()
         ),
         _ => format!(

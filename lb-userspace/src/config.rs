@@ -374,6 +374,16 @@ pub struct ControlConfig {
     /// `None` when the file says `metrics = "off"` (or `""`).
     #[serde(with = "metrics_addr")]
     pub metrics: Option<SocketAddr>,
+    /// The group whose members may read status through the operators' socket (which
+    /// answers status and explain and refuses changes); absent: no such socket.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub operators_group: Option<String>,
+    /// Where the operators' socket is; see [`ControlConfig::operators_socket`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub operators_socket: Option<PathBuf>,
+    /// Where runtime changes are kept across restarts; see [`Config::state_file`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_file: Option<PathBuf>,
 }
 
 impl Default for ControlConfig {
@@ -381,6 +391,9 @@ impl Default for ControlConfig {
         ControlConfig {
             socket: PathBuf::from("/run/lb/lb.sock"),
             metrics: Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 9650))),
+            operators_group: None,
+            operators_socket: None,
+            state_file: None,
         }
     }
 }
@@ -656,6 +669,18 @@ pub struct HealthConfig {
     /// `dns`: the record type asked (default "NS").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub query_type: Option<String>,
+    /// `https`: the name sent as SNI, and the one the certificate must be for (default:
+    /// no SNI, and the certificate must be for the backend's address).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sni: Option<String>,
+    /// `https`: whether the certificate is verified (default true); see
+    /// [`HealthConfig::verify`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verify: Option<bool>,
+    /// `https`: the CA certificates (PEM) the backend's chain must lead to (default: the
+    /// host's trust store).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for HealthConfig {
@@ -676,6 +701,9 @@ impl Default for HealthConfig {
             expect: None,
             query: None,
             query_type: None,
+            sni: None,
+            verify: None,
+            ca_file: None,
         }
     }
 }
@@ -684,6 +712,16 @@ impl HealthConfig {
     /// The path an HTTP check requests.
     pub fn http_path(&self) -> &str {
         self.path.as_deref().unwrap_or("/")
+    }
+
+    /// Whether an https check verifies the backend's certificate (`verify`, default true).
+    pub fn verify(&self) -> bool {
+        self.verify.unwrap_or(true)
+    }
+
+    /// Whether the check sends an HTTP request (`http`, or `https` after TLS).
+    pub fn is_http(&self) -> bool {
+        matches!(self.kind, HealthKind::Http | HealthKind::Https)
     }
 
     /// See `fast_interval`.
@@ -703,6 +741,8 @@ pub enum HealthKind {
     #[default]
     Tcp,
     Http,
+    /// TLS (`sni`, `verify`, `ca_file`), then the request of an `http` check.
+    Https,
     /// A datagram (`send`); a reply (containing `expect`) passes, ICMP port unreachable
     /// fails at once.
     Udp,
@@ -759,7 +799,7 @@ macro_rules! display_as {
 display_as!(XdpModeSetting { Native => "native", Generic => "generic", Auto => "auto" });
 display_as!(Protocol { Tcp => "tcp", Udp => "udp" });
 display_as!(HashMode { FiveTuple => "5-tuple", SrcIp => "src-ip" });
-display_as!(HealthKind { Tcp => "tcp", Http => "http", Udp => "udp", Dns => "dns", None => "none" });
+display_as!(HealthKind { Tcp => "tcp", Http => "http", Https => "https", Udp => "udp", Dns => "dns", None => "none" });
 display_as!(AdminState { Ready => "ready", Drain => "drain", Maint => "maint" });
 display_as!(Balance { Maglev => "maglev", LeastFlows => "least-flows" });
 display_as!(HealthTarget { Backend => "backend", Vip => "vip" });
@@ -943,6 +983,17 @@ pub fn same_routes(a: &Option<AnnounceConfig>, b: &Option<AnnounceConfig>) -> bo
 }
 
 impl Config {
+    /// Where the runtime changes (`lb drain`, `lb backend add` ...) are kept so that a
+    /// restarted agent makes them again: `control.state_file`, else beside the control
+    /// socket (`/run/lb/lb.state.json`): one per agent, and gone at a reboot with the
+    /// pins, which hold the rest of the running state.
+    pub fn state_file(&self) -> PathBuf {
+        self.control
+            .state_file
+            .clone()
+            .unwrap_or_else(|| self.control.socket.with_extension("state.json"))
+    }
+
     /// Parses and validates a configuration file's text.
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
         let config: Config = toml::from_str(text)
@@ -1117,6 +1168,18 @@ impl Config {
             ("dataplane.pin_path", d.pin_path != n.pin_path),
             ("debug", old.debug != new.debug),
             ("control.socket", old.control.socket != new.control.socket),
+            (
+                "control.operators_group",
+                old.control.operators_group != new.control.operators_group,
+            ),
+            (
+                "control.operators_socket",
+                old.control.operators_socket != new.control.operators_socket,
+            ),
+            (
+                "control.state_file",
+                old.control.state_file != new.control.state_file,
+            ),
             // The endpoint is bound once, at start.
             (
                 "control.metrics",
@@ -1285,7 +1348,54 @@ impl DataplaneConfig {
 }
 
 impl ControlConfig {
+    /// The operators' socket, when `operators_group` asks for one: `operators_socket`,
+    /// else `lb-operators.sock` beside `socket`.
+    pub fn operators_socket(&self) -> Option<PathBuf> {
+        self.operators_group.as_ref()?;
+        Some(
+            self.operators_socket
+                .clone()
+                .unwrap_or_else(|| self.socket.with_file_name("lb-operators.sock")),
+        )
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(path) = &self.operators_socket {
+            if self.operators_group.is_none() {
+                return Err(invalid(
+                    "control.operators_socket",
+                    "needs control.operators_group: the group that may open it",
+                ));
+            }
+            if !path.is_absolute() {
+                return Err(invalid(
+                    "control.operators_socket",
+                    format!("{} is not an absolute path", path.display()),
+                ));
+            }
+            if *path == self.socket {
+                return Err(invalid(
+                    "control.operators_socket",
+                    "is control.socket: the operators' socket must be a path of its own",
+                ));
+            }
+        }
+        if let Some(path) = &self.state_file
+            && !path.is_absolute()
+        {
+            return Err(invalid(
+                "control.state_file",
+                format!("{} is not an absolute path", path.display()),
+            ));
+        }
+        if let Some(group) = &self.operators_group
+            && (group.is_empty() || group.contains(|c: char| c == ':' || c.is_whitespace()))
+        {
+            return Err(invalid(
+                "control.operators_group",
+                format!("{group:?} is not a group name"),
+            ));
+        }
         // The agent may change directory; a relative socket path would then point
         // somewhere else than the one the CLI connects to.
         if !self.socket.is_absolute() {
@@ -1686,6 +1796,69 @@ impl HealthConfig {
         Ok(())
     }
 
+    /// `sni`, `verify` and `ca_file` belong to https checks. The CA file's contents are
+    /// the host's: `preflight` reads it (`lb check`, `lb run`, every reload).
+    fn validate_tls(&self, at: &str) -> Result<(), ConfigError> {
+        if self.kind != HealthKind::Https {
+            for (field, set) in [
+                ("sni", self.sni.is_some()),
+                ("verify", self.verify.is_some()),
+                ("ca_file", self.ca_file.is_some()),
+            ] {
+                if set {
+                    return Err(invalid(
+                        format!("{at}.{field}"),
+                        format!(
+                            "only used when kind = \"https\" (kind is \"{}\")",
+                            self.kind
+                        ),
+                    ));
+                }
+            }
+            return Ok(());
+        }
+        if let Some(sni) = &self.sni {
+            // SNI carries host names only (RFC 6066); an address is what the check
+            // verifies when sni is left out.
+            let is_address = sni.parse::<IpAddr>().is_ok();
+            if is_address || rustls_pki_types::DnsName::try_from(sni.as_str()).is_err() {
+                return Err(invalid(
+                    format!("{at}.sni"),
+                    format!(
+                        "{sni:?} is not a DNS name{}",
+                        if is_address {
+                            " (leave sni out to verify the certificate for the backend's address)"
+                        } else {
+                            ""
+                        }
+                    ),
+                ));
+            }
+        }
+        if let Some(path) = &self.ca_file {
+            if !path.is_absolute() {
+                return Err(invalid(
+                    format!("{at}.ca_file"),
+                    format!("{} is not an absolute path", path.display()),
+                ));
+            }
+            if !self.verify() {
+                return Err(invalid(
+                    format!("{at}.ca_file"),
+                    "not used when verify = false (no certificate is verified); remove one",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The `ca_file` of an https check that verifies, if it names one.
+    pub fn ca_file_to_read(&self) -> Option<&Path> {
+        (self.kind == HealthKind::Https && self.verify())
+            .then_some(self.ca_file.as_deref())
+            .flatten()
+    }
+
     fn validate(&self, at: &str) -> Result<(), ConfigError> {
         let show = |d: Duration| humantime::format_duration(d).to_string();
         check_duration(&format!("{at}.interval"), self.interval)?;
@@ -1719,10 +1892,13 @@ impl HealthConfig {
             return Err(invalid(format!("{at}.port"), "must not be 0"));
         }
         if let Some(path) = &self.path {
-            if self.kind != HealthKind::Http {
+            if !self.is_http() {
                 return Err(invalid(
                     format!("{at}.path"),
-                    format!("only used when kind = \"http\" (kind is \"{}\")", self.kind),
+                    format!(
+                        "only used when kind = \"http\" or \"https\" (kind is \"{}\")",
+                        self.kind
+                    ),
                 ));
             }
             if !path.starts_with('/') {
@@ -1740,13 +1916,17 @@ impl HealthConfig {
             }
         }
         self.validate_datagram_checks(at)?;
+        self.validate_tls(at)?;
         if self.target == HealthTarget::Vip {
-            if self.kind == HealthKind::Http {
+            if self.is_http() {
                 return Err(invalid(
                     format!("{at}.target"),
-                    "\"vip\" is not supported for http checks (a handshake through the VIP \
-                     needs a TCP stack of its own); use kind = \"tcp\" with target = \"vip\", \
-                     or http with target = \"backend\"",
+                    format!(
+                        "\"vip\" is not supported for {} checks (a handshake through the VIP \
+                         needs a TCP stack of its own); use kind = \"tcp\" with target = \"vip\", \
+                         or {} with target = \"backend\"",
+                        self.kind, self.kind
+                    ),
                 ));
             }
             if self.port.is_some() {
@@ -1993,6 +2173,9 @@ address = "10.0.0.11"
                     expect: None,
                     query: None,
                     query_type: None,
+                    sni: None,
+                    verify: None,
+                    ca_file: None,
                 },
                 min_healthy: 1,
                 slow_start: None,
@@ -3019,6 +3202,91 @@ weight = 3
         }
     }
 
+    /// `kind = "https"` (issue 35): its keys parse; on another kind, or set so that they
+    /// cannot work, they are refused by their field.
+    #[test]
+    fn https_checks_take_sni_verify_and_ca_file() {
+        let with_health = |lines: &str| {
+            MINIMAL.replace(
+                "protocol = \"tcp\"\n",
+                &format!("protocol = \"tcp\"\n[vip.health]\n{lines}\n"),
+            )
+        };
+        let text = with_health(
+            "kind = \"https\"\npath = \"/healthz\"\nsni = \"app.example.com\"\n\
+             ca_file = \"/etc/lb/ca.pem\"",
+        );
+        let config = Config::from_toml(&text).unwrap();
+        let health = &config.vips[0].health;
+        assert_eq!(health.kind, HealthKind::Https);
+        assert_eq!(health.sni.as_deref(), Some("app.example.com"));
+        assert!(health.verify() && health.is_http());
+        assert_eq!(health.ca_file_to_read(), Some(Path::new("/etc/lb/ca.pem")));
+        let https = |c: &mut Config| c.vips[0].health.kind = HealthKind::Https;
+        // Only for https.
+        for kind in [HealthKind::Tcp, HealthKind::Http, HealthKind::Dns] {
+            let on = |c: &mut Config| c.vips[0].health.kind = kind;
+            assert_eq!(
+                rejected_field(|c| {
+                    on(c);
+                    c.vips[0].health.sni = Some("a.example".into());
+                }),
+                "vip[0].health.sni"
+            );
+            assert_eq!(
+                rejected_field(|c| {
+                    on(c);
+                    c.vips[0].health.verify = Some(true);
+                }),
+                "vip[0].health.verify"
+            );
+            assert_eq!(
+                rejected_field(|c| {
+                    on(c);
+                    c.vips[0].health.ca_file = Some("/etc/lb/ca.pem".into());
+                }),
+                "vip[0].health.ca_file"
+            );
+        }
+        for sni in ["10.0.0.11", "not a name", "", "::1"] {
+            let error =
+                Config::from_toml(&with_health(&format!("kind = \"https\"\nsni = {sni:?}")))
+                    .unwrap_err();
+            assert!(
+                matches!(&error, ConfigError::Invalid { field, .. } if field == "vip[0].health.sni"),
+                "{sni}: {error}"
+            );
+        }
+        assert_eq!(
+            rejected_field(|c| {
+                https(c);
+                c.vips[0].health.ca_file = Some("ca.pem".into());
+            }),
+            "vip[0].health.ca_file"
+        );
+        assert_eq!(
+            rejected_field(|c| {
+                https(c);
+                c.vips[0].health.verify = Some(false);
+                c.vips[0].health.ca_file = Some("/etc/lb/ca.pem".into());
+            }),
+            "vip[0].health.ca_file"
+        );
+        assert_eq!(
+            rejected_field(|c| {
+                https(c);
+                c.vips[0].health.target = HealthTarget::Vip;
+            }),
+            "vip[0].health.target"
+        );
+        // verify = false on its own is fine, and reads no CA file.
+        let mut config = minimal();
+        https(&mut config);
+        config.vips[0].health.verify = Some(false);
+        config.validate().unwrap();
+        assert_eq!(config.vips[0].health.ca_file_to_read(), None);
+    }
+
     #[test]
     fn health_path_starts_with_slash() {
         assert_eq!(
@@ -3329,6 +3597,45 @@ weight = 3
         assert_eq!(
             rejected_field(|c| c.vips[0].min_healthy = 0),
             "vip[0].min_healthy"
+        );
+    }
+
+    /// `[control]`: the operators' socket needs its group; paths are absolute.
+    #[test]
+    fn operators_socket_and_state_file_keys() {
+        let config = Config::from_toml(&MINIMAL.replace(
+            "[dataplane]",
+            "[control]\noperators_group = \"lb\"\nstate_file = \"/var/lib/lb/x.json\"\n[dataplane]",
+        ))
+        .unwrap();
+        assert_eq!(
+            config.control.operators_socket(),
+            Some(PathBuf::from("/run/lb/lb-operators.sock"))
+        );
+        assert_eq!(config.state_file(), PathBuf::from("/var/lib/lb/x.json"));
+        assert_eq!(minimal().control.operators_socket(), None);
+        assert_eq!(
+            minimal().state_file(),
+            PathBuf::from("/run/lb/lb.state.json")
+        );
+        assert_eq!(
+            rejected_field(|c| c.control.operators_socket = Some("/run/lb/ops.sock".into())),
+            "control.operators_socket"
+        );
+        assert_eq!(
+            rejected_field(|c| {
+                c.control.operators_group = Some("lb".into());
+                c.control.operators_socket = Some(c.control.socket.clone());
+            }),
+            "control.operators_socket"
+        );
+        assert_eq!(
+            rejected_field(|c| c.control.operators_group = Some("l b".into())),
+            "control.operators_group"
+        );
+        assert_eq!(
+            rejected_field(|c| c.control.state_file = Some("state.json".into())),
+            "control.state_file"
         );
     }
 }

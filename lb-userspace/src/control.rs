@@ -1,5 +1,9 @@
 //! The control socket: HTTP/1.1 with JSON bodies on a Unix socket that only root can
-//! open (created 0600). `GET /status` returns `Status`. Request bodies are read as JSON
+//! open (created 0600). `GET /status` returns `Status`. With `control.operators_group`, a
+//! second socket (the operators' socket, 0660 for that group) answers the read-only
+//! requests (status, explain: what `lb status`, `lb explain` and `lb top` ask) and
+//! refuses every change with a 403. Every change asked for is logged with the asker's
+//! uid and pid (SO_PEERCRED). Request bodies are read as JSON
 //! whatever their Content-Type (`curl -d` sends a form type); every refusal is a JSON
 //! `{"error": "..."}` with its status code: 400 a malformed or invalid request, 404 an
 //! unknown VIP, backend or path, 405 a wrong method, 409 a conflict, 422 a refused
@@ -13,44 +17,139 @@ use std::{
 
 use anyhow::{Context, bail};
 use axum::{
-    Json, Router,
+    Extension, Json, Router,
     body::Bytes,
     extract::{FromRequest, Request, State as Extract},
     http::{Method, StatusCode, Uri},
-    routing::{get, post},
+    middleware::Next,
+    response::{IntoResponse, Response},
+    routing::{MethodRouter, get, post},
 };
 use serde::de::DeserializeOwned;
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::{
     api::{BackendRequest, ChangeAnswer, ErrorAnswer, ReloadAnswer},
+    config::ControlConfig,
     explain::{ExplainError, ExplainRequest, Explanation, monotonic_ns},
     health::HealthTasks,
-    listen::LIMITS,
+    listen::{LIMITS, Peer},
     state::{self, ControlError, State},
     status::Status,
     writer::Requested,
 };
 
-/// Binds the socket (0600, parent created 0700 if missing) and serves until `shutdown`,
-/// within the listener limits of `listen`.
-/// The control socket, bound (0600) before the data path is touched, not yet served: a
-/// socket in use stops the start with nothing attached.
+/// The control socket (and the operators' socket, when configured), bound (0600) before
+/// the data path is touched, not yet served: a socket in use stops the start with
+/// nothing attached.
 pub struct ControlSocket {
     listener: UnixListener,
     path: PathBuf,
+    operators: Option<OperatorsSocket>,
+}
+
+/// The read-only socket of `control.operators_group`.
+struct OperatorsSocket {
+    listener: UnixListener,
+    path: PathBuf,
+    group: String,
+    gid: u32,
 }
 
 impl ControlSocket {
-    pub async fn bind(path: PathBuf) -> anyhow::Result<Self> {
-        let listener = bind(&path).await?;
-        Ok(Self { listener, path })
+    pub async fn bind(config: &ControlConfig) -> anyhow::Result<Self> {
+        // The operators' first: a parent directory it creates must let them in (0755),
+        // where the control socket alone would create it 0700.
+        let operators = match (config.operators_socket(), &config.operators_group) {
+            (Some(path), Some(group)) => Some(OperatorsSocket::bind(path, group).await?),
+            _ => None,
+        };
+        let listener = match bind(&config.socket, 0o700, 0o600).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                if let Some(operators) = operators {
+                    let _ = std::fs::remove_file(&operators.path);
+                }
+                return Err(error);
+            }
+        };
+        Ok(Self {
+            listener,
+            path: config.socket.clone(),
+            operators,
+        })
     }
 
-    /// The start failed before serving: the socket file goes with it.
+    /// The start failed before serving: the socket files go with it.
     pub fn abandon(self) {
         let _ = std::fs::remove_file(&self.path);
+        if let Some(operators) = self.operators {
+            let _ = std::fs::remove_file(&operators.path);
+        }
     }
+}
+
+impl OperatorsSocket {
+    async fn bind(path: PathBuf, group: &str) -> anyhow::Result<Self> {
+        let gid = crate::preflight::group_id(group)
+            .map_err(|why| anyhow::anyhow!("`control.operators_group`: {why}"))?;
+        let listener = bind(&path, 0o755, 0o600).await?;
+        // Group-owned and 0660; without CAP_CHOWN (a unit that bounds it away) it cannot be
+        // given to the group, and is opened to all instead: each peer's groups are checked
+        // on every request anyway (`operators_only`).
+        let mode = match nix::unistd::chown(&path, None, Some(nix::unistd::Gid::from_raw(gid))) {
+            Ok(()) => 0o660,
+            Err(errno) => {
+                tracing::warn!(
+                    "operators' socket {}: cannot give it to group {group} ({errno}); it is \
+                     0666 and each peer's groups are checked instead",
+                    path.display()
+                );
+                0o666
+            }
+        };
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+        if let Some(parent) = path.parent()
+            && let Ok(meta) = std::fs::metadata(parent)
+            && meta.permissions().mode() & 0o011 == 0
+        {
+            tracing::warn!(
+                "operators' socket {}: its directory {} is mode {:o}: group {group} cannot \
+                 reach it (chmod 0755 {})",
+                path.display(),
+                parent.display(),
+                meta.permissions().mode() & 0o7777,
+                parent.display()
+            );
+        }
+        Ok(Self {
+            listener,
+            path,
+            group: group.to_owned(),
+            gid,
+        })
+    }
+}
+
+/// The requests that change something, and what answers them on the control socket.
+fn changes() -> [(&'static str, MethodRouter<Api>); 6] {
+    [
+        ("/reload", post(reload)),
+        ("/backend/state", post(backend_state)),
+        ("/backend/add", post(backend_add)),
+        ("/backend/remove", post(backend_remove)),
+        ("/node/drain", post(node_drain)),
+        ("/node/ready", post(node_ready)),
+    ]
+}
+
+/// The read-only requests, which both sockets answer.
+fn reads() -> Router<Api> {
+    Router::new()
+        .route("/status", get(status))
+        .route("/explain", post(explain))
+        .fallback(unknown_path)
+        .method_not_allowed_fallback(wrong_method)
 }
 
 pub fn serve(
@@ -58,36 +157,93 @@ pub fn serve(
     shared: Arc<Mutex<State>>,
     health_tasks: HealthTasks,
 ) -> tokio::task::JoinHandle<()> {
-    let ControlSocket { listener, path } = socket;
+    let ControlSocket {
+        listener,
+        path,
+        operators,
+    } = socket;
     let shutdown = health_tasks.shutdown.clone();
-    let app = Router::new()
-        .route("/status", get(status))
-        .route("/reload", post(reload))
-        .route("/explain", post(explain))
-        .route("/backend/state", post(backend_state))
-        .route("/backend/add", post(backend_add))
-        .route("/backend/remove", post(backend_remove))
-        .route("/node/drain", post(node_drain))
-        .route("/node/ready", post(node_ready))
-        .fallback(unknown_path)
-        .method_not_allowed_fallback(wrong_method)
-        .with_state(Api {
-            shared,
-            health_tasks,
+    let api = Api {
+        shared,
+        health_tasks,
+    };
+    let app = changes()
+        .into_iter()
+        .fold(reads(), |app, (route, handler)| app.route(route, handler))
+        .with_state(api.clone());
+    if let Some(operators) = operators {
+        let OperatorsSocket {
+            listener,
+            path,
+            group,
+            gid,
+        } = operators;
+        let app = changes()
+            .into_iter()
+            .fold(reads(), |app, (route, _)| app.route(route, post(read_only)))
+            .layer(axum::middleware::from_fn_with_state(
+                (gid, group),
+                operators_only,
+            ))
+            .with_state(api);
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            crate::listen::serve(listener, "operators' socket", app, LIMITS, shutdown).await;
+            let _ = std::fs::remove_file(&path);
         });
+    }
     tokio::spawn(async move {
         crate::listen::serve(listener, "control socket", app, LIMITS, shutdown).await;
         let _ = std::fs::remove_file(&path);
     })
 }
 
-async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+/// The operators' socket lets in root and the members of its group (by the peer's
+/// credentials, whatever the file's mode).
+async fn operators_only(
+    Extract((gid, group)): Extract<(u32, String)>,
+    peer: Option<Extension<Peer>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    match peer {
+        Some(Extension(peer)) if peer.uid == 0 || peer.in_group(gid) => next.run(request).await,
+        Some(Extension(peer)) => refusal(
+            StatusCode::FORBIDDEN,
+            format!(
+                "{peer} is not in group {group} (control.operators_group): the operators' \
+                 socket answers its members only"
+            ),
+        )
+        .into_response(),
+        None => {
+            refusal(StatusCode::FORBIDDEN, "the peer's credentials are unknown").into_response()
+        }
+    }
+}
+
+/// A change asked of the operators' socket.
+async fn read_only(uri: Uri, peer: Option<Extension<Peer>>) -> Refusal {
+    let who = peer.map(|Extension(p)| p.to_string()).unwrap_or_default();
+    tracing::info!("operators' socket: refused {uri} to {who}: read-only");
+    refusal(
+        StatusCode::FORBIDDEN,
+        format!(
+            "POST {uri}: the operators' socket is read-only (status, explain, top); changes \
+             go through the control socket, as root"
+        ),
+    )
+}
+
+/// Binds a Unix socket at `path` with `mode` (its parent created with `parent_mode` if
+/// missing). A stale socket file is replaced; one in use is an error.
+async fn bind(path: &Path, parent_mode: u32, mode: u32) -> anyhow::Result<UnixListener> {
     if let Some(parent) = path.parent()
         && !parent.exists()
     {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
-        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700))?;
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(parent_mode))?;
     }
     if path.exists() {
         if UnixStream::connect(path).await.is_ok() {
@@ -100,7 +256,7 @@ async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     let bound = UnixListener::bind(path);
     nix::sys::stat::umask(old_mask);
     let listener = bound.with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     Ok(listener)
 }
 
@@ -170,7 +326,19 @@ async fn written(requested: Requested) -> Result<(), Refusal> {
     })
 }
 
-async fn reload(Extract(api): Extract<Api>) -> Result<Json<ReloadAnswer>, Refusal> {
+/// Who asked, for the log: "uid 0 (pid 4242)".
+fn asker(peer: &Option<Extension<Peer>>) -> String {
+    match peer {
+        Some(Extension(peer)) => peer.to_string(),
+        None => "an unknown peer".into(),
+    }
+}
+
+async fn reload(
+    Extract(api): Extract<Api>,
+    peer: Option<Extension<Peer>>,
+) -> Result<Json<ReloadAnswer>, Refusal> {
+    tracing::info!("reload asked by {}", asker(&peer));
     let (changes, requested) = state::reload(&api.shared, &api.health_tasks).map_err(|e| {
         let message = format!("{:#}", anyhow::Error::from(e));
         refusal(StatusCode::UNPROCESSABLE_ENTITY, message)
@@ -192,43 +360,58 @@ fn refused(error: ControlError) -> Refusal {
 
 async fn backend_state(
     Extract(api): Extract<Api>,
+    peer: Option<Extension<Peer>>,
     Body(request): Body<BackendRequest>,
 ) -> Result<Json<ChangeAnswer>, Refusal> {
     let state = request.state.ok_or(refusal(
         StatusCode::BAD_REQUEST,
         "missing \"state\": \"ready\", \"drain\" or \"maint\"",
     ))?;
-    api.change(|shared| shared.set_admin_state(&request.vip, request.backend, state))
-        .await
+    api.change(&peer, |shared| {
+        shared.set_admin_state(&request.vip, request.backend, state)
+    })
+    .await
 }
 
 async fn backend_add(
     Extract(api): Extract<Api>,
+    peer: Option<Extension<Peer>>,
     Body(request): Body<BackendRequest>,
 ) -> Result<Json<ChangeAnswer>, Refusal> {
     let weight = request.weight.unwrap_or(1);
-    api.change(|shared| shared.add_backend(&request.vip, request.backend, weight))
-        .await
+    api.change(&peer, |shared| {
+        shared.add_backend(&request.vip, request.backend, weight)
+    })
+    .await
 }
 
 async fn backend_remove(
     Extract(api): Extract<Api>,
+    peer: Option<Extension<Peer>>,
     Body(request): Body<BackendRequest>,
 ) -> Result<Json<ChangeAnswer>, Refusal> {
-    api.change(|shared| shared.remove_backend(&request.vip, request.backend))
-        .await
+    api.change(&peer, |shared| {
+        shared.remove_backend(&request.vip, request.backend)
+    })
+    .await
 }
 
 impl Api {
     /// Applies a runtime change under the lock, starts checks for backends that became
     /// checked (added, or back from maintenance), and answers once the tables follow.
+    /// The change, or its refusal, is logged with who asked.
     async fn change(
         &self,
+        peer: &Option<Extension<Peer>>,
         apply: impl FnOnce(&mut State) -> Result<String, ControlError>,
     ) -> Result<Json<ChangeAnswer>, Refusal> {
         let (change, requested) = {
             let mut shared = self.shared.lock().expect("agent state poisoned");
-            let change = apply(&mut shared).map_err(refused)?;
+            let change = apply(&mut shared).map_err(|error| {
+                tracing::info!("runtime change refused to {}: {error}", asker(peer));
+                refused(error)
+            })?;
+            tracing::info!("runtime change by {}: {change}", asker(peer));
             (change, shared.requested())
         };
         state::spawn_checks(&self.shared, &self.health_tasks);
@@ -242,7 +425,11 @@ const NODE_CHANGE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// `POST /node/drain`: withdraw every VIP (the data path keeps forwarding what still
 /// arrives); answers once the routes are gone.
-async fn node_drain(Extract(api): Extract<Api>) -> Result<Json<ChangeAnswer>, Refusal> {
+async fn node_drain(
+    Extract(api): Extract<Api>,
+    peer: Option<Extension<Peer>>,
+) -> Result<Json<ChangeAnswer>, Refusal> {
+    tracing::info!("node drain asked by {}", asker(&peer));
     crate::announce::set_drained(&api.shared, true, NODE_CHANGE_WAIT)
         .await
         .map(|change| Json(ChangeAnswer { change }))
@@ -250,7 +437,11 @@ async fn node_drain(Extract(api): Extract<Api>) -> Result<Json<ChangeAnswer>, Re
 }
 
 /// `POST /node/ready`: undoes `/node/drain`.
-async fn node_ready(Extract(api): Extract<Api>) -> Result<Json<ChangeAnswer>, Refusal> {
+async fn node_ready(
+    Extract(api): Extract<Api>,
+    peer: Option<Extension<Peer>>,
+) -> Result<Json<ChangeAnswer>, Refusal> {
+    tracing::info!("node ready asked by {}", asker(&peer));
     crate::announce::set_drained(&api.shared, false, NODE_CHANGE_WAIT)
         .await
         .map(|change| Json(ChangeAnswer { change }))
@@ -336,12 +527,24 @@ mod tests {
 
     /// An agent's control socket over an in-memory data path, in a fresh directory.
     async fn agent(name: &str) -> (PathBuf, CancellationGuard) {
+        agent_with(name, None).await
+    }
+
+    /// [`agent`], with an operators' socket (`lb-operators.sock` beside the control
+    /// socket) for `operators_group`.
+    async fn agent_with(name: &str, operators_group: Option<&str>) -> (PathBuf, CancellationGuard) {
         let dir = std::env::temp_dir().join(format!("lb-control-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let socket = dir.join("lb.sock");
         let state = Arc::new(Mutex::new(shared(config("eth0", &["10.0.0.11"]))));
         let tasks = HealthTasks::new(tokio_util::sync::CancellationToken::new());
-        let bound = ControlSocket::bind(socket.clone()).await.unwrap();
+        let bound = ControlSocket::bind(&ControlConfig {
+            socket: socket.clone(),
+            operators_group: operators_group.map(String::from),
+            ..ControlConfig::default()
+        })
+        .await
+        .unwrap();
         serve(bound, state, tasks.clone());
         (socket, CancellationGuard(tasks.shutdown, dir))
     }
@@ -427,6 +630,60 @@ mod tests {
             format!("{error:#}"),
             "refused: no VIP 10.0.0.100:81/tcp is configured"
         );
+    }
+
+    /// The operators' socket answers the reads and refuses every change with a 403 (the
+    /// test runs as root, whom it admits; other users are the root test's).
+    #[tokio::test]
+    async fn the_operators_socket_reads_and_refuses_changes() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED: the operators' socket is given to group root: needs root");
+            return;
+        }
+        let (socket, _agent) = agent_with("operators", Some("root")).await;
+        let operators = socket.with_file_name("lb-operators.sock");
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(&operators).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o660);
+        let (code, answer) = send(&operators, "GET", "/status", None, "").await;
+        assert_eq!(code, 200, "{answer}");
+        assert!(answer["vips"].is_array(), "{answer}");
+        let explain = r#"{"vip": "10.0.0.100:80/tcp", "source": "10.9.0.1:4000"}"#;
+        let (code, answer) = send(&operators, "POST", "/explain", None, explain).await;
+        assert_eq!(code, 200, "{answer}");
+        for path in [
+            "/reload",
+            "/backend/state",
+            "/backend/add",
+            "/backend/remove",
+            "/node/drain",
+            "/node/ready",
+        ] {
+            let (code, answer) = send(&operators, "POST", path, None, DRAIN).await;
+            assert_eq!(code, 403, "{path}: {answer}");
+            let error = answer["error"].as_str().unwrap();
+            assert!(
+                error.contains("the operators' socket is read-only"),
+                "{error}"
+            );
+        }
+        let (code, _) = send(&operators, "GET", "/nothing", None, "").await;
+        assert_eq!(code, 404);
+        // The control socket still takes the change.
+        let (code, answer) = send(&socket, "POST", "/backend/state", None, DRAIN).await;
+        assert_eq!(code, 200, "{answer}");
+    }
+
+    #[test]
+    fn peers_are_admitted_by_uid_0_or_their_groups() {
+        let peer = Peer {
+            uid: 1000,
+            gid: 1000,
+            pid: Some(7),
+            groups: vec![27, 999],
+        };
+        assert!(peer.in_group(1000) && peer.in_group(999) && !peer.in_group(0));
+        assert_eq!(peer.to_string(), "uid 1000 (pid 7)");
     }
 
     /// The requests the README's control socket table lists are the ones served.

@@ -26,6 +26,7 @@ pub mod neighbor;
 pub mod preflight;
 pub mod snapshot;
 pub mod state;
+pub mod statefile;
 pub mod status;
 pub mod tables;
 pub mod telemetry;

@@ -79,6 +79,62 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 pub trait Listener: Send + 'static {
     type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
     fn accept_one(&mut self) -> impl Future<Output = io::Result<Self::Io>> + Send;
+    /// Who is at the other end, as the kernel says: every request of the connection
+    /// carries it (an axum `Extension<Peer>`). None where the socket cannot tell.
+    fn peer(_io: &Self::Io) -> Option<Peer> {
+        None
+    }
+}
+
+/// A Unix socket's peer, as it was when it connected (SO_PEERCRED, SO_PEERGROUPS).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: Option<i32>,
+    /// Its supplementary groups.
+    pub groups: Vec<u32>,
+}
+
+impl Peer {
+    /// Whether it is in group `gid`, as its primary or a supplementary group.
+    pub fn in_group(&self, gid: u32) -> bool {
+        self.gid == gid || self.groups.contains(&gid)
+    }
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "uid {}", self.uid)?;
+        match self.pid {
+            Some(pid) => write!(f, " (pid {pid})"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The supplementary groups of a Unix socket's peer (SO_PEERGROUPS, Linux 4.13).
+fn peer_groups(stream: &tokio::net::UnixStream) -> Vec<u32> {
+    use std::os::fd::AsRawFd;
+    let mut groups = vec![0u32; 64];
+    let mut len = (groups.len() * size_of::<u32>()) as libc::socklen_t;
+    // SAFETY: the buffer is `len` bytes of writable memory; the kernel writes at most that
+    // and says how much it wrote.
+    let done = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERGROUPS,
+            groups.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    if done != 0 {
+        // ERANGE: more than 64 groups; the primary group still counts.
+        return Vec::new();
+    }
+    groups.truncate(len as usize / size_of::<u32>());
+    groups
 }
 
 impl Listener for tokio::net::TcpListener {
@@ -92,6 +148,16 @@ impl Listener for tokio::net::UnixListener {
     type Io = tokio::net::UnixStream;
     async fn accept_one(&mut self) -> io::Result<Self::Io> {
         self.accept().await.map(|(stream, _)| stream)
+    }
+
+    fn peer(io: &Self::Io) -> Option<Peer> {
+        let cred = io.peer_cred().ok()?;
+        Some(Peer {
+            uid: cred.uid(),
+            gid: cred.gid(),
+            pid: cred.pid(),
+            groups: peer_groups(io),
+        })
     }
 }
 
@@ -139,8 +205,9 @@ pub async fn serve<L: Listener>(
             continue;
         };
         let (app, shutdown) = (app.clone(), shutdown.clone());
+        let peer = L::peer(&io);
         connections.spawn(async move {
-            serve_connection(io, app, limits, shutdown).await;
+            serve_connection(io, peer, app, limits, shutdown).await;
             drop(permit);
         });
     }
@@ -155,12 +222,20 @@ pub async fn serve<L: Listener>(
 
 /// One connection, until it ends, outlives `max_connection_time`, or (after `shutdown`)
 /// finishes the request in progress.
-async fn serve_connection<Io>(io: Io, app: Router, limits: Limits, shutdown: CancellationToken)
-where
+async fn serve_connection<Io>(
+    io: Io,
+    peer: Option<Peer>,
+    app: Router,
+    limits: Limits,
+    shutdown: CancellationToken,
+) where
     Io: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+    let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
         let app = app.clone();
+        if let Some(peer) = &peer {
+            request.extensions_mut().insert(peer.clone());
+        }
         async move { Ok::<_, Infallible>(answer(app, request, limits).await) }
     });
     let connection = hyper::server::conn::http1::Builder::new()

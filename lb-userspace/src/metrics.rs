@@ -32,12 +32,12 @@ pub struct VipLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CheckLabels {
     pub vip: String,
-    /// "tcp", "http", "udp" or "dns".
+    /// "tcp", "http", "https", "udp" or "dns".
     pub kind: String,
 }
 
 /// The kinds that run checks (`none` runs none), for dropping a VIP's series.
-const CHECK_KINDS: [&str; 4] = ["tcp", "http", "udp", "dns"];
+const CHECK_KINDS: [&str; 5] = ["tcp", "http", "https", "udp", "dns"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BackendLabels {

@@ -40,16 +40,22 @@ pub enum Check {
     ClusterAddress,
     /// `dataplane.next_program`: a pinned XDP program that lb's program can tail-call.
     NextProgram,
+    /// https checks: every `ca_file` is readable and holds PEM certificates.
+    CaFiles,
+    /// `control.operators_group` is a group of this host.
+    OperatorsGroup,
 }
 
 impl Check {
-    pub const ALL: [Check; 6] = [
+    pub const ALL: [Check; 8] = [
         Check::Capacity,
         Check::InterfaceAddresses,
         Check::Routes,
         Check::ClusterKey,
         Check::ClusterAddress,
         Check::NextProgram,
+        Check::CaFiles,
+        Check::OperatorsGroup,
     ];
 
     /// Its name in `lb check`'s output.
@@ -61,6 +67,8 @@ impl Check {
             Check::ClusterKey => "cluster key",
             Check::ClusterAddress => "cluster address",
             Check::NextProgram => "next program",
+            Check::CaFiles => "ca files",
+            Check::OperatorsGroup => "operators group",
         }
     }
 
@@ -77,6 +85,8 @@ impl Check {
         match self {
             Check::ClusterKey | Check::ClusterAddress => config.cluster.is_some(),
             Check::NextProgram => config.dataplane.next_program.is_some(),
+            Check::CaFiles => !ca_files(config).is_empty(),
+            Check::OperatorsGroup => config.control.operators_group.is_some(),
             _ => true,
         }
     }
@@ -166,6 +176,19 @@ fn run_one(
                 .map_err(|error| invalid("cluster.address", error.to_string()))
         }
         (Check::NextProgram, _, _) => next_program(config).map(drop),
+        (Check::CaFiles, _, _) => {
+            for (field, path) in ca_files(config) {
+                crate::health::tls::read_ca_file(path)
+                    .map_err(|why| invalid(&field, format!("{}: {why}", path.display())))?;
+            }
+            Ok(())
+        }
+        (Check::OperatorsGroup, _, _) => match &config.control.operators_group {
+            Some(group) => group_id(group)
+                .map(drop)
+                .map_err(|why| invalid("control.operators_group", why)),
+            None => Ok(()),
+        },
         // Not applicable, or skipped by `run`.
         _ => Ok(()),
     }
@@ -189,6 +212,33 @@ pub fn next_program(config: &Config) -> Result<Option<NextProgram>, ConfigError>
 
 /// The field `next_program` refusals name.
 pub const NEXT_PROGRAM_FIELD: &str = "dataplane.next_program";
+/// The id of group `name` on this host. Err: why there is none.
+pub fn group_id(name: &str) -> Result<u32, String> {
+    match nix::unistd::Group::from_name(name) {
+        Ok(Some(group)) => Ok(group.gid.as_raw()),
+        Ok(None) => Err(format!(
+            "no group {name:?} on this host (create it: groupadd --system {name})"
+        )),
+        Err(errno) => Err(format!("looking up group {name:?}: {errno}")),
+    }
+}
+
+/// Every `ca_file` an https check reads, with its field.
+fn ca_files(config: &Config) -> Vec<(String, &std::path::Path)> {
+    let mut files = Vec::new();
+    for (i, vip) in config.vips.iter().enumerate() {
+        files.extend(
+            vip.health
+                .ca_file_to_read()
+                .map(|path| (format!("vip[{i}].health.ca_file"), path)),
+        );
+        for (j, backend) in vip.backends.iter().enumerate() {
+            let own = backend.health.as_ref().and_then(|h| h.ca_file_to_read());
+            files.extend(own.map(|path| (format!("vip[{i}].backend[{j}].health.ca_file"), path)));
+        }
+    }
+    files
+}
 
 /// A key error as the field's reason: the path and why.
 fn key_reason(error: cluster::ClusterError) -> String {
@@ -198,14 +248,14 @@ fn key_reason(error: cluster::ClusterError) -> String {
     }
 }
 
-/// The checks against the interface, on their own: made again at every reload and
-/// runtime change, where the interface is known.
+/// The checks against the interface, and the CA files' contents: made again at every
+/// reload and runtime change, where the interface is known.
 pub fn interface_checks(
     config: &Config,
     interface: &Interface,
     route_of: RouteLookup,
 ) -> Result<(), ConfigError> {
-    for check in [Check::InterfaceAddresses, Check::Routes] {
+    for check in [Check::InterfaceAddresses, Check::Routes, Check::CaFiles] {
         run_one(check, config, Some(interface), route_of)?;
     }
     Ok(())
@@ -275,7 +325,9 @@ mod tests {
                 "routes",
                 "cluster key",
                 "cluster address",
-                "next program"
+                "next program",
+                "ca files",
+                "operators group"
             ]
         );
         let here = eth0();
@@ -347,6 +399,21 @@ mod tests {
             outcomes[..5].iter().all(|(_, o)| *o == Outcome::Passed),
             "{outcomes:?}"
         );
+        assert_eq!(outcomes[5], (Check::CaFiles, Outcome::NotConfigured));
+        assert_eq!(outcomes[6], (Check::OperatorsGroup, Outcome::NotConfigured));
+        // An operators' group this host does not have.
+        let mut no_group = good.clone();
+        no_group.control.operators_group = Some("lb-no-such-group".into());
+        let error = run(&no_group, Some(&here), on_link, Mode::Check).unwrap_err();
+        assert!(
+            matches!(&error, ConfigError::Invalid { field, reason }
+                if field == "control.operators_group" && reason.contains("groupadd")),
+            "{error}"
+        );
+        let mut root_group = good.clone();
+        root_group.control.operators_group = Some("root".into());
+        let outcomes = run(&root_group, Some(&here), on_link, Mode::Check).unwrap();
+        assert_eq!(outcomes[6], (Check::OperatorsGroup, Outcome::Passed));
         // No address of the peers' family to bind.
         let v6_peer = private.clone();
         let mut v6_peer = v6_peer;
@@ -405,6 +472,60 @@ mod tests {
             outcomes[1],
             (Check::InterfaceAddresses, Outcome::NoInterface)
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An https check's `ca_file` (issue 35): missing, unreadable or not PEM is refused
+    /// by `lb check` and `lb run` alike, and at a reload, naming the field.
+    #[test]
+    fn ca_files_are_read_and_refused_by_their_field() {
+        let dir = tempfile_dir();
+        let https = |ca_file: &std::path::Path| {
+            Config::from_toml(&format!(
+                "[dataplane]\ninterface = \"eth0\"\n[[vip]]\nname = \"web\"\n\
+                 address = \"10.0.0.100\"\nport = 443\nprotocol = \"tcp\"\n[vip.health]\n\
+                 kind = \"https\"\n[[vip.backend]]\naddress = \"10.0.0.11\"\n\
+                 [[vip.backend]]\naddress = \"10.0.0.12\"\n[vip.backend.health]\n\
+                 kind = \"https\"\nsni = \"backend.test\"\nca_file = \"{}\"\n",
+                ca_file.display()
+            ))
+            .unwrap()
+        };
+        let good = concat!(env!("CARGO_MANIFEST_DIR"), "/src/health/testdata/ca.pem");
+        let outcomes = run(&https(good.as_ref()), Some(&eth0()), on_link, Mode::Check).unwrap();
+        assert_eq!(outcomes[5], (Check::CaFiles, Outcome::Passed));
+        let here = eth0();
+        interface_checks(&https(good.as_ref()), &here, on_link).unwrap();
+
+        let not_pem = dir.join("not-pem");
+        std::fs::write(&not_pem, "just text\n").unwrap();
+        let broken = dir.join("broken-pem");
+        std::fs::write(
+            &broken,
+            "-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        for (path, why) in [
+            (dir.join("missing"), "No such file"),
+            (not_pem, "no PEM certificate"),
+            (broken, "not a PEM file"),
+            (dir.clone(), "Is a directory"),
+        ] {
+            let config = https(&path);
+            for error in [
+                run(&config, Some(&here), on_link, Mode::Check).unwrap_err(),
+                interface_checks(&config, &here, on_link).unwrap_err(),
+            ] {
+                assert!(
+                    matches!(&error, ConfigError::Invalid { field, reason }
+                        if field == "vip[0].backend[1].health.ca_file"
+                            && reason.contains(why)
+                            && reason.contains(&path.display().to_string())),
+                    "{}: {error}",
+                    path.display()
+                );
+            }
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -16,7 +16,7 @@ use lb_common::stat;
 
 use crate::{
     announce, cluster,
-    config::{Config, Forward},
+    config::{AdminState, Config, Forward},
     dataplane::{AttachedMode, CounterReader, Counters},
     explain::NextHop,
     health,
@@ -47,6 +47,24 @@ pub struct StatusSource {
     pub(crate) agent: AgentStatus,
 }
 
+/// Why a backend's state or health differs from what the file and runtime commands
+/// make it, when its agent check is the reason: it said drain or maint while the admin
+/// state is ready (which `lb ready` does not override), or down.
+fn agent_reason(b: &BackendState) -> Option<String> {
+    let mut why = Vec::new();
+    if b.config.state == AdminState::Ready
+        && let Some(said) = b.agent.admin.filter(|a| *a != AdminState::Ready)
+    {
+        why.push(format!(
+            "agent check says {said} (until it says ready; lb ready does not override it)"
+        ));
+    }
+    if b.agent.down {
+        why.push("agent check says down".to_string());
+    }
+    (!why.is_empty()).then(|| why.join("; "))
+}
+
 impl StatusSource {
     /// What `lb status` shows.
     pub fn status(&self) -> anyhow::Result<Status> {
@@ -69,6 +87,7 @@ impl StatusSource {
         let counters = self.counters.counters(&vip_ids, &self.backend_ids())?;
         let slots = Model::slot_counts(&self.desired);
         let now = Instant::now();
+        let ids = self.model.backend_id_usage(now);
         let vips = self
             .model
             .vips
@@ -109,6 +128,9 @@ impl StatusSource {
                     .last_scan
                     .map(|at| now.saturating_duration_since(at).as_secs_f64()),
                 start: self.start.clone(),
+                backend_id_capacity: ids.capacity,
+                backend_ids_in_use: ids.in_use,
+                backend_ids_held: ids.held,
             },
             vips,
             counters: stat::NAMES
@@ -183,6 +205,7 @@ impl StatusSource {
                 .outlier
                 .is_some()
                 .then(|| crate::health::outlier::status(&b.outlier, now)),
+            state_reason: agent_reason(b),
         }
     }
 

@@ -31,6 +31,7 @@ use crate::{
     model::{CheckRecord, Model, ModelError, weights::AgentReport},
     neighbor::{self, Interface, RouteLookup},
     snapshot::StatusSource,
+    statefile,
     status::{AgentStatus, LastReload, Start, Status},
     tables::TableInputs,
     telemetry::{Telemetry, source_address},
@@ -75,6 +76,10 @@ pub struct State {
     /// Since when this agent runs, and its reloads (status `agent`, the reload metrics).
     started: Instant,
     reloads: Reloads,
+    /// Where the runtime changes are kept across restarts (None: nowhere, in unit tests),
+    /// and what it holds now.
+    state_file: Option<PathBuf>,
+    saved: Vec<statefile::SavedChange>,
 }
 
 /// The reloads asked of this agent.
@@ -139,6 +144,8 @@ impl State {
         model.settle_usable();
         Self {
             config_path,
+            state_file: Some(config.state_file()),
+            saved: Vec::new(),
             file: config.clone(),
             config,
             model,
@@ -163,6 +170,43 @@ impl State {
                 last: None,
             },
         }
+    }
+
+    /// The configuration as read from the file, when the running one has the state file's
+    /// runtime changes made again on top of it (`statefile::restore`): they are runtime
+    /// changes still, which status lists and a reload undoes.
+    pub fn set_file_config(&mut self, file: Config) {
+        self.file = file;
+        self.save_runtime_changes();
+    }
+
+    /// Keeps the runtime changes in the state file, when they changed since it was last
+    /// written (a failure is logged: the agent serves on, only a restart would lose them).
+    fn save_runtime_changes(&mut self) {
+        let changes: Vec<statefile::SavedChange> = self
+            .runtime_differences()
+            .into_iter()
+            .map(|d| statefile::SavedChange {
+                vip: d.vip,
+                kind: match d.kind {
+                    DifferenceKind::Added => statefile::ChangeKind::Added,
+                    DifferenceKind::Removed => statefile::ChangeKind::Removed,
+                    DifferenceKind::State => statefile::ChangeKind::State,
+                    DifferenceKind::Settings => statefile::ChangeKind::Settings,
+                },
+                backend: d.backend,
+                what: d.what,
+            })
+            .collect();
+        if changes == self.saved {
+            return;
+        }
+        if let Some(path) = &self.state_file
+            && let Err(error) = statefile::save(path, &self.config_path, &changes)
+        {
+            tracing::warn!("{error}: a restart would not keep the runtime changes");
+        }
+        self.saved = changes;
     }
 
     /// Counts a reload and keeps its outcome (`error`: why it was refused).
@@ -192,6 +236,12 @@ impl State {
             reloads_refused: self.reloads.refused,
             last_load_unix_seconds: unix_seconds(self.reloads.last_load),
             last_reload: self.reloads.last.clone(),
+            state_file: self
+                .state_file
+                .as_ref()
+                .map(|path| path.display().to_string())
+                .unwrap_or_default(),
+            runtime_changes: self.saved.iter().map(|c| c.what.clone()).collect(),
         }
     }
 
@@ -382,6 +432,7 @@ impl State {
         self.file = new.clone();
         self.config = new;
         self.sync();
+        self.save_runtime_changes();
         Ok(changes)
     }
 
@@ -511,7 +562,8 @@ impl State {
         self.replace_model(model);
         self.config = config;
         self.sync();
-        tracing::info!("runtime change: {what}");
+        self.save_runtime_changes();
+        // Logged by the control socket, with who asked.
         Ok(what)
     }
 
@@ -635,6 +687,7 @@ impl State {
                 tracing::info!("backend {address} of vip {vip} removed");
             }
             self.config = config;
+            self.save_runtime_changes();
             changed = true;
         }
         if changed {
@@ -1599,6 +1652,43 @@ mod tests {
         assert_eq!(shared.model.vips[0].backends[0].admin_word(), "ready");
     }
 
+    /// The state file follows the runtime changes (issue 41): written on a change, what
+    /// a restart makes again, and gone once a reload undid them.
+    #[test]
+    fn the_state_file_keeps_the_runtime_changes_a_restart_makes_again() {
+        let path = std::env::temp_dir().join(format!("lb-state-{}.json", std::process::id()));
+        let file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        let mut shared = shared(file.clone());
+        shared.state_file = Some(path.clone());
+        let b11: IpAddr = "10.0.0.11".parse().unwrap();
+        shared
+            .set_admin_state(&web(), b11, AdminState::Drain)
+            .unwrap();
+        shared
+            .add_backend(&web(), "10.0.0.13".parse().unwrap(), 2)
+            .unwrap();
+        let saved = statefile::load(&path, std::path::Path::new("/nonexistent")).unwrap();
+        assert_eq!(saved.len(), 2, "{saved:?}");
+        assert_eq!(
+            shared.agent_status().runtime_changes,
+            [
+                "10.0.0.100:80/tcp backend 10.0.0.11 -> drain",
+                "10.0.0.100:80/tcp backend 10.0.0.13 added (weight 2)"
+            ]
+        );
+        // A restart: the file's configuration with the saved changes made again.
+        let (running, lines) = statefile::restore(&file, &saved);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        let mut restarted = super::test_support::shared(running);
+        restarted.set_file_config(file.clone());
+        assert_eq!(restarted.model.vips[0].backends[0].admin_word(), "draining");
+        assert_eq!(restarted.runtime_differences().len(), 2);
+        assert_eq!(restarted.agent_status().runtime_changes.len(), 2);
+        // A reload undoes them, and the file goes.
+        shared.reload(file).unwrap();
+        assert!(!path.exists(), "nothing left to keep");
+    }
+
     #[test]
     fn reload_lists_only_the_net_runtime_differences_from_the_file() {
         let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12", "10.0.0.13"]));
@@ -2006,11 +2096,21 @@ mod tests {
                 .as_deref()
                 .is_some_and(|e| e.contains("sideways"))
         );
+        assert_eq!(b.state_reason, None);
         shared.record_agent(id, parse_agent_reply("drain"));
         let b = &shared.model.vips[0].backends[0];
         assert_eq!(b.admin_word(), "draining");
         assert!(b.serves_flows() && !b.in_table(), "drained like `lb drain`");
         assert_eq!(member_weights(&shared), [100]);
+        // Status says why, in JSON and in the text (issue 41 item 5).
+        let status = shared.status().unwrap();
+        let reason = status.vips[0].backends[0].state_reason.clone().unwrap();
+        assert!(reason.starts_with("agent check says drain"), "{reason}");
+        let text = crate::status::render(&status);
+        assert!(
+            text.contains(&format!("    draining because {reason}")),
+            "{text}"
+        );
         // The file's maint wins over the agent's ready.
         shared
             .set_admin_state(&web(), "10.0.0.11".parse().unwrap(), AdminState::Maint)
@@ -2023,6 +2123,11 @@ mod tests {
         assert_eq!(member_weights(&shared), [100, 100]);
         shared.record_agent(id, parse_agent_reply("down"));
         assert_eq!(member_weights(&shared), [100], "down: out of the table");
+        let status = shared.status().unwrap();
+        assert_eq!(
+            status.vips[0].backends[0].state_reason.as_deref(),
+            Some("agent check says down")
+        );
     }
 
     /// A runtime refusal names the setting once and no index of the file (the backend
@@ -2397,6 +2502,8 @@ pub(crate) mod test_support {
             AttachedMode::Generic,
         );
         shared.route_of = on_link_route;
+        // Never the host's /var/lib/lb.
+        shared.state_file = None;
         shared.sync();
         shared
     }

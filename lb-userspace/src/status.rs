@@ -52,6 +52,13 @@ pub struct AgentStatus {
     pub last_load_unix_seconds: u64,
     /// The last reload asked for, if any.
     pub last_reload: Option<LastReload>,
+    /// Where the runtime changes are kept across restarts (`control.state_file`).
+    #[serde(default)]
+    pub state_file: String,
+    /// The runtime changes in force (the running configuration's differences from the
+    /// file, as the commands said them); a reload undoes them, a restart keeps them.
+    #[serde(default)]
+    pub runtime_changes: Vec<String>,
 }
 
 /// One reload's outcome.
@@ -158,6 +165,16 @@ pub struct DataplaneStatus {
     pub conntrack_scan_age_seconds: Option<f64>,
     /// How the agent found the data path at start.
     pub start: Start,
+    /// Backend ids: how many the data path has room for (over all VIPs) ...
+    #[serde(default)]
+    pub backend_id_capacity: u32,
+    /// ... how many backends hold one ...
+    #[serde(default)]
+    pub backend_ids_in_use: u32,
+    /// ... and how many are held: freed by backends removed within the flow idle time,
+    /// not handed out until it passes (an old flow's entry must not reach a new backend).
+    #[serde(default)]
+    pub backend_ids_held: u32,
 }
 
 /// How the agent found the data path at start. In JSON, the words of its `Display`:
@@ -336,6 +353,10 @@ pub struct BackendStatus {
     /// Why the backend's last agent answer was not used (`[vip.agent]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_error: Option<String>,
+    /// Why its state or health is not what the file and the runtime commands make it:
+    /// its agent check's word ("agent check says drain"); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_reason: Option<String>,
     /// TCP handshakes the data path counted for it (`lb_common::handshake`).
     #[serde(default)]
     pub handshakes: Handshakes,
@@ -416,6 +437,7 @@ pub fn render(status: &Status) -> String {
     for vip in &status.vips {
         render_vip(&mut out, vip, status.node.announcing);
     }
+    render_runtime_changes(&mut out, &status.agent);
     let nonzero: Vec<String> = status
         .counters
         .iter()
@@ -432,6 +454,19 @@ pub fn render(status: &Status) -> String {
         }
     );
     out
+}
+
+/// The runtime changes in force, when there are any.
+fn render_runtime_changes(out: &mut String, agent: &AgentStatus) {
+    if agent.runtime_changes.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\nruntime changes (kept across restarts in {}; a reload undoes them): {}",
+        agent.state_file,
+        agent.runtime_changes.join("; ")
+    );
 }
 
 fn render_dataplane(out: &mut String, status: &Status) {
@@ -454,6 +489,18 @@ fn render_dataplane(out: &mut String, status: &Status) {
         d.interface, d.maglev_table_size
     );
     let _ = writeln!(out, "start: {}", d.start);
+    if d.backend_id_capacity > 0 {
+        let _ = writeln!(
+            out,
+            "backend ids: {} in use, {} held (backends removed within the flow idle time), \
+             {} free, of {}",
+            d.backend_ids_in_use,
+            d.backend_ids_held,
+            d.backend_id_capacity
+                .saturating_sub(d.backend_ids_in_use + d.backend_ids_held),
+            d.backend_id_capacity
+        );
+    }
     if let Some(why) = &d.native_refused {
         let _ = writeln!(out, "native xdp refused: {why}");
     }
@@ -613,6 +660,9 @@ fn render_backend(out: &mut String, b: &BackendStatus) {
             b.effective_weight, b.weight_reason
         );
     }
+    if let Some(reason) = &b.state_reason {
+        let _ = writeln!(out, "    {} because {reason}", b.state);
+    }
     if let Some(error) = &b.agent_error {
         let _ = writeln!(out, "    agent check: {error}");
     }
@@ -698,6 +748,7 @@ pub mod tests {
             agent_error: None,
             handshakes: Handshakes::default(),
             outlier: None,
+            state_reason: None,
         };
         Status {
             dataplane: DataplaneStatus {
@@ -712,6 +763,9 @@ pub mod tests {
                 conntrack_capacity: 4096,
                 conntrack_scan_age_seconds: None,
                 start: Start::Fresh,
+                backend_id_capacity: 4096,
+                backend_ids_in_use: 2,
+                backend_ids_held: 0,
             },
             vips: vec![VipStatus {
                 name: "web".into(),
@@ -788,7 +842,18 @@ pub mod tests {
         status.vips[0].backends[0].effective_weight = 0.4;
         status.vips[0].backends[0].weight_reason = "slow start 40%".into();
         status.vips[0].backends[1].agent_error = Some("agent 10.0.0.12:4500: refused".into());
+        status.vips[0].backends[0].state = AdminStatus::Draining;
+        status.vips[0].backends[0].state_reason = Some("agent check says drain".into());
+        status.dataplane.backend_ids_held = 1000;
         let text = render(&status);
+        assert!(
+            text.contains("    draining because agent check says drain\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("backend ids: 2 in use, 1000 held (backends removed within the flow idle time), 3094 free, of 4096"),
+            "{text}"
+        );
         assert!(
             text.contains("effective weight 0.40: slow start 40%"),
             "{text}"
@@ -833,6 +898,22 @@ pub mod tests {
             "02:00:00:00:00:fe"
         );
         assert!(json["vips"][0]["backends"][1]["next_hop"].is_null());
+    }
+
+    #[test]
+    fn runtime_changes_are_listed_with_their_state_file() {
+        let mut status = sample();
+        assert!(!render(&status).contains("runtime changes"));
+        status.agent.state_file = "/run/lb/lb.state.json".into();
+        status.agent.runtime_changes = vec!["10.0.0.100:80/tcp backend 10.0.0.11 -> drain".into()];
+        let text = render(&status);
+        assert!(
+            text.contains(
+                "runtime changes (kept across restarts in /run/lb/lb.state.json; a reload \
+                 undoes them): 10.0.0.100:80/tcp backend 10.0.0.11 -> drain\n"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

@@ -34,6 +34,11 @@ pub const NSENTER: Tool = Tool {
     command: "nsenter",
     package: "util-linux",
 };
+/// Makes test certificates and serves TLS (`openssl s_server`): the https checks' test.
+pub const OPENSSL: Tool = Tool {
+    command: "openssl",
+    package: "openssl",
+};
 /// Reads the package's man pages.
 pub const ZCAT: Tool = Tool {
     command: "zcat",

@@ -31,7 +31,8 @@ const MDBOOK_VERSION: &str = "0.5.4";
 /// Debian packages the tests and the lab call: ip, ethtool, tcpdump, bpftool, bird (the
 /// routing daemon of the ECMP/BGP test), systemd (`systemd-analyze verify` of the unit),
 /// groff (the man pages checked), setpriv (util-linux: `lb` run unprivileged), script
-/// (bsdutils: `lb top` on a pseudo-terminal) and zcat (gzip: the man pages).
+/// (bsdutils: `lb top` on a pseudo-terminal), zcat (gzip: the man pages) and openssl
+/// (the https checks' test: certificates and a TLS server).
 /// lb-tests' `host` module names the same packages when a tool is missing.
 const APT_PACKAGES: &[&str] = &[
     "iproute2",
@@ -49,6 +50,7 @@ const APT_PACKAGES: &[&str] = &[
     "xdp-tools",
     // The passive-health tests (tests/tests/outlier.rs) drop a backend's VIP traffic.
     "nftables",
+    "openssl",
 ];
 /// Debian packages only the benchmarks use: the load generator and what lb is compared
 /// with (HAProxy) and balances to (nginx).

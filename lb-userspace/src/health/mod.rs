@@ -1,4 +1,4 @@
-//! Health checks: TCP connect or HTTP GET against each backend's own address, with
+//! Health checks: TCP connect or HTTP(S) GET against each backend's own address, with
 //! HAProxy's consecutive rise/fall semantics.
 //!
 //! Intervals: `interval` while stable and up; `fast_interval` while a backend is changing
@@ -8,7 +8,8 @@
 //! backends are not probed at the same instant.
 //!
 //! The room of health: this module's checks of a backend's own address and the
-//! rise/fall bookkeeping; `probe` (the datagram and DNS checks, a check's result);
+//! rise/fall bookkeeping; `probe` (the datagram and DNS checks, a check's result); `tls`
+//! (the TLS handshake of https checks);
 //! `vipprobe` (checks through the VIP, sent the way the data path sends the VIP's
 //! traffic); `agentcheck` (the backend's own agent, HAProxy's agent-check). It may call
 //! `config`, `model`, `metrics` (check durations); it records results through the
@@ -19,6 +20,7 @@
 pub mod agentcheck;
 pub mod outlier;
 pub mod probe;
+pub mod tls;
 pub mod vipprobe;
 
 use std::{
@@ -99,6 +101,10 @@ pub fn describe_check(config: &HealthConfig, port: u16) -> Option<String> {
         HealthKind::None => return None,
         HealthKind::Tcp | HealthKind::Udp => format!("{} port {port}", config.kind),
         HealthKind::Http => format!("http port {port} {}", config.http_path()),
+        HealthKind::Https => match &config.sni {
+            Some(sni) => format!("https port {port} {} (sni {sni})", config.http_path()),
+            None => format!("https port {port} {}", config.http_path()),
+        },
         HealthKind::Dns => format!(
             "dns port {port} ({} {})",
             config.query_type.as_deref().unwrap_or("NS"),
@@ -160,7 +166,7 @@ pub async fn check(
         }
         match config.kind {
             HealthKind::Tcp => connect(target).await.map(drop),
-            HealthKind::Http => http_check(config, target).await,
+            HealthKind::Http | HealthKind::Https => http_check(config, target).await,
             HealthKind::Udp => probe::udp_check(config, target)
                 .await
                 .map_err(|e| Failure::remote(e.to_string())),
@@ -189,14 +195,41 @@ pub async fn check(
     }
 }
 
+/// `http`, and `https` after its TLS handshake.
 async fn http_check(config: &HealthConfig, target: SocketAddr) -> Result<(), Failure> {
     let stream = connect(target).await?;
+    if config.kind != HealthKind::Https {
+        return http_exchange(config, target, stream).await;
+    }
+    let stream = tls::handshake(config, target, stream)
+        .await
+        .map_err(|error| Failure {
+            local: error.is_local(),
+            message: error.to_string(),
+        })?;
+    http_exchange(config, target, stream).await
+}
+
+/// The request and the answer of an http check, on a connected (TLS or plain) stream.
+async fn http_exchange<S>(
+    config: &HealthConfig,
+    target: SocketAddr,
+    stream: S,
+) -> Result<(), Failure>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| Failure::remote(format!("http: {e}")))?;
     tokio::spawn(connection);
+    // The name the certificate was checked for is the virtual host asked for.
+    let host = match &config.sni {
+        Some(sni) => sni.clone(),
+        None => target.ip().to_string(),
+    };
     let request = hyper::Request::get(config.http_path())
-        .header(hyper::header::HOST, target.ip().to_string())
+        .header(hyper::header::HOST, host)
         .header(hyper::header::USER_AGENT, "lb-health-check")
         .header(hyper::header::CONNECTION, "close")
         .body(Empty::<Bytes>::new())

@@ -455,7 +455,7 @@ pub async fn check_via_vip(config: &HealthConfig, path: VipPath) -> Result<(), S
             let reply = datagram_probe(path, &bytes, timeout)?;
             probe::check_dns_reply(&query, &reply).map_err(|e| e.to_string())
         }
-        HealthKind::Http | HealthKind::None => Err(format!(
+        HealthKind::Http | HealthKind::Https | HealthKind::None => Err(format!(
             "{} checks through the VIP are not supported",
             config.kind
         )),

@@ -343,6 +343,16 @@ pub struct IdPool {
     /// Never-used ids (no time) first, then freed ones in the order they were freed.
     free: VecDeque<(u32, Option<Instant>)>,
     quarantine: Duration,
+    capacity: u32,
+}
+
+/// How a pool's ids are used at one instant (status `dataplane.backend_ids_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdUsage {
+    pub capacity: u32,
+    pub in_use: u32,
+    /// Free, but freed within the quarantine: not handed out yet.
+    pub held: u32,
 }
 
 impl IdPool {
@@ -350,6 +360,21 @@ impl IdPool {
         Self {
             free: (0..capacity).map(|id| (id, None)).collect(),
             quarantine,
+            capacity,
+        }
+    }
+
+    /// The ids in use and held at `now`, of the capacity.
+    pub fn usage(&self, now: Instant) -> IdUsage {
+        let held = self
+            .free
+            .iter()
+            .filter(|(_, freed)| freed.is_some_and(|at| now.duration_since(at) < self.quarantine))
+            .count() as u32;
+        IdUsage {
+            capacity: self.capacity,
+            in_use: self.capacity - self.free.len() as u32,
+            held,
         }
     }
 
@@ -389,15 +414,21 @@ impl IdPool {
                 held: held.len(),
                 free_in: first.as_secs().max(1),
             },
-            None => ModelError::Exhausted(what),
+            None => ModelError::Exhausted {
+                what,
+                capacity: self.capacity,
+            },
         }
     }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("more {0}s than the data path holds: every {0} id is in use")]
-    Exhausted(&'static str),
+    #[error(
+        "more {what}s than the data path holds: every {what} id is in use ({capacity}, fixed \
+         when the data path was built)"
+    )]
+    Exhausted { what: &'static str, capacity: u32 },
     /// Ids of removed backends wait out the flow idle time before reuse, so that an old
     /// flow's entry cannot reach a new backend; a restart keeps them held (the pinned
     /// connection table still names them).
@@ -438,6 +469,12 @@ impl Model {
             reserved_vips: HashMap::new(),
             reserved_backends: HashMap::new(),
         }
+    }
+
+    /// Backend ids in use and held at `now` (removed backends' ids wait out the flow idle
+    /// time), of the data path's capacity.
+    pub fn backend_id_usage(&self, now: Instant) -> IdUsage {
+        self.backend_ids.usage(now)
     }
 
     /// Takes over the ids, MACs and serving state a previous agent left in adopted maps,
@@ -814,7 +851,11 @@ fn initial_health(vip: &VipConfig, backend: &BackendConfig) -> Health {
     match vip.health_of(backend).kind {
         HealthKind::None => Health::Unknown,
         // Down until the first checks pass: a backend that never started gets no traffic.
-        HealthKind::Tcp | HealthKind::Http | HealthKind::Udp | HealthKind::Dns => Health::Down,
+        HealthKind::Tcp
+        | HealthKind::Http
+        | HealthKind::Https
+        | HealthKind::Udp
+        | HealthKind::Dns => Health::Down,
     }
 }
 
@@ -1006,11 +1047,27 @@ mod tests {
         let b = pool.take(start).unwrap();
         let all_in_use = pool.refusal("backend", start).to_string();
         assert!(
-            all_in_use.contains("every backend id is in use"),
+            all_in_use.contains("every backend id is in use (2, fixed"),
             "{all_in_use}"
+        );
+        let at = |seconds| start + Duration::from_secs(seconds);
+        assert_eq!(
+            pool.usage(at(0)),
+            IdUsage {
+                capacity: 2,
+                in_use: 2,
+                held: 0
+            }
         );
         pool.give_back(a, start);
         pool.give_back(b, start + Duration::from_secs(5));
+        let usage = |pool: &IdPool, seconds| {
+            let usage = pool.usage(at(seconds));
+            (usage.in_use, usage.held)
+        };
+        assert_eq!(usage(&pool, 10), (0, 2));
+        assert_eq!(usage(&pool, 32), (0, 1), "a is free again");
+        assert_eq!(usage(&pool, 40), (0, 0));
         let held = pool.refusal("backend", start + Duration::from_secs(10));
         let text = held.to_string();
         assert!(
