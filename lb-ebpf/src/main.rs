@@ -13,6 +13,8 @@ mod maps;
 #[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
+mod quic;
+#[cfg(target_arch = "bpf")]
 mod too_big;
 
 #[cfg(target_arch = "bpf")]
@@ -33,6 +35,7 @@ mod program {
         FlowKey, FlowTuple, RateWindow, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
         decide::{Choice, Packet, Tables, Verdict, decide},
         flow::Lookup,
+        quic::{ServerKey, Window},
         stat,
     };
 
@@ -42,7 +45,7 @@ mod program {
         count_traffic, export_flow, hot_source,
     };
     use crate::parse::{ethernet, parse};
-    use crate::{encap, too_big};
+    use crate::{encap, quic, too_big};
 
     /// Slots per VIP table; set by the agent at load time (`lb_common::GLOBAL_MAGLEV_SIZE`).
     #[unsafe(no_mangle)]
@@ -240,6 +243,21 @@ mod program {
         #[inline(always)]
         fn capture(&self, now: u64) {
             capture(self.ctx, self.stats, now);
+        }
+
+        #[inline(always)]
+        fn quic_window(&self, packet: &Packet) -> Option<Window> {
+            quic::window(self.ctx, packet)
+        }
+
+        #[inline(always)]
+        fn quic_server(&self, key: &ServerKey) -> Option<u32> {
+            quic::server(key)
+        }
+
+        #[inline(always)]
+        fn count_quic(&self, vip_id: u32, which: u32) {
+            quic::count(vip_id, which);
         }
     }
 
