@@ -93,6 +93,10 @@ pub enum Command {
         vip: VipTarget,
         /// SRC_IP:SRC_PORT of the client (IPv6: [ADDRESS]:PORT)
         source: SocketAddr,
+        /// A QUIC short header's destination connection ID in hex: where a packet
+        /// carrying it goes (a `quic` VIP routes it by the server ID in it)
+        #[arg(long, value_name = "HEX")]
+        quic_cid: Option<String>,
         /// Print the agent's answer as JSON (the control API's `POST /explain`).
         #[arg(long)]
         json: bool,
@@ -353,10 +357,14 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
         Command::Explain {
             vip,
             source,
+            quic_cid,
             json,
             target,
         } => {
-            let request = ExplainRequest { vip, source };
+            let request = ExplainRequest {
+                quic_cid,
+                ..ExplainRequest::flow(vip, source)
+            };
             if json {
                 println!(
                     "{}",
@@ -614,6 +622,9 @@ fn print_explanation(request: &ExplainRequest, e: crate::explain::Explanation) {
         None => "no next hop".into(),
     };
     println!("  forwarded by:     {}, {via}", e.forward);
+    if let Some(quic) = e.quic {
+        println!("  quic connection id: {}", quic.why);
+    }
 }
 
 async fn change_state(args: BackendArgs, state: AdminState) -> anyhow::Result<()> {

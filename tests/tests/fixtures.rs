@@ -1145,7 +1145,7 @@ fn agree_on_random_flows(fixture: &mut Fixture, name: &str, v6: bool) {
             frame[14 + 12..14 + 16].copy_from_slice(&src);
             (std::net::SocketAddr::from((src, port)), frame)
         };
-        let request = ExplainRequest { vip, source };
+        let request = ExplainRequest::flow(vip, source);
         let before = explain_flow(fixture, &request);
         let result = run(fixture, &frame);
         assert_eq!(result.action, XDP_TX);
@@ -1465,6 +1465,7 @@ fn explained(fixture: &Fixture, proto: &str, port: u16) -> (u8, Option<u8>) {
             .parse::<VipTarget>()
             .unwrap(),
         source: format!("10.0.0.1:{port}").parse().unwrap(),
+        quic_cid: None,
     };
     let e = explain_flow(fixture, &request);
     let last = |a: String| a.rsplit('.').next().unwrap().parse::<u8>().unwrap();
@@ -2243,7 +2244,7 @@ fn a_hot_sources_new_flows_are_hashed_per_connection_and_a_cold_ones_by_source()
         let backend = backend_of(&result);
         *spread.entry(backend).or_default() += 1;
         let source = std::net::SocketAddr::from((hot, port));
-        let e = explain_flow(&fixture, &ExplainRequest { vip, source });
+        let e = explain_flow(&fixture, &ExplainRequest::flow(vip, source));
         assert!(e.hot_source, "{source}: explain knows it is hot");
         let predicted: std::net::IpAddr = e.table_backend.unwrap().parse().unwrap();
         assert_eq!(
@@ -2256,7 +2257,7 @@ fn a_hot_sources_new_flows_are_hashed_per_connection_and_a_cold_ones_by_source()
         assert_eq!(counted(&result, "hot_source_spread"), 0);
         sticky.insert(backend_of(&result));
         let source = std::net::SocketAddr::from((cold, port));
-        assert!(!explain_flow(&fixture, &ExplainRequest { vip, source }).hot_source);
+        assert!(!explain_flow(&fixture, &ExplainRequest::flow(vip, source)).hot_source);
     }
     eprintln!("hot source's 60 new flows by backend MAC: {spread:?}; cold source's: {sticky:?}");
     assert_eq!(
