@@ -246,6 +246,18 @@ pub struct VipStatus {
     /// first, with their share of the VIP's new flows over the last sample.
     #[serde(default)]
     pub hot_sources: Vec<HotSource>,
+    /// `quic = true`: short-header packets are routed by the server ID in their
+    /// connection ID.
+    #[serde(default)]
+    pub quic: bool,
+    /// Short-header packets sent to the backend their connection ID names (0 without
+    /// `quic`).
+    #[serde(default)]
+    pub quic_routed_by_cid: u64,
+    /// Short-header packets whose server ID named no serving backend (unknown, retired,
+    /// or down): balanced as UDP.
+    #[serde(default)]
+    pub quic_cid_unknown: u64,
     pub backends: Vec<BackendStatus>,
 }
 
@@ -336,6 +348,9 @@ pub struct BackendStatus {
     /// Why the backend's last agent answer was not used (`[vip.agent]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_error: Option<String>,
+    /// With the VIP's `quic`: the server ID its connection IDs carry (null otherwise).
+    #[serde(default)]
+    pub server_id: Option<u64>,
 }
 
 fn render_cluster(out: &mut String, cluster: &ClusterStatus) {
@@ -499,6 +514,13 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
             HotSource::list(&vip.hot_sources)
         );
     }
+    if vip.quic {
+        let _ = writeln!(
+            out,
+            "  quic: {} packets routed by connection ID, {} with an unknown server ID",
+            vip.quic_routed_by_cid, vip.quic_cid_unknown
+        );
+    }
     let _ = writeln!(
         out,
         "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  last check",
@@ -557,6 +579,9 @@ fn render_backend(out: &mut String, b: &BackendStatus) {
     }
     if let Some(error) = &b.agent_error {
         let _ = writeln!(out, "    agent check: {error}");
+    }
+    if let Some(id) = b.server_id {
+        let _ = writeln!(out, "    quic server_id {id}");
     }
     // An on-link backend is its own next hop: only a router is news.
     match &b.next_hop {
@@ -635,6 +660,7 @@ pub mod tests {
             effective_weight: 1.0,
             weight_reason: "configured".into(),
             agent_error: None,
+            server_id: None,
         };
         Status {
             dataplane: DataplaneStatus {
@@ -668,6 +694,9 @@ pub mod tests {
                 busiest_over_average: 0.0,
                 top_sources: Vec::new(),
                 hot_sources: Vec::new(),
+                quic: false,
+                quic_routed_by_cid: 0,
+                quic_cid_unknown: 0,
                 backends: vec![backend("10.0.0.11"), backend("10.0.0.12")],
             }],
             counters: BTreeMap::new(),
