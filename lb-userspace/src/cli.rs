@@ -365,15 +365,7 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
                 quic_cid,
                 ..ExplainRequest::flow(vip, source)
             };
-            if json {
-                println!(
-                    "{}",
-                    client::explain_json(&target.socket()?, &request).await?
-                );
-            } else {
-                let e = client::explain(&target.socket()?, &request).await?;
-                print_explanation(&request, e);
-            }
+            explain(&target, &request, json).await?;
         }
         Command::Drain(args) => change_state(args, AdminState::Drain).await?,
         Command::Ready(args) => change_state(args, AdminState::Ready).await?,
@@ -585,6 +577,20 @@ async fn detach(config: &Path) -> anyhow::Result<ExitCode> {
         );
         Ok(ExitCode::from(EXIT_REFUSED))
     }
+}
+
+/// `lb explain`: the agent's answer, as JSON or for people.
+async fn explain(target: &Target, request: &ExplainRequest, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!(
+            "{}",
+            client::explain_json(&target.socket()?, request).await?
+        );
+    } else {
+        let e = client::explain(&target.socket()?, request).await?;
+        print_explanation(request, e);
+    }
+    Ok(())
 }
 
 fn print_explanation(request: &ExplainRequest, e: crate::explain::Explanation) {
