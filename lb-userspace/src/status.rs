@@ -707,6 +707,33 @@ pub mod tests {
     }
 
     #[test]
+    fn a_quic_vip_shows_its_counters_and_server_ids() {
+        let mut status = sample();
+        let text = render(&status);
+        assert!(
+            !text.contains("quic"),
+            "no quic lines without quic:\n{text}"
+        );
+        let vip = &mut status.vips[0];
+        (vip.quic, vip.quic_routed_by_cid, vip.quic_cid_unknown) = (true, 1234, 5);
+        vip.backends[1].server_id = Some(8);
+        let text = render(&status);
+        assert!(
+            text.contains(
+                "quic: 1234 packets routed by connection ID, 5 with an unknown server ID"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("    quic server_id 8\n"), "{text}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(
+            json["vips"][0]["backends"][0]["server_id"],
+            serde_json::Value::Null
+        );
+        assert_eq!(json["vips"][0]["backends"][1]["server_id"], 8);
+    }
+
+    #[test]
     fn the_table_for_people_has_what_status_promises() {
         let mut status = sample();
         status.vips[0].busiest_over_average = 1.25;
