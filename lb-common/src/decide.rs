@@ -14,7 +14,9 @@ use core::ops::DerefMut;
 use crate::{
     BACKEND_NONE, Embryo, FlowEntry, FlowKey, FlowTuple, PROTO_UDP, VipInfo, VipKey,
     flow::{self, Lookup},
-    handshake, maglev_slot, stat, table_hash,
+    handshake, maglev_slot,
+    quic::{self, Header, ServerKey, Window},
+    stat, table_hash,
 };
 
 /// A parsed packet that may be for a VIP.
@@ -41,6 +43,9 @@ pub struct Packet {
     /// An ICMP "fragmentation needed" / ICMPv6 "packet too big" about this flow: the
     /// addresses and ports are those of the flow it quotes, client to VIP.
     pub icmp_too_big: bool,
+    /// Where a UDP packet's payload starts in the frame (the kernel reads a QUIC
+    /// VIP's connection ID there: `Tables::quic_window`); 0 elsewhere.
+    pub payload_at: u16,
 }
 
 impl Packet {
@@ -65,6 +70,7 @@ impl Packet {
             vlan: false,
             ipv4_options: false,
             icmp_too_big: false,
+            payload_at: 0,
         }
     }
 
@@ -164,6 +170,8 @@ pub enum Source {
     Embryo,
     /// The VIP's Maglev table.
     Table,
+    /// The server ID in a QUIC short header's destination connection ID.
+    ConnectionId,
 }
 
 /// What `decide` reads and writes: in the kernel, the program's maps, load-time globals
@@ -216,6 +224,15 @@ pub trait Tables: Lookup {
     /// Adds one to backend `backend_id`'s handshake counter `event` (`handshake::*`,
     /// `LB_BE_STATS`).
     fn count_handshake(&self, _backend_id: u32, _event: u32) {}
+
+    /// The first `quic::WINDOW_LEN` bytes of `packet`'s UDP payload; None when it is
+    /// shorter. Asked only for a VIP with `quic::VIP_F_QUIC`.
+    fn quic_window(&self, packet: &Packet) -> Option<Window>;
+    /// `LB_QUIC_IDS[key]`: the backend a server ID names.
+    fn quic_server(&self, key: &ServerKey) -> Option<u32>;
+    /// Adds one to VIP `vip_id`'s QUIC counter: `stat::QUIC_ROUTED_BY_CID` or
+    /// `stat::QUIC_CID_UNKNOWN` (`LB_QUIC_STATS`).
+    fn count_quic(&self, vip_id: u32, stat: u32);
 }
 
 /// `packet`'s backend, or why it is not forwarded, with what that does to the tables.
@@ -243,11 +260,19 @@ pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict>
     // A SYN reads no entry (the lookup would be most of what a spoofed SYN costs): it
     // takes the table, and an entry an earlier connection left on its tuple gives way
     // at the new connection's next packet (`flow::follow`'s `CT_REUSED`).
+    let udp = packet.proto == PROTO_UDP;
+    // A QUIC short header goes where its connection ID says, whatever its 5-tuple.
+    if udp
+        && !packet.icmp_too_big
+        && vip.flags & quic::VIP_F_QUIC != 0
+        && let Some(choice) = by_connection_id(tables, packet, &vip, key, now)
+    {
+        return Ok(choice);
+    }
     let mut entry = if packet.syn { None } else { tables.flow(key) };
     if packet.icmp_too_big {
         return too_big(tables, packet, &vip, key, entry, now);
     }
-    let udp = packet.proto == PROTO_UDP;
     let mut miss = if packet.syn {
         stat::CT_MISS_SYN
     } else if udp {
@@ -327,6 +352,56 @@ fn choice(vip: &VipInfo, backend_id: u32, new_flow: bool, by: Source) -> Choice 
         new_flow,
         by,
     }
+}
+
+/// A QUIC short-header packet whose destination connection ID names a backend of the
+/// VIP that serves flows (up, or draining: drain keeps the connections it has): that
+/// backend, and the flow's entry for this 5-tuple refreshed or re-written to it, so the
+/// client's new address or port follows the connection. None (balanced as any UDP
+/// datagram) for a long header, a payload that is no QUIC lb can read, and a server ID
+/// that names no serving backend (counted: `QUIC_CID_UNKNOWN`).
+#[inline(always)]
+fn by_connection_id<T: Tables>(
+    tables: &T,
+    packet: &Packet,
+    vip: &VipInfo,
+    key: &FlowKey,
+    now: u64,
+) -> Option<Choice> {
+    let window = tables.quic_window(packet)?;
+    let Header::Short(server) = quic::classify(&window, vip.vip_id, quic::id_len(vip.flags)) else {
+        return None;
+    };
+    let serving = tables.quic_server(&server).filter(|id| {
+        tables
+            .backend(*id)
+            .is_some_and(|b| flow::serves(b, vip.vip_id))
+    });
+    let Some(backend_id) = serving else {
+        tables.count(stat::QUIC_CID_UNKNOWN);
+        tables.count_quic(vip.vip_id, stat::QUIC_CID_UNKNOWN);
+        return None;
+    };
+    tables.count(stat::QUIC_ROUTED_BY_CID);
+    tables.count_quic(vip.vip_id, stat::QUIC_ROUTED_BY_CID);
+    match tables.flow(key) {
+        // The entry's time, at most once per granularity: entries are shared by CPUs.
+        Some(mut entry) if entry.backend_id == backend_id => {
+            if flow::age(&entry, now) > crate::LAST_SEEN_GRANULARITY_NS {
+                *entry = flow::entry_for(backend_id, false, now);
+            }
+        }
+        // A new 5-tuple of the connection (or one the table lost): its entry, so the
+        // rest of its packets (and a peer of the cluster) need not read the ID.
+        _ => {
+            let fresh = flow::entry_for(backend_id, false, now);
+            if may_insert(tables, now) && tables.insert_flow(key, &fresh) {
+                tables.count(stat::CT_CREATED);
+                tables.export_flow(key, &fresh);
+            }
+        }
+    }
+    Some(choice(vip, backend_id, false, Source::ConnectionId))
 }
 
 /// An ICMP "too big" error about a flow: to where the flow's packets go, without
@@ -499,7 +574,10 @@ pub mod memory {
     use super::{Choice, Packet, Tables, Verdict, decide};
     use crate::{
         BACKEND_NONE, BackendInfo, Embryo, FlowEntry, FlowKey, FlowTuple, SourceKey, VipInfo,
-        VipKey, flow::Lookup, stat,
+        VipKey,
+        flow::Lookup,
+        quic::{QuicCounters, ServerKey, Window},
+        stat,
     };
 
     /// The maps `decide` reads and writes, in memory.
@@ -517,6 +595,9 @@ pub mod memory {
         pub now_ns: u64,
         /// The flood guard refuses every insert (`CT_INSERT_LIMIT` reached).
         pub inserts_refused: bool,
+        /// `LB_QUIC_IDS`: QUIC VIPs' server IDs -> backend id.
+        pub quic_ids: HashMap<ServerKey, u32>,
+        quic_counts: RefCell<HashMap<u32, QuicCounters>>,
         /// `LB_CONNTRACK`: each element with the generation that made it, so that a
         /// handle to an element replaced since (as an LRU map replaces it on insert)
         /// writes nowhere, as in the kernel.
@@ -535,12 +616,24 @@ pub mod memory {
     impl MemoryTables {
         /// `decide` for `packet` over these tables.
         pub fn decide(&self, packet: &Packet) -> Result<Choice, Verdict> {
+            self.decide_payload(packet, &[])
+        }
+
+        /// `decide` for `packet` whose UDP payload is `payload` (a QUIC VIP reads it).
+        pub fn decide_payload(&self, packet: &Packet, payload: &[u8]) -> Result<Choice, Verdict> {
             let run = Run {
                 tables: self,
                 key: packet.flow_key(),
                 tuple: packet.flow_tuple(),
+                window: Window::of(payload),
             };
             decide(&run, packet)
+        }
+
+        /// VIP `vip_id`'s QUIC counters.
+        pub fn quic_counts(&self, vip_id: u32) -> QuicCounters {
+            let counts = self.quic_counts.borrow();
+            counts.get(&vip_id).copied().unwrap_or_default()
         }
 
         pub fn flow(&self, key: &FlowKey) -> Option<FlowEntry> {
@@ -605,6 +698,7 @@ pub mod memory {
             self.counts.borrow_mut().clear();
             self.sources.borrow_mut().clear();
             self.exported.borrow_mut().clear();
+            self.quic_counts.borrow_mut().clear();
             self.captures.set(0);
             self.handshakes.borrow_mut().clear();
         }
@@ -621,6 +715,7 @@ pub mod memory {
         tables: &'a MemoryTables,
         key: FlowKey,
         tuple: FlowTuple,
+        window: Option<Window>,
     }
 
     /// A connection-table element, written back when dropped if it changed and the map
@@ -788,6 +883,23 @@ pub mod memory {
         fn count_handshake(&self, backend_id: u32, event: u32) {
             let mut handshakes = self.tables.handshakes.borrow_mut();
             handshakes.entry(backend_id).or_default()[event as usize] += 1;
+        }
+
+        fn quic_window(&self, _: &Packet) -> Option<Window> {
+            self.window
+        }
+
+        fn quic_server(&self, key: &ServerKey) -> Option<u32> {
+            self.tables.quic_ids.get(key).copied()
+        }
+
+        fn count_quic(&self, vip_id: u32, which: u32) {
+            let mut counts = self.tables.quic_counts.borrow_mut();
+            let counts = counts.entry(vip_id).or_default();
+            match which {
+                stat::QUIC_ROUTED_BY_CID => counts.routed_by_cid += 1,
+                _ => counts.cid_unknown += 1,
+            }
         }
     }
 }
@@ -1015,5 +1127,108 @@ mod tests {
             counted(&tables),
             ["ct_miss_syn", "ct_embryonic", "hot_source_spread"]
         );
+    }
+
+    /// A QUIC VIP 10.0.0.100:443/udp (id 1, 2-byte server IDs): its table all backend
+    /// 0; backend 0 has server ID 10, 1 (draining: serves flows, not in the table) 11,
+    /// 2 (down) 12.
+    fn quic_tables() -> MemoryTables {
+        let mut tables = tables(0);
+        let info = VipInfo {
+            vip_id: VIP,
+            generation: 0,
+            flags: quic::vip_flags(2),
+            _pad: 0,
+        };
+        tables.vips.clear();
+        tables.vips.insert(datagram(40000).vip_key(), info);
+        for (backend, id) in [(0, 10), (1, 11), (2, 12)] {
+            tables
+                .quic_ids
+                .insert(ServerKey::of_config(VIP, id, 2), backend);
+        }
+        tables
+    }
+
+    fn datagram(src_port: u16) -> Packet {
+        Packet::of_flow(
+            (v4(1), v4(100)),
+            (crate::ADDR_FAMILY_V4, crate::PROTO_UDP),
+            (src_port.to_be(), 443u16.to_be()),
+        )
+    }
+
+    /// A short-header payload whose DCID carries server ID `id`.
+    fn short_header(id: u128) -> Vec<u8> {
+        let mut payload = vec![0x40; 40];
+        quic::encode_cid(id, 2, &[0x5a; 16], &mut payload[1..9]);
+        payload
+    }
+
+    #[test]
+    fn a_quic_short_header_goes_where_its_connection_id_says_from_any_port() {
+        let tables = quic_tables();
+        for port in [40000, 40001] {
+            let to = tables
+                .decide_payload(&datagram(port), &short_header(11))
+                .unwrap();
+            assert_eq!((to.backend_id, to.by), (1, Source::ConnectionId));
+            assert_eq!(counted(&tables), ["ct_created", "quic_routed_by_cid"]);
+            let entry = tables.flow(&datagram(port).flow_key()).unwrap();
+            assert_eq!(entry.backend_id, 1, "the new tuple's entry");
+        }
+        // An entry for the tuple that names another backend is re-written.
+        let key = datagram(40002).flow_key();
+        tables.set_flow(&key, Some(flow::entry_for(0, false, NOW)));
+        let to = tables
+            .decide_payload(&datagram(40002), &short_header(11))
+            .unwrap();
+        assert_eq!(to.backend_id, 1);
+        assert_eq!(tables.flow(&key).unwrap().backend_id, 1);
+        // The next packet of the same tuple refreshes nothing: the entry is fresh.
+        tables.reset_counts();
+        tables
+            .decide_payload(&datagram(40002), &short_header(11))
+            .unwrap();
+        assert_eq!(tables.quic_counts(VIP).routed_by_cid, 1);
+        assert_eq!(counted(&tables), ["quic_routed_by_cid"]);
+    }
+
+    #[test]
+    fn unknown_ids_down_backends_and_other_payloads_are_balanced_as_udp() {
+        let tables = quic_tables();
+        for (port, id) in [(40000, 99), (40010, 12)] {
+            let to = tables
+                .decide_payload(&datagram(port), &short_header(id))
+                .unwrap();
+            assert_eq!((to.backend_id, to.by), (0, Source::Table), "id {id}");
+            assert_eq!(
+                counted(&tables),
+                ["ct_miss_udp", "ct_embryonic", "quic_cid_unknown"]
+            );
+        }
+        let mut long = short_header(11);
+        long[0] = 0xc0;
+        let mut no_fixed_bit = short_header(11);
+        no_fixed_bit[0] = 0x00;
+        let truncated = &short_header(11)[..quic::WINDOW_LEN - 1];
+        for (port, payload) in [
+            (40001, &long[..]),
+            (40002, &no_fixed_bit),
+            (40003, truncated),
+            (40004, &[]),
+        ] {
+            let to = tables.decide_payload(&datagram(port), payload).unwrap();
+            assert_eq!(to.by, Source::Table);
+            let moved = counted(&tables);
+            assert!(!moved.iter().any(|c| c.starts_with("quic")), "{moved:?}");
+        }
+        // A VIP without `quic` never reads the payload.
+        let mut plain = quic_tables();
+        plain.vips.values_mut().for_each(|info| info.flags = 0);
+        let to = plain
+            .decide_payload(&datagram(40003), &short_header(11))
+            .unwrap();
+        assert_eq!(to.by, Source::Table);
     }
 }

@@ -16,6 +16,7 @@ pub mod decide;
 pub mod flow;
 pub mod handshake;
 mod hash;
+pub mod quic;
 pub use hash::{FlowTuple, finish as fmix32, flow_hash, stable_hash64, table_hash};
 
 use bytemuck::{Pod, Zeroable};
@@ -49,6 +50,12 @@ pub const EMBRYONIC_SLOTS: u32 = 1 << 16;
 pub const MAP_FLOOD: &str = "LB_FLOOD";
 pub const MAP_SOURCES: &str = "LB_SOURCES";
 pub const MAP_HOT_SOURCES: &str = "LB_HOT_SRC";
+/// `quic::ServerKey` -> backend id: the server IDs of QUIC VIPs' backends.
+pub const MAP_QUIC_IDS: &str = "LB_QUIC_IDS";
+/// vip id -> `quic::QuicCounters`, per CPU.
+pub const MAP_QUIC_STATS: &str = "LB_QUIC_STATS";
+/// Most server IDs over all QUIC VIPs (one per backend at most).
+pub const QUIC_ID_ENTRIES: u32 = MAX_BACKENDS;
 pub const MAP_CAPTURE: &str = "LB_CAPTURE";
 /// The ring buffer of new connection-table entries for the cluster's peers.
 pub const MAP_EXPORT: &str = "LB_EXPORT";
@@ -573,7 +580,13 @@ pub mod stat {
     pub const CLUSTER_EXPORTED: u32 = 35;
     /// New entries not exported: the ring was full (the agent or its peers are slow).
     pub const CLUSTER_EXPORT_DROPPED: u32 = 36;
-    pub const COUNT: u32 = 37;
+    /// A short-header QUIC packet of a `quic` VIP sent to the backend its destination
+    /// connection ID names (`quic::classify`), whatever its source.
+    pub const QUIC_ROUTED_BY_CID: u32 = 37;
+    /// A short-header QUIC packet whose server ID names no backend of its VIP (unknown,
+    /// retired) or one that is down: balanced as any UDP datagram.
+    pub const QUIC_CID_UNKNOWN: u32 = 38;
+    pub const COUNT: u32 = 39;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -614,6 +627,8 @@ pub mod stat {
         "drop_encap_failed",
         "cluster_exported",
         "cluster_export_dropped",
+        "quic_routed_by_cid",
+        "quic_cid_unknown",
     ];
 }
 
@@ -726,6 +741,8 @@ mod aya_pod {
     unsafe impl aya::Pod for super::FlowEntry {}
     unsafe impl aya::Pod for super::Embryo {}
     unsafe impl aya::Pod for super::RateWindow {}
+    unsafe impl aya::Pod for super::quic::ServerKey {}
+    unsafe impl aya::Pod for super::quic::QuicCounters {}
 }
 
 /// The Maglev slot a flow hash selects: `hash` scaled onto `0..table_size` by a

@@ -17,6 +17,8 @@ mod next;
 #[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
+mod quic;
+#[cfg(target_arch = "bpf")]
 mod too_big;
 
 #[cfg(target_arch = "bpf")]
@@ -37,6 +39,7 @@ mod program {
         FlowKey, FlowTuple, RateWindow, VIP_SLOT_SHARED, VIP_SLOT_USED, VipInfo, VipKey, VipSlot,
         decide::{Choice, Packet, Tables, Verdict, decide},
         flow::Lookup,
+        quic::{ServerKey, Window},
         stat,
     };
 
@@ -46,7 +49,7 @@ mod program {
         count_traffic, export_flow, hot_source,
     };
     use crate::parse::{ethernet, parse};
-    use crate::{encap, next, too_big};
+    use crate::{encap, next, quic, too_big};
 
     /// Slots per VIP table; set by the agent at load time (`lb_common::GLOBAL_MAGLEV_SIZE`).
     #[unsafe(no_mangle)]
@@ -264,6 +267,21 @@ mod program {
         #[inline(always)]
         fn count_handshake(&self, backend_id: u32, event: u32) {
             crate::handshake::count(backend_id, event);
+        }
+
+        #[inline(always)]
+        fn quic_window(&self, packet: &Packet) -> Option<Window> {
+            quic::window(self.ctx, packet)
+        }
+
+        #[inline(always)]
+        fn quic_server(&self, key: &ServerKey) -> Option<u32> {
+            quic::server(key)
+        }
+
+        #[inline(always)]
+        fn count_quic(&self, vip_id: u32, which: u32) {
+            quic::count(vip_id, which);
         }
     }
 

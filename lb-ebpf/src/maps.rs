@@ -14,8 +14,10 @@ use aya_ebpf::{
 };
 use lb_common::{
     BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, ExportRecord, FlowEntry, FlowKey,
-    FlowTuple, HOT_SOURCE_ENTRIES, MAX_BACKENDS, MAX_VIPS, Outcomes, RateWindow, SOURCE_ENTRIES,
-    SourceKey, TrafficCounters, TunnelConfig, VipInfo, VipKey, VipSlot, stat,
+    FlowTuple, HOT_SOURCE_ENTRIES, MAX_BACKENDS, MAX_VIPS, Outcomes, QUIC_ID_ENTRIES, RateWindow,
+    SOURCE_ENTRIES, SourceKey, TrafficCounters, TunnelConfig, VipInfo, VipKey, VipSlot,
+    quic::{QuicCounters, ServerKey},
+    stat,
 };
 
 /// LRU lists per CPU instead of one shared list: no global lock on insert.
@@ -122,6 +124,17 @@ pub fn hot_source(vip_id: u32, addr: [u8; 16], family: u8) -> bool {
     let key = SourceKey::new(vip_id, addr, family);
     unsafe { LB_HOT_SOURCES.get(&key) }.is_some()
 }
+
+/// `quic::ServerKey` (VIP, server ID) -> backend id: where a QUIC short header whose
+/// connection ID carries the ID goes. Written by the agent for VIPs with `quic`;
+/// QUIC_ID_ENTRIES entries.
+#[map(name = "LB_QUIC_IDS")]
+pub static LB_QUIC_IDS: HashMap<ServerKey, u32> = HashMap::with_max_entries(QUIC_ID_ENTRIES, 0);
+
+/// vip id -> QUIC counters (packets routed by connection ID, unknown IDs), per CPU.
+/// Written by the program for QUIC VIPs; read by the agent.
+#[map(name = "LB_QUIC_STATS")]
+pub static LB_QUIC_STATS: PerCpuArray<QuicCounters> = PerCpuArray::with_max_entries(MAX_VIPS, 0);
 
 /// Frames (`CaptureRecord`) of TCP packets that missed the connection table without a
 /// SYN, for the agent's debug pcap. Written by the program only when `CAPTURE_RATE` > 0;

@@ -280,10 +280,17 @@ fn transport(
         _ => return Err(Verdict::pass(stat::PASS_OTHER_PROTO)),
     };
     let ports = (u16::from_ne_bytes(src_port), u16::from_ne_bytes(dst_port));
+    // Read only for a QUIC VIP (`crate::quic::window`), bounds-checked there.
+    let payload_at = if proto == PROTO_UDP {
+        (offset + UdpHdr::LEN) as u16
+    } else {
+        0
+    };
     Ok(Packet {
         syn,
         rst,
         fin,
+        payload_at,
         ..Packet::of_flow(addresses, (family, proto), ports)
     })
 }

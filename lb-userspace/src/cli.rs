@@ -93,6 +93,10 @@ pub enum Command {
         vip: VipTarget,
         /// SRC_IP:SRC_PORT of the client (IPv6: [ADDRESS]:PORT)
         source: SocketAddr,
+        /// A QUIC short header's destination connection ID in hex: where a packet
+        /// carrying it goes (a `quic` VIP routes it by the server ID in it)
+        #[arg(long, value_name = "HEX")]
+        quic_cid: Option<String>,
         /// Print the agent's answer as JSON (the control API's `POST /explain`).
         #[arg(long)]
         json: bool,
@@ -353,19 +357,15 @@ pub async fn execute(command: Command) -> anyhow::Result<ExitCode> {
         Command::Explain {
             vip,
             source,
+            quic_cid,
             json,
             target,
         } => {
-            let request = ExplainRequest { vip, source };
-            if json {
-                println!(
-                    "{}",
-                    client::explain_json(&target.socket()?, &request).await?
-                );
-            } else {
-                let e = client::explain(&target.socket()?, &request).await?;
-                print_explanation(&request, e);
-            }
+            let request = ExplainRequest {
+                quic_cid,
+                ..ExplainRequest::flow(vip, source)
+            };
+            explain(&target, &request, json).await?;
         }
         Command::Drain(args) => change_state(args, AdminState::Drain).await?,
         Command::Ready(args) => change_state(args, AdminState::Ready).await?,
@@ -579,6 +579,20 @@ async fn detach(config: &Path) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// `lb explain`: the agent's answer, as JSON or for people.
+async fn explain(target: &Target, request: &ExplainRequest, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!(
+            "{}",
+            client::explain_json(&target.socket()?, request).await?
+        );
+    } else {
+        let e = client::explain(&target.socket()?, request).await?;
+        print_explanation(request, e);
+    }
+    Ok(())
+}
+
 fn print_explanation(request: &ExplainRequest, e: crate::explain::Explanation) {
     let none = || "no backend".to_string();
     println!(
@@ -614,6 +628,9 @@ fn print_explanation(request: &ExplainRequest, e: crate::explain::Explanation) {
         None => "no next hop".into(),
     };
     println!("  forwarded by:     {}, {via}", e.forward);
+    if let Some(quic) = e.quic {
+        println!("  quic connection id: {}", quic.why);
+    }
 }
 
 async fn change_state(args: BackendArgs, state: AdminState) -> anyhow::Result<()> {

@@ -444,6 +444,19 @@ pub struct VipConfig {
     /// [`DEFAULT_GUE_PORT`]; see [`VipConfig::gue_port`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gue_port: Option<u16>,
+    /// UDP VIPs: QUIC short-header packets go to the backend whose `server_id` their
+    /// destination connection ID carries (QUIC-LB plaintext), whatever their source
+    /// address and port (docs/src/operations/quic.md).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub quic: bool,
+    /// With `quic`: bytes of server ID after the connection ID's first octet (1..=15;
+    /// default [`DEFAULT_QUIC_SERVER_ID_LEN`]; see [`VipConfig::quic_server_id_len`]).
+    #[serde(
+        default,
+        rename = "quic_server_id_len",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub quic_server_id_len_setting: Option<u32>,
     /// A VIP may start with no backends; they can be added at run time.
     #[serde(rename = "backend", default)]
     pub backends: Vec<BackendConfig>,
@@ -767,7 +780,14 @@ pub struct BackendConfig {
     /// out take the defaults, not the VIP's values).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<HealthConfig>,
+    /// With the VIP's `quic`: the server ID this backend writes into the connection
+    /// IDs it issues (big-endian, in the VIP's `quic_server_id_len` bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_id: Option<u64>,
 }
+
+/// `quic_server_id_len` when a `quic` VIP does not say.
+pub const DEFAULT_QUIC_SERVER_ID_LEN: u32 = 2;
 
 fn default_weight() -> u32 {
     1
@@ -1510,6 +1530,7 @@ impl VipConfig {
         }
         self.validate_load(at)?;
         self.validate_outlier(at)?;
+        self.validate_quic(at)?;
 
         if self.backends.len() >= maglev_table_size as usize {
             return Err(invalid(
@@ -1535,6 +1556,72 @@ impl VipConfig {
             self.validate_backend(&format!("{at}.backend[{j}]"), backend)?;
         }
         Ok(())
+    }
+
+    /// `quic`, `quic_server_id_len` and the backends' `server_id`s: a UDP VIP's, each
+    /// backend with an ID of its own that fits the length.
+    fn validate_quic(&self, at: &str) -> Result<(), ConfigError> {
+        if !self.quic {
+            if self.quic_server_id_len_setting.is_some() {
+                return Err(invalid(
+                    format!("{at}.quic_server_id_len"),
+                    "only used with quic = true",
+                ));
+            }
+            if let Some(j) = self.backends.iter().position(|b| b.server_id.is_some()) {
+                return Err(invalid(
+                    format!("{at}.backend[{j}].server_id"),
+                    "only used when the VIP has quic = true",
+                ));
+            }
+            return Ok(());
+        }
+        if self.protocol != Protocol::Udp {
+            return Err(invalid(
+                format!("{at}.quic"),
+                format!(
+                    "QUIC runs over UDP: the VIP's protocol is \"{}\"",
+                    self.protocol
+                ),
+            ));
+        }
+        let len = self.quic_server_id_len();
+        if !(1..=lb_common::quic::MAX_SERVER_ID_LEN).contains(&len) {
+            return Err(invalid(
+                format!("{at}.quic_server_id_len"),
+                format!("{len} is outside 1..=15 (bytes of server ID in a connection ID)"),
+            ));
+        }
+        let mut seen: HashMap<u64, usize> = HashMap::new();
+        for (j, backend) in self.backends.iter().enumerate() {
+            let field = format!("{at}.backend[{j}].server_id");
+            let Some(id) = backend.server_id else {
+                return Err(invalid(
+                    field,
+                    "missing: every backend of a quic VIP needs the server ID it writes \
+                     into its connection IDs",
+                ));
+            };
+            if len < 8 && id >> (8 * len) != 0 {
+                return Err(invalid(
+                    field,
+                    format!("{id} does not fit in quic_server_id_len = {len} bytes"),
+                ));
+            }
+            if let Some(first) = seen.insert(id, j) {
+                return Err(invalid(
+                    field,
+                    format!("{id} is already the server_id of backend[{first}] of this VIP"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of server ID in a `quic` VIP's connection IDs.
+    pub fn quic_server_id_len(&self) -> u32 {
+        self.quic_server_id_len_setting
+            .unwrap_or(DEFAULT_QUIC_SERVER_ID_LEN)
     }
 
     /// One backend of this VIP (`at`: its field path), on its own.
@@ -2075,6 +2162,84 @@ address = "10.0.0.11"
         Config::from_toml(MINIMAL).expect("minimal config is valid")
     }
 
+    /// A UDP VIP with `quic` and two backends, `vip` lines added to the VIP and the
+    /// backends' `server_id` lines as given.
+    fn quic_config(vip: &str, ids: [&str; 2]) -> String {
+        format!(
+            "[dataplane]\ninterface = \"eth0\"\n[[vip]]\nname = \"h3\"\naddress = \"10.0.0.100\"\n\
+             port = 443\nprotocol = \"udp\"\n{vip}\n[[vip.backend]]\naddress = \"10.0.0.11\"\n{}\n\
+             [[vip.backend]]\naddress = \"10.0.0.12\"\n{}\n",
+            ids[0], ids[1]
+        )
+    }
+
+    #[test]
+    fn quic_settings_parse_and_bad_ones_name_their_field() {
+        let good = quic_config("quic = true", ["server_id = 7", "server_id = 8"]);
+        let config = Config::from_toml(&good).unwrap();
+        let vip = &config.vips[0];
+        assert!(vip.quic);
+        assert_eq!(vip.quic_server_id_len(), DEFAULT_QUIC_SERVER_ID_LEN);
+        assert_eq!(vip.backends[1].server_id, Some(8));
+        let long = quic_config(
+            "quic = true\nquic_server_id_len = 15",
+            ["server_id = 1", "server_id = 9223372036854775807"],
+        );
+        assert_eq!(
+            Config::from_toml(&long).unwrap().vips[0].quic_server_id_len(),
+            15
+        );
+        for (vip, ids, field) in [
+            (
+                "quic = true",
+                ["server_id = 7", ""],
+                "vip[0].backend[1].server_id",
+            ),
+            (
+                "quic = true",
+                ["server_id = 7", "server_id = 7"],
+                "vip[0].backend[1].server_id",
+            ),
+            (
+                "quic = true\nquic_server_id_len = 0",
+                ["server_id = 0", "server_id = 1"],
+                "vip[0].quic_server_id_len",
+            ),
+            (
+                "quic = true\nquic_server_id_len = 16",
+                ["server_id = 0", "server_id = 1"],
+                "vip[0].quic_server_id_len",
+            ),
+            (
+                "quic = true\nquic_server_id_len = 1",
+                ["server_id = 256", "server_id = 1"],
+                "vip[0].backend[0].server_id",
+            ),
+            (
+                "quic_server_id_len = 2",
+                ["", ""],
+                "vip[0].quic_server_id_len",
+            ),
+            ("", ["server_id = 7", ""], "vip[0].backend[0].server_id"),
+        ] {
+            let text = quic_config(vip, ids);
+            match Config::from_toml(&text) {
+                Err(ConfigError::Invalid { field: named, .. }) => {
+                    assert_eq!(named, field, "{vip} {ids:?}")
+                }
+                other => panic!("{vip} {ids:?}: {other:?}"),
+            }
+        }
+        let tcp = quic_config("quic = true", ["server_id = 7", "server_id = 8"])
+            .replace("protocol = \"udp\"", "protocol = \"tcp\"");
+        let error = Config::from_toml(&tcp).unwrap_err();
+        assert!(
+            matches!(&error, ConfigError::Invalid { field, .. } if field == "vip[0].quic"),
+            "{error}"
+        );
+        assert!(error.to_string().contains("UDP"), "{error}");
+    }
+
     fn backend(address: &str) -> BackendConfig {
         BackendConfig {
             address: address.parse().unwrap(),
@@ -2082,6 +2247,7 @@ address = "10.0.0.11"
             mac: None,
             state: AdminState::Ready,
             health: None,
+            server_id: None,
         }
     }
 
@@ -2185,6 +2351,8 @@ address = "10.0.0.11"
                 outlier: None,
                 forward: Forward::L2,
                 gue_port: None,
+                quic: false,
+                quic_server_id_len_setting: None,
                 backends: vec![backend("10.0.0.11")],
             }]
         );

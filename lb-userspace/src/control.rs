@@ -459,7 +459,9 @@ async fn explain(
         .map_err(|e| {
             let code = match e {
                 ExplainError::UnknownVip(_) => StatusCode::NOT_FOUND,
-                ExplainError::FamilyMismatch { .. } => StatusCode::BAD_REQUEST,
+                ExplainError::FamilyMismatch { .. } | ExplainError::BadCid(_) => {
+                    StatusCode::BAD_REQUEST
+                }
                 ExplainError::Dataplane(_) => StatusCode::INTERNAL_SERVER_ERROR,
             };
             refusal(code, format!("{:#}", anyhow::Error::from(e)))

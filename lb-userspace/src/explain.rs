@@ -137,6 +137,21 @@ impl std::fmt::Display for VipTarget {
 pub struct ExplainRequest {
     pub vip: VipTarget,
     pub source: SocketAddr,
+    /// A QUIC short header's destination connection ID, in hex (`--quic-cid`): the
+    /// next packet is explained as one carrying it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quic_cid: Option<String>,
+}
+
+impl ExplainRequest {
+    /// The flow from `source` to `vip`, no connection ID.
+    pub fn flow(vip: VipTarget, source: SocketAddr) -> Self {
+        Self {
+            vip,
+            source,
+            quic_cid: None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -167,6 +182,23 @@ pub struct Explanation {
     /// (with the MAC used); None without a backend or a route.
     #[serde(default)]
     pub next_hop: Option<NextHop>,
+    /// With `quic_cid`: the server ID it carries and what the program does with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quic: Option<QuicExplanation>,
+}
+
+/// What a QUIC VIP does with a short header carrying a connection ID.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QuicExplanation {
+    /// The server ID in the connection ID (QUIC-LB plaintext); None when it carries
+    /// none lb reads (too short, marked unroutable, or the VIP has no `quic`).
+    pub server_id: Option<u64>,
+    /// The backend whose `server_id` that is, if any.
+    pub server: Option<String>,
+    /// Routed by the ID (else balanced as any UDP datagram).
+    pub routed_by_cid: bool,
+    /// Why, in a sentence.
+    pub why: String,
 }
 
 /// A backend's next hop (in `lb status` and `lb explain`): the neighbour its frames go
@@ -184,6 +216,8 @@ pub enum ExplainError {
     UnknownVip(VipTarget),
     #[error("the client {client} and the VIP {vip} are of different address families")]
     FamilyMismatch { client: SocketAddr, vip: VipTarget },
+    #[error("--quic-cid {0:?}: expected 1 to 20 bytes in hex, e.g. 0700070a1b2c3d4e")]
+    BadCid(String),
     #[error("reading the connection table")]
     Dataplane(#[from] crate::dataplane::DataplaneError),
 }
@@ -245,6 +279,7 @@ pub fn decision_tables(desired: &Desired, flow_idle: Duration, now_ns: u64) -> M
         .iter()
         .map(|(id, b)| (*id, b.info))
         .collect();
+    tables.quic_ids = desired.quic_ids.clone();
     // As the loader sets `GLOBAL_UDP_IDLE_NS`.
     tables.udp_idle_ns = flow_idle.as_nanos().min(u64::MAX as u128) as u64;
     tables.now_ns = now_ns;
@@ -314,7 +349,15 @@ pub fn explain(
         let source = SourceKey::new(vip.id, packet.src_addr, packet.family);
         tables.hot_sources.insert(source);
     }
-    let next = tables.decide(&packet).ok();
+    let cid = match &request.quic_cid {
+        Some(hex) => Some(parse_cid(hex).ok_or_else(|| ExplainError::BadCid(hex.clone()))?),
+        None => None,
+    };
+    let next = match &cid {
+        Some(cid) => tables.decide_payload(&packet, &short_header(cid)).ok(),
+        None => tables.decide(&packet).ok(),
+    };
+    let quic = cid.map(|cid| quic_explanation(vip, &cid, next.map(|c| c.by)));
     let next_id = next.map_or(BACKEND_NONE, |choice| choice.backend_id);
     // The backend the flow's first packet took, where the next packet goes for it.
     let remembered = next
@@ -340,7 +383,73 @@ pub fn explain(
         hot_source,
         forward: vip.config.forward,
         next_hop,
+        quic,
     })
+}
+
+/// A connection ID in hex (1 to 20 bytes; `:` and spaces allowed between bytes).
+fn parse_cid(hex: &str) -> Option<Vec<u8>> {
+    let digits: Vec<u8> = hex.bytes().filter(|b| !matches!(b, b':' | b' ')).collect();
+    if digits.is_empty() || !digits.len().is_multiple_of(2) || digits.len() > 40 {
+        return None;
+    }
+    digits
+        .chunks(2)
+        .map(|pair| u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok())
+        .collect()
+}
+
+/// A short-header packet's payload carrying `cid`, long enough for the program's window
+/// (a packet number and an AEAD tag would follow).
+fn short_header(cid: &[u8]) -> Vec<u8> {
+    let mut payload = vec![0x40];
+    payload.extend_from_slice(cid);
+    payload.resize(payload.len().max(lb_common::quic::WINDOW_LEN + 4), 0);
+    payload
+}
+
+/// What the program did with `cid` (`by`: what decided the backend), in words.
+fn quic_explanation(vip: &VipState, cid: &[u8], by: Option<Source>) -> QuicExplanation {
+    let routed_by_cid = by == Some(Source::ConnectionId);
+    if !vip.config.quic {
+        return QuicExplanation {
+            server_id: None,
+            server: None,
+            routed_by_cid,
+            why: "the VIP does not route by connection ID (quic is off): balanced as UDP".into(),
+        };
+    }
+    let len = vip.config.quic_server_id_len();
+    // Past 8 bytes an ID is no configured `server_id` (a u64).
+    let server_id = lb_common::quic::server_id_of(cid, len).and_then(|id| u64::try_from(id).ok());
+    let backend =
+        server_id.and_then(|id| vip.backends.iter().find(|b| b.config.server_id == Some(id)));
+    let server = backend.map(|b| b.config.address.to_string());
+    let why = match (server_id, backend) {
+        (None, _) => format!(
+            "the connection ID carries no server ID of {len} bytes (too short, or marked \
+             unroutable): balanced as UDP"
+        ),
+        (Some(id), None) => {
+            format!("no backend has server_id {id}: balanced as UDP (counted as quic_cid_unknown)")
+        }
+        (Some(id), Some(b)) if routed_by_cid => format!(
+            "server_id {id} is backend {}: its short headers go there from any address \
+             and port",
+            b.config.address
+        ),
+        (Some(id), Some(b)) => format!(
+            "server_id {id} is backend {}, which serves no flows now (down, or without a \
+             MAC): balanced as UDP (counted as quic_cid_unknown)",
+            b.config.address
+        ),
+    };
+    QuicExplanation {
+        server_id,
+        server,
+        routed_by_cid,
+        why,
+    }
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock the data path stamps entries with
@@ -425,6 +534,7 @@ mod tests {
         let request = ExplainRequest {
             vip: vip.parse().unwrap(),
             source: CLIENT.parse().unwrap(),
+            quic_cid: None,
         };
         let mut dataplane = MemoryDataplane::default();
         if let Some(entry) = entry {
@@ -524,6 +634,7 @@ mod tests {
         let request = ExplainRequest {
             vip: "10.0.0.100:80/tcp".parse().unwrap(),
             source: CLIENT.parse().unwrap(),
+            quic_cid: None,
         };
         let now = 100 * SECOND;
         let mut dataplane = MemoryDataplane::default();
@@ -641,7 +752,7 @@ mod tests {
                 flow_idle: Duration::from_secs(30),
             };
             let source = SocketAddr::from(([10, 0, 0, 1], port));
-            explain(&view, &ExplainRequest { vip, source }, SECOND).unwrap()
+            explain(&view, &ExplainRequest::flow(vip, source), SECOND).unwrap()
         };
         let tuple = |port| flow_tuple(&vip, SocketAddr::from(([10, 0, 0, 1], port)));
         // Cold: by source, every port alike.
@@ -673,7 +784,7 @@ mod tests {
             flow_idle: Duration::from_secs(30),
         };
         let source = SocketAddr::from(([10, 0, 0, 1], 40000));
-        let e = explain(&view, &ExplainRequest { vip, source }, SECOND).unwrap();
+        let e = explain(&view, &ExplainRequest::flow(vip, source), SECOND).unwrap();
         assert!(!e.hot_source);
         assert_eq!(e.hash, cold.hash);
     }
@@ -685,5 +796,51 @@ mod tests {
         assert_eq!(&key.src[..4], &[10, 0, 0, 1]);
         assert_eq!(key.dst_port.to_ne_bytes(), 80u16.to_be_bytes());
         assert_eq!(key.src_port.to_ne_bytes(), 40000u16.to_be_bytes());
+    }
+
+    #[test]
+    fn a_quic_connection_id_is_explained_by_its_server_id() {
+        let text = two_backends("udp", 443)
+            .replace("protocol = \"udp\"\n", "protocol = \"udp\"\nquic = true\n")
+            .replace(
+                "02:00:00:00:00:0b\"\n",
+                "02:00:00:00:00:0b\"\nserver_id = 7\n",
+            )
+            .replace(
+                "02:00:00:00:00:0c\"\n",
+                "02:00:00:00:00:0c\"\nserver_id = 8\n",
+            );
+        let (model, desired) = model_of(&text);
+        let ask = |cid: &str| {
+            let request = ExplainRequest {
+                quic_cid: Some(cid.into()),
+                ..ExplainRequest::flow(
+                    "10.0.0.100:443/udp".parse().unwrap(),
+                    CLIENT.parse().unwrap(),
+                )
+            };
+            let view = View {
+                model: &model,
+                desired: &desired,
+                dataplane: &MemoryDataplane::default(),
+                flow_idle: Duration::from_secs(30),
+            };
+            explain(&view, &request, SECOND)
+        };
+        for (id, backend) in [("07", "10.0.0.11"), ("08", "10.0.0.12")] {
+            let e = ask(&format!("0700{id}0a1b2c3d4e")).unwrap();
+            let quic = e.quic.unwrap();
+            assert!(quic.routed_by_cid, "{}", quic.why);
+            assert_eq!(quic.server.as_deref(), Some(backend));
+            assert_eq!(e.next_packet_backend.as_deref(), Some(backend));
+        }
+        let unknown = ask("07:00:09:0a:1b:2c:3d:4e").unwrap().quic.unwrap();
+        assert!(!unknown.routed_by_cid);
+        assert_eq!(unknown.server_id, Some(9));
+        assert!(unknown.why.contains("quic_cid_unknown"), "{}", unknown.why);
+        let unroutable = ask("e7000800").unwrap().quic.unwrap();
+        assert_eq!(unroutable.server_id, None);
+        assert!(matches!(ask("0x07"), Err(ExplainError::BadCid(_))));
+        assert!(matches!(ask("070"), Err(ExplainError::BadCid(_))));
     }
 }

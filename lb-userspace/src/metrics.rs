@@ -259,10 +259,26 @@ fn register_vips(registry: &mut Registry, status: &Status) {
         "vip_hot_sources",
         "Sources balanced per connection now (hot_source_share)",
     );
+    let quic_routed = family::<VipLabels, Counter>(
+        registry,
+        "vip_quic_routed_by_cid",
+        "QUIC short-header packets sent to the backend their connection ID's server ID names",
+    );
+    let quic_unknown = family::<VipLabels, Counter>(
+        registry,
+        "vip_quic_cid_unknown",
+        "QUIC short-header packets whose server ID named no serving backend (balanced as UDP)",
+    );
     for vip in &status.vips {
         let labels = VipLabels {
             vip: vip.name.clone(),
         };
+        quic_routed
+            .get_or_create(&labels)
+            .inc_by(vip.quic_routed_by_cid);
+        quic_unknown
+            .get_or_create(&labels)
+            .inc_by(vip.quic_cid_unknown);
         hot_sources
             .get_or_create(&labels)
             .set(vip.hot_sources.len() as i64);

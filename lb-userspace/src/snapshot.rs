@@ -99,7 +99,8 @@ impl StatusSource {
                     .iter()
                     .map(|b| self.backend_status(vip, b, &counters, &slots, now))
                     .collect();
-                self.vip_status(vip, traffic, backends, now)
+                let quic = counters.quic.get(&vip.id).copied().unwrap_or_default();
+                self.vip_status(vip, (traffic, quic), backends, now)
             })
             .collect();
         let status = Status {
@@ -206,13 +207,14 @@ impl StatusSource {
                 .is_some()
                 .then(|| crate::health::outlier::status(&b.outlier, now)),
             state_reason: agent_reason(b),
+            server_id: b.config.server_id.filter(|_| vip.config.quic),
         }
     }
 
     fn vip_status(
         &self,
         vip: &VipState,
-        traffic: lb_common::TrafficCounters,
+        (traffic, quic): (lb_common::TrafficCounters, lb_common::quic::QuicCounters),
         backends: Vec<BackendStatus>,
         now: Instant,
     ) -> VipStatus {
@@ -262,6 +264,9 @@ impl StatusSource {
                 .get(&vip.id)
                 .copied()
                 .unwrap_or(0.0),
+            quic: vip.config.quic,
+            quic_routed_by_cid: quic.routed_by_cid,
+            quic_cid_unknown: quic.cid_unknown,
             backends,
         }
     }

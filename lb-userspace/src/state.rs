@@ -628,6 +628,7 @@ impl State {
                 mac: None,
                 state: AdminState::Ready,
                 health: None,
+                server_id: None,
             });
             Ok(())
         })

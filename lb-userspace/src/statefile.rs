@@ -225,6 +225,7 @@ mod tests {
                 mac: None,
                 state,
                 health: None,
+                server_id: None,
             },
             what: format!("{address} {kind:?}"),
         }

@@ -263,6 +263,18 @@ pub struct VipStatus {
     /// first, with their share of the VIP's new flows over the last sample.
     #[serde(default)]
     pub hot_sources: Vec<HotSource>,
+    /// `quic = true`: short-header packets are routed by the server ID in their
+    /// connection ID.
+    #[serde(default)]
+    pub quic: bool,
+    /// Short-header packets sent to the backend their connection ID names (0 without
+    /// `quic`).
+    #[serde(default)]
+    pub quic_routed_by_cid: u64,
+    /// Short-header packets whose server ID named no serving backend (unknown, retired,
+    /// or down): balanced as UDP.
+    #[serde(default)]
+    pub quic_cid_unknown: u64,
     pub backends: Vec<BackendStatus>,
 }
 
@@ -363,6 +375,9 @@ pub struct BackendStatus {
     /// Passive health, with `[vip.outlier]` (null without).
     #[serde(default)]
     pub outlier: Option<OutlierStatus>,
+    /// With the VIP's `quic`: the server ID its connection IDs carry (null otherwise).
+    #[serde(default)]
+    pub server_id: Option<u64>,
 }
 
 /// A backend's TCP handshakes since the data path counted them.
@@ -578,6 +593,13 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
             HotSource::list(&vip.hot_sources)
         );
     }
+    if vip.quic {
+        let _ = writeln!(
+            out,
+            "  quic: {} packets routed by connection ID, {} with an unknown server ID",
+            vip.quic_routed_by_cid, vip.quic_cid_unknown
+        );
+    }
     let _ = writeln!(
         out,
         "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  last check",
@@ -669,6 +691,9 @@ fn render_backend(out: &mut String, b: &BackendStatus) {
     if let Some(outlier) = &b.outlier {
         render_outlier(out, outlier);
     }
+    if let Some(id) = b.server_id {
+        let _ = writeln!(out, "    quic server_id {id}");
+    }
     // An on-link backend is its own next hop: only a router is news.
     match &b.next_hop {
         Some(hop) if hop.address != b.address => {
@@ -749,6 +774,7 @@ pub mod tests {
             handshakes: Handshakes::default(),
             outlier: None,
             state_reason: None,
+            server_id: None,
         };
         Status {
             dataplane: DataplaneStatus {
@@ -785,6 +811,9 @@ pub mod tests {
                 busiest_over_average: 0.0,
                 top_sources: Vec::new(),
                 hot_sources: Vec::new(),
+                quic: false,
+                quic_routed_by_cid: 0,
+                quic_cid_unknown: 0,
                 backends: vec![backend("10.0.0.11"), backend("10.0.0.12")],
             }],
             counters: BTreeMap::new(),
@@ -792,6 +821,33 @@ pub mod tests {
             cluster: None,
             agent: AgentStatus::default(),
         }
+    }
+
+    #[test]
+    fn a_quic_vip_shows_its_counters_and_server_ids() {
+        let mut status = sample();
+        let text = render(&status);
+        assert!(
+            !text.contains("quic"),
+            "no quic lines without quic:\n{text}"
+        );
+        let vip = &mut status.vips[0];
+        (vip.quic, vip.quic_routed_by_cid, vip.quic_cid_unknown) = (true, 1234, 5);
+        vip.backends[1].server_id = Some(8);
+        let text = render(&status);
+        assert!(
+            text.contains(
+                "quic: 1234 packets routed by connection ID, 5 with an unknown server ID"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("    quic server_id 8\n"), "{text}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(
+            json["vips"][0]["backends"][0]["server_id"],
+            serde_json::Value::Null
+        );
+        assert_eq!(json["vips"][0]["backends"][1]["server_id"], 8);
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use lb_common::{
     BackendIdentity, BackendInfo, SourceKey, TABLE_GENERATIONS, TunnelConfig, VipInfo, VipKey,
     maglev::{MaglevBackend, build_table},
+    quic::ServerKey,
 };
 
 use crate::dataplane::{Adopted, Dataplane, DataplaneError};
@@ -44,6 +45,8 @@ pub struct Desired {
     pub tunnel: TunnelConfig,
     /// Sources whose new flows are balanced per connection (`LB_HOT_SRC`).
     pub hot_sources: HashSet<SourceKey>,
+    /// QUIC VIPs' server IDs -> backend id (`LB_QUIC_IDS`).
+    pub quic_ids: HashMap<ServerKey, u32>,
 }
 
 /// One VIP's table as the model asks for it: the Maglev members, not yet built.
@@ -64,6 +67,7 @@ pub struct TableInputs {
     pub backends: BTreeMap<u32, DesiredBackend>,
     pub tunnel: TunnelConfig,
     pub hot_sources: HashSet<SourceKey>,
+    pub quic_ids: HashMap<ServerKey, u32>,
 }
 
 impl TableInputs {
@@ -110,6 +114,7 @@ impl TableBuilder {
             backends: inputs.backends.clone(),
             tunnel: inputs.tunnel,
             hot_sources: inputs.hot_sources.clone(),
+            quic_ids: inputs.quic_ids.clone(),
         }
     }
 
@@ -151,6 +156,8 @@ pub struct TableWriter {
     /// What `LB_HOT_SRC` holds; None: not known (not read yet, or a write failed), so
     /// the next `apply` reads it back first.
     hot_sources: Option<HashSet<SourceKey>>,
+    /// What `LB_QUIC_IDS` holds; None: not known (read back first, as `hot_sources`).
+    quic_ids: Option<HashMap<ServerKey, u32>>,
 }
 
 impl TableWriter {
@@ -162,6 +169,7 @@ impl TableWriter {
             backends: HashMap::new(),
             tunnel: None,
             hot_sources: None,
+            quic_ids: None,
         }
     }
 
@@ -206,6 +214,7 @@ impl TableWriter {
         self.write_vips(dataplane, desired, &mut report)?;
         self.remove_gone_vips(dataplane, desired, &mut report)?;
         self.write_hot_sources(dataplane, &desired.hot_sources)?;
+        self.write_quic_ids(dataplane, &desired.quic_ids)?;
         Ok(report)
     }
 
@@ -346,6 +355,32 @@ impl TableWriter {
         Ok(())
     }
 
+    /// Makes `LB_QUIC_IDS` hold `ids` (after the backends they name): what it holds and
+    /// should not is removed, what differs written. A failed write leaves it unknown.
+    fn write_quic_ids<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        ids: &HashMap<ServerKey, u32>,
+    ) -> Result<(), DataplaneError> {
+        if self.quic_ids.as_ref() == Some(ids) {
+            return Ok(());
+        }
+        let held: HashMap<ServerKey, u32> = match self.quic_ids.take() {
+            Some(held) => held,
+            None => dataplane.quic_ids()?.into_iter().collect(),
+        };
+        for key in held.keys().filter(|key| !ids.contains_key(key)) {
+            dataplane.set_quic_id(key, None)?;
+        }
+        for (key, backend) in ids {
+            if held.get(key) != Some(backend) {
+                dataplane.set_quic_id(key, Some(*backend))?;
+            }
+        }
+        self.quic_ids = Some(ids.clone());
+        Ok(())
+    }
+
     /// Makes `LB_HOT_SRC` hold `hot`: what it holds and should not is removed, what it
     /// lacks added. A failed write leaves it unknown: the next apply reads it back.
     fn write_hot_sources<D: Dataplane + ?Sized>(
@@ -404,6 +439,7 @@ mod tests {
             backends,
             tunnel: Default::default(),
             hot_sources: Default::default(),
+            quic_ids: Default::default(),
         }
     }
 
@@ -644,5 +680,21 @@ mod tests {
         wanted.hot_sources = [source(2)].into();
         writer.apply(&mut dataplane, &wanted).unwrap();
         assert_eq!(dataplane.hot_sources, [source(2)].into());
+    }
+
+    #[test]
+    fn quic_ids_follow_the_desired_map() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        let mut want = desired([1; 7]);
+        let id = |n| lb_common::quic::ServerKey::of_config(3, n, 2);
+        // A stale ID left in the map (read back first) goes.
+        dp.quic_ids.insert(id(99), 1);
+        want.quic_ids = [(id(7), 1), (id(8), 2)].into();
+        writer.apply(&mut dp, &want).unwrap();
+        assert_eq!(dp.quic_ids, want.quic_ids);
+        want.quic_ids = [(id(7), 2)].into();
+        writer.apply(&mut dp, &want).unwrap();
+        assert_eq!(dp.quic_ids, want.quic_ids);
     }
 }

@@ -342,6 +342,7 @@ mod tests {
             }],
             backends: Default::default(),
             tunnel: Default::default(),
+            quic_ids: Default::default(),
         }
     }
 

@@ -172,6 +172,8 @@ pub struct BackendConfig {
     pub mac: Option<String>,
     /// `None`: the default ("ready").
     pub state: Option<String>,
+    /// With the VIP's `quic = true`: the server ID its connection IDs carry.
+    pub server_id: Option<u64>,
 }
 
 impl BackendConfig {
@@ -181,6 +183,7 @@ impl BackendConfig {
             weight: 1,
             mac: None,
             state: None,
+            server_id: None,
         }
     }
 }
@@ -321,6 +324,9 @@ impl AgentConfig {
                 }
                 if let Some(state) = &b.state {
                     let _ = writeln!(t, "state = {}", q(state));
+                }
+                if let Some(id) = b.server_id {
+                    let _ = writeln!(t, "server_id = {id}");
                 }
             }
         }

@@ -19,6 +19,7 @@ pub mod host;
 pub mod lab;
 pub mod netns;
 pub mod program;
+pub mod quic;
 pub mod router;
 pub mod server;
 pub mod sniff;

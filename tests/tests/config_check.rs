@@ -144,6 +144,25 @@ fn lb_check_and_run_refuse_bad_files_with_exit_2_naming_the_field() {
             "loopback",
         ),
         (
+            "quic on a TCP VIP",
+            good.replacen("protocol = \"tcp\"", "protocol = \"tcp\"\nquic = true", 1),
+            "vip[0].quic",
+        ),
+        (
+            "quic without server IDs",
+            good.replacen("protocol = \"udp\"", "protocol = \"udp\"\nquic = true", 1),
+            "].backend[0].server_id",
+        ),
+        (
+            "quic server ID length",
+            good.replacen(
+                "protocol = \"udp\"",
+                "protocol = \"udp\"\nquic = true\nquic_server_id_len = 16",
+                1,
+            ),
+            "quic_server_id_len",
+        ),
+        (
             "interval of ages",
             good.replacen("interval = \"200ms\"", "interval = \"100000000000days\"", 1),
             "vip[0].health.interval",

@@ -147,6 +147,27 @@ mac = "02:00:00:00:06:3d"
 [[vip.backend]]
 address = "10.1.0.62"
 mac = "02:00:00:00:06:3e"
+
+[[vip]]
+name = "q4"
+address = "10.0.0.103"
+port = 443
+protocol = "udp"
+quic = true
+[vip.health]
+kind = "none"
+[[vip.backend]]
+address = "10.0.0.71"
+mac = "02:00:00:00:07:47"
+server_id = 1
+[[vip.backend]]
+address = "10.0.0.72"
+mac = "02:00:00:00:07:48"
+server_id = 2
+[[vip.backend]]
+address = "10.0.0.73"
+mac = "02:00:00:00:07:49"
+server_id = 3
 "#;
 
 /// The "tun" VIP's backends, as the data path gets them: behind IPIP and GUE (written
@@ -205,6 +226,11 @@ enum Kind {
     Datagram,
     /// An ICMP "fragmentation needed" / ICMPv6 "packet too big" about the flow.
     TooBig,
+    /// A QUIC short header whose connection ID names server ID 1 + client port % 5
+    /// (4 and 5 name no backend): a connection that moved, or a new one.
+    QuicShort,
+    /// A QUIC Initial (long header).
+    QuicLong,
 }
 
 /// The pool: every VIP's flows from a few clients (so sources repeat, and can be hot),
@@ -219,6 +245,7 @@ fn pool(rng: &mut Rng) -> Vec<Flow> {
         (v6(0x100), 53, PROTO_UDP),
         (v4(101), 443, PROTO_TCP),
         (v4(102), 80, PROTO_TCP),
+        (v4(103), 443, PROTO_UDP),
         // For no VIP: another port, the other protocol, another address.
         (v4(100), 81, PROTO_TCP),
         (v4(100), 80, PROTO_UDP),
@@ -227,7 +254,7 @@ fn pool(rng: &mut Rng) -> Vec<Flow> {
     ];
     let mut flows = Vec::new();
     for (server, server_port, proto) in servers {
-        let for_vip = flows.len() < 6 * 48;
+        let for_vip = flows.len() < 7 * 48;
         for _ in 0..if for_vip { 48 } else { 8 } {
             let client = match server {
                 IpAddr::V4(_) => v4(1 + rng.below(4) as u8),
@@ -246,6 +273,14 @@ fn pool(rng: &mut Rng) -> Vec<Flow> {
 }
 
 fn kind_for(rng: &mut Rng, flow: &Flow) -> Kind {
+    if flow.proto == PROTO_UDP && flow.server_port == 443 {
+        return match rng.below(10) {
+            0..6 => Kind::QuicShort,
+            6..8 => Kind::QuicLong,
+            8 => Kind::Datagram,
+            _ => Kind::TooBig,
+        };
+    }
     if flow.proto == PROTO_UDP {
         return if rng.one_in(10) {
             Kind::TooBig
@@ -298,15 +333,38 @@ fn ip_header(src: &[u8], dst: &[u8], proto: u8, payload: usize, options: &[u8]) 
     }
 }
 
+/// A UDP datagram's payload of `kind` from port `src`.
+fn udp_payload(kind: Kind, src: u16) -> Vec<u8> {
+    match kind {
+        Kind::QuicShort => {
+            let mut packet = vec![0x40 | (src as u8 & 0x3f)];
+            let mut cid = [0u8; 11];
+            let nonce = src.to_le_bytes().repeat(4);
+            lb_common::quic::encode_cid(1 + src as u128 % 5, 2, &nonce, &mut cid);
+            packet.extend_from_slice(&cid);
+            packet.extend_from_slice(&[0xa7; 24]);
+            packet
+        }
+        Kind::QuicLong => {
+            let mut packet = vec![0xc0, 0, 0, 0, 1, 8];
+            packet.extend_from_slice(&src.to_be_bytes().repeat(4));
+            packet.resize(64, 0);
+            packet
+        }
+        _ => b"question".to_vec(),
+    }
+}
+
 /// The transport header and payload of `kind` from port `src` to `dst`.
 fn transport(proto: u8, kind: Kind, src: u16, dst: u16) -> Vec<u8> {
     let mut h = Vec::new();
     h.extend_from_slice(&src.to_be_bytes());
     h.extend_from_slice(&dst.to_be_bytes());
     if proto == PROTO_UDP {
-        h.extend_from_slice(&16u16.to_be_bytes());
+        let payload = udp_payload(kind, src);
+        h.extend_from_slice(&(8 + payload.len() as u16).to_be_bytes());
         h.extend_from_slice(&[0, 0]);
-        h.extend_from_slice(b"question");
+        h.extend_from_slice(&payload);
         return h;
     }
     const FIN: u8 = 0x01;
@@ -522,8 +580,12 @@ fn moved(before: &[u64], after: &[u64]) -> Vec<(&'static str, u64)> {
 
 /// The model's outcome: `decide`, then what the program's `forward` and entry point
 /// count for it.
-fn predict(tables: &MemoryTables, packet: &Packet) -> (Outcome, Result<Choice, Verdict>) {
-    let decision = tables.decide(packet);
+fn predict(
+    tables: &MemoryTables,
+    packet: &Packet,
+    payload: &[u8],
+) -> (Outcome, Result<Choice, Verdict>) {
+    let decision = tables.decide_payload(packet, payload);
     let mut counts = tables.counts();
     let verdict = match decision {
         Err(verdict) => verdict,
@@ -763,7 +825,8 @@ fn differential_the_program_and_lb_common_decide_agree_on_random_frames() {
         // at that one.
         let before = bed.before(&packet);
         let now = coarse_ns();
-        let (want, decision) = predict(&bed.tables(&packet, before, now), &packet);
+        let payload = udp_payload(kind, flow.client_port);
+        let (want, decision) = predict(&bed.tables(&packet, before, now), &packet, &payload);
         let ids = decision.map_or((0, 0), |c| (c.vip_id, c.backend_id));
         let (got, t0, t1) = run(&mut bed, &bytes, &packet, ids);
         // The clock an entry the program wrote shows: the program reads the coarse
@@ -778,7 +841,8 @@ fn differential_the_program_and_lb_common_decide_agree_on_random_frames() {
                 .flatten()
                 .filter(|&at| at != now)
                 .any(|at| {
-                    let retried = predict(&bed.tables(&packet, before, at), &packet).0 == got;
+                    let tables = bed.tables(&packet, before, at);
+                    let retried = predict(&tables, &packet, &payload).0 == got;
                     figures.retried += u64::from(retried);
                     retried
                 });

@@ -93,6 +93,45 @@ mac = "02:00:00:00:00:16"
 address = "10.0.0.23"
 mac = "02:00:00:00:00:17"
 
+# QUIC by connection ID: the table holds only 10.0.0.11 (server_id 7; 12 drains, 13 is in
+# maint), so a packet the table balances comes out to BACKEND_MAC.
+[[vip]]
+name = "h3"
+address = "10.0.0.100"
+port = 443
+protocol = "udp"
+quic = true
+[vip.health]
+kind = "none"
+[[vip.backend]]
+address = "10.0.0.11"
+mac = "02:00:00:00:00:0b"
+server_id = 7
+[[vip.backend]]
+address = "10.0.0.12"
+mac = "02:00:00:00:00:0c"
+server_id = 8
+state = "drain"
+[[vip.backend]]
+address = "10.0.0.13"
+mac = "02:00:00:00:00:0d"
+server_id = 9
+state = "maint"
+
+[[vip]]
+name = "h36"
+address = "fd00::100"
+port = 443
+protocol = "udp"
+quic = true
+quic_server_id_len = 4
+[vip.health]
+kind = "none"
+[[vip.backend]]
+address = "fd00::11"
+mac = "02:00:00:00:00:0b"
+server_id = 70000
+
 [[vip]]
 name = "empty"
 address = "10.0.0.101"
@@ -149,6 +188,43 @@ impl L4 {
             L4::Icmp => 1,
         }
     }
+}
+
+/// A UDP datagram from `src` to `dst` carrying `payload`.
+fn udp_bytes(src: u16, dst: u16, payload: &[u8]) -> Vec<u8> {
+    let mut h = vec![0u8; 8];
+    h[0..2].copy_from_slice(&src.to_be_bytes());
+    h[2..4].copy_from_slice(&dst.to_be_bytes());
+    h[4..6].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    h.extend_from_slice(payload);
+    h
+}
+
+/// An IPv4 QUIC datagram from 10.0.0.1:`src` to the VIP's port 443.
+fn quic4(src: u16, payload: &[u8]) -> Vec<u8> {
+    let udp = udp_bytes(src, 443, payload);
+    let mut f = ethernet(0x0800);
+    f.extend(ipv4_header([10, 0, 0, 1], VIP, 17, udp.len(), &[], 0));
+    f.extend(udp);
+    f
+}
+
+/// A QUIC short header (1-RTT) whose destination connection ID carries `server_id` in
+/// `id_len` bytes (QUIC-LB plaintext), then a packet number and a sealed payload.
+fn short_header(server_id: u128, id_len: u32) -> Vec<u8> {
+    let mut packet = vec![0x41];
+    let mut cid = [0u8; 12];
+    lb_common::quic::encode_cid(server_id, id_len, &[0x5a; 16], &mut cid);
+    packet.extend_from_slice(&cid);
+    packet.extend_from_slice(&[0xa7; 40]);
+    packet
+}
+
+/// A QUIC Initial (long header): version 1, a random 8-byte DCID, padding.
+fn initial() -> Vec<u8> {
+    let mut packet = vec![0xc3, 0, 0, 0, 1, 8, 0x07, 0, 0x08, 1, 2, 3, 4, 5, 0];
+    packet.resize(1200, 0);
+    packet
 }
 
 fn ethernet(ether_type: u16) -> Vec<u8> {
@@ -872,6 +948,7 @@ fn cases() -> Vec<Case> {
         ),
     ];
     // Every IPv6 extension header the parser knows but hop-by-hop (above).
+    cases.extend(quic_cases(fwd));
     for (next, what) in [
         (43, "IPv6 with a routing header"),
         (44, "IPv6 with a fragment header"),
@@ -890,6 +967,101 @@ fn cases() -> Vec<Case> {
         ));
     }
     cases
+}
+
+/// QUIC VIPs ("h3", "h36"): short headers by server ID, the rest as plain UDP; each
+/// from a port of its own (the instance's tables carry over from case to case).
+fn quic_cases(fwd: impl Fn(&'static str, Vec<u8>, &'static str) -> Case) -> Vec<Case> {
+    let by_table = ["ct_embryonic", "ct_miss_udp"].as_slice();
+    let mut no_fixed_bit = short_header(7, 2);
+    no_fixed_bit[0] = 0x01;
+    let mut unroutable = short_header(7, 2);
+    unroutable[1] = 0xe0 | 11;
+    let drained = quic4(44303, &short_header(8, 2));
+    let mut to_drained = forwarded(&drained);
+    to_drained[5] = 0x0c;
+    let mut v6 = ipv6(
+        vip6(),
+        L4::Udp {
+            src: 44310,
+            dst: 443,
+        },
+    );
+    v6.truncate(v6.len() - 8 - 8);
+    v6.extend(udp_bytes(44310, 443, &short_header(70000, 4)));
+    let payload_len = (v6.len() - 14 - 40) as u16;
+    v6[14 + 4..14 + 6].copy_from_slice(&payload_len.to_be_bytes());
+    vec![
+        fwd(
+            "QUIC Initial (long header) is balanced as UDP",
+            quic4(44300, &initial()),
+            "xdp_tx",
+        )
+        .also(by_table),
+        fwd(
+            "QUIC short header with a known server ID goes to that backend",
+            quic4(44301, &short_header(7, 2)),
+            "quic_routed_by_cid",
+        )
+        .also(&["xdp_tx", "ct_created"]),
+        fwd(
+            "QUIC short header of that connection from a new port follows it too",
+            quic4(44302, &short_header(7, 2)),
+            "quic_routed_by_cid",
+        )
+        .also(&["xdp_tx", "ct_created"]),
+        Case {
+            output: Some(to_drained),
+            ..fwd(
+                "QUIC short header to a draining backend's ID still goes there",
+                drained,
+                "quic_routed_by_cid",
+            )
+            .also(&["xdp_tx", "ct_created"])
+        },
+        fwd(
+            "QUIC short header with an unknown server ID is balanced as UDP",
+            quic4(44304, &short_header(99, 2)),
+            "quic_cid_unknown",
+        )
+        .also(by_table),
+        fwd(
+            "QUIC short header naming a backend in maint is balanced as UDP",
+            quic4(44305, &short_header(9, 2)),
+            "quic_cid_unknown",
+        )
+        .also(by_table),
+        fwd(
+            "QUIC short header cut short (17 bytes) is balanced as UDP",
+            quic4(44306, &short_header(7, 2)[..17]),
+            "xdp_tx",
+        )
+        .also(by_table),
+        fwd(
+            "QUIC datagram with the fixed bit clear is balanced as UDP",
+            quic4(44307, &no_fixed_bit),
+            "xdp_tx",
+        )
+        .also(by_table),
+        fwd(
+            "QUIC short header with an unroutable CID is balanced as UDP",
+            quic4(44308, &unroutable),
+            "xdp_tx",
+        )
+        .also(by_table),
+        fwd(
+            "empty UDP datagram to a QUIC VIP is balanced as UDP",
+            quic4(44309, &[]),
+            "xdp_tx",
+        )
+        .also(by_table),
+        fwd(
+            "IPv6 QUIC short header with a 4-byte server ID goes to its backend",
+            v6,
+            "quic_routed_by_cid",
+        )
+        .also(&["xdp_tx", "ct_created"]),
+    ]
 }
 
 /// A TCP segment from port `src` to port 80 with `flags`.
@@ -1145,7 +1317,7 @@ fn agree_on_random_flows(fixture: &mut Fixture, name: &str, v6: bool) {
             frame[14 + 12..14 + 16].copy_from_slice(&src);
             (std::net::SocketAddr::from((src, port)), frame)
         };
-        let request = ExplainRequest { vip, source };
+        let request = ExplainRequest::flow(vip, source);
         let before = explain_flow(fixture, &request);
         let result = run(fixture, &frame);
         assert_eq!(result.action, XDP_TX);
@@ -1465,6 +1637,7 @@ fn explained(fixture: &Fixture, proto: &str, port: u16) -> (u8, Option<u8>) {
             .parse::<VipTarget>()
             .unwrap(),
         source: format!("10.0.0.1:{port}").parse().unwrap(),
+        quic_cid: None,
     };
     let e = explain_flow(fixture, &request);
     let last = |a: String| a.rsplit('.').next().unwrap().parse::<u8>().unwrap();
@@ -2243,7 +2416,7 @@ fn a_hot_sources_new_flows_are_hashed_per_connection_and_a_cold_ones_by_source()
         let backend = backend_of(&result);
         *spread.entry(backend).or_default() += 1;
         let source = std::net::SocketAddr::from((hot, port));
-        let e = explain_flow(&fixture, &ExplainRequest { vip, source });
+        let e = explain_flow(&fixture, &ExplainRequest::flow(vip, source));
         assert!(e.hot_source, "{source}: explain knows it is hot");
         let predicted: std::net::IpAddr = e.table_backend.unwrap().parse().unwrap();
         assert_eq!(
@@ -2256,7 +2429,7 @@ fn a_hot_sources_new_flows_are_hashed_per_connection_and_a_cold_ones_by_source()
         assert_eq!(counted(&result, "hot_source_spread"), 0);
         sticky.insert(backend_of(&result));
         let source = std::net::SocketAddr::from((cold, port));
-        assert!(!explain_flow(&fixture, &ExplainRequest { vip, source }).hot_source);
+        assert!(!explain_flow(&fixture, &ExplainRequest::flow(vip, source)).hot_source);
     }
     eprintln!("hot source's 60 new flows by backend MAC: {spread:?}; cold source's: {sticky:?}");
     assert_eq!(

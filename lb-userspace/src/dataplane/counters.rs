@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use aya::maps::{IterableMap, Map, MapData, PerCpuArray, PerCpuHashMap};
 use lb_common::{
-    MAP_BACKEND_STATS, MAP_SOURCES, MAP_STATS, MAP_VIP_STATS, Outcomes, SourceKey, TrafficCounters,
-    stat,
+    MAP_BACKEND_STATS, MAP_QUIC_STATS, MAP_SOURCES, MAP_STATS, MAP_VIP_STATS, Outcomes, SourceKey,
+    TrafficCounters, quic::QuicCounters, stat,
 };
 
 use super::{Counters, Dataplane, DataplaneError, in_map};
@@ -21,6 +21,7 @@ pub(super) struct CounterMaps<'a> {
     pub vip_stats: &'a PerCpuArray<MapData, TrafficCounters>,
     pub backend_stats: &'a PerCpuArray<MapData, TrafficCounters>,
     pub sources: &'a PerCpuHashMap<MapData, SourceKey, u64>,
+    pub quic_stats: &'a PerCpuArray<MapData, QuicCounters>,
 }
 
 /// A reader's own handles on the counter maps.
@@ -29,6 +30,7 @@ struct OwnedCounterMaps {
     vip_stats: PerCpuArray<MapData, TrafficCounters>,
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
     sources: PerCpuHashMap<MapData, SourceKey, u64>,
+    quic_stats: PerCpuArray<MapData, QuicCounters>,
 }
 
 impl OwnedCounterMaps {
@@ -38,6 +40,7 @@ impl OwnedCounterMaps {
             vip_stats: &self.vip_stats,
             backend_stats: &self.backend_stats,
             sources: &self.sources,
+            quic_stats: &self.quic_stats,
         }
     }
 }
@@ -67,6 +70,11 @@ impl CounterMaps<'_> {
                 MAP_SOURCES,
             )?))
             .map_err(in_map(MAP_SOURCES))?,
+            quic_stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
+                IterableMap::map(self.quic_stats),
+                MAP_QUIC_STATS,
+            )?))
+            .map_err(in_map(MAP_QUIC_STATS))?,
         })
     }
 
@@ -95,6 +103,17 @@ impl CounterMaps<'_> {
             counters
                 .vips
                 .insert(id, sum_per_cpu(self.vip_stats, MAP_VIP_STATS, id)?);
+            let quic = self
+                .quic_stats
+                .get(&id, 0)
+                .map_err(in_map(MAP_QUIC_STATS))?;
+            let sum = quic
+                .iter()
+                .fold(QuicCounters::default(), |sum, c| QuicCounters {
+                    routed_by_cid: sum.routed_by_cid + c.routed_by_cid,
+                    cid_unknown: sum.cid_unknown + c.cid_unknown,
+                });
+            counters.quic.insert(id, sum);
         }
         for &id in backend_ids {
             counters

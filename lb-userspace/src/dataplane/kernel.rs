@@ -15,9 +15,11 @@ use lb_common::{
     BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE,
     GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS,
     MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_EMBRYONIC,
-    MAP_EXPORT, MAP_HOT_SOURCES, MAP_MAGLEV, MAP_META, MAP_NEXT, MAP_SOURCES, MAP_STATS,
-    MAP_TUNNEL, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes, SourceKey,
-    TABLE_GENERATIONS, TrafficCounters, TunnelConfig, VipInfo, VipKey, stat,
+    MAP_EXPORT, MAP_HOT_SOURCES, MAP_MAGLEV, MAP_META, MAP_NEXT, MAP_QUIC_IDS, MAP_QUIC_STATS,
+    MAP_SOURCES, MAP_STATS, MAP_TUNNEL, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS,
+    Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters, TunnelConfig, VipInfo, VipKey,
+    quic::{QuicCounters, ServerKey},
+    stat,
 };
 
 use super::{
@@ -55,6 +57,10 @@ pub struct AyaDataplane {
     /// Not pinned: the agent writes it afresh every sample, so a restarted agent's
     /// program starts without hot sources and has them again within a few samples.
     hot_sources: BpfHashMap<MapData, SourceKey, u32>,
+    /// Not pinned, as `hot_sources`: the agent's first apply writes every server ID.
+    quic_ids: BpfHashMap<MapData, ServerKey, u32>,
+    /// Not pinned: QUIC counters start from zero with each program.
+    quic_stats: PerCpuArray<MapData, QuicCounters>,
     identities: Array<MapData, BackendIdentity>,
     tunnel: Array<MapData, TunnelConfig>,
     meta: Array<MapData, u64>,
@@ -164,6 +170,8 @@ impl AyaDataplane {
             embryonic: take_map(&mut ebpf, MAP_EMBRYONIC)?,
             sources: take_map(&mut ebpf, MAP_SOURCES)?,
             hot_sources: take_map(&mut ebpf, MAP_HOT_SOURCES)?,
+            quic_ids: take_map(&mut ebpf, MAP_QUIC_IDS)?,
+            quic_stats: take_map(&mut ebpf, MAP_QUIC_STATS)?,
             identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
             tunnel: take_map(&mut ebpf, MAP_TUNNEL)?,
             meta: take_map(&mut ebpf, MAP_META)?,
@@ -536,6 +544,8 @@ impl AyaDataplane {
         let taken = [
             (MAP_SOURCES, Some(IterableMap::map(&self.sources))),
             (MAP_HOT_SOURCES, Some(IterableMap::map(&self.hot_sources))),
+            (MAP_QUIC_IDS, Some(IterableMap::map(&self.quic_ids))),
+            (MAP_QUIC_STATS, Some(IterableMap::map(&self.quic_stats))),
             (MAP_CAPTURE, self.capture.as_ref()),
             (MAP_EXPORT, self.export.as_ref()),
         ];
@@ -629,6 +639,7 @@ impl AyaDataplane {
             vip_stats: &self.vip_stats,
             backend_stats: &self.backend_stats,
             sources: &self.sources,
+            quic_stats: &self.quic_stats,
         }
     }
 }
@@ -735,13 +746,13 @@ where
 }
 
 /// Zeroes entry `index` of a per-CPU counter map on every CPU.
-fn zero(
-    map: &mut PerCpuArray<MapData, TrafficCounters>,
+fn zero<T: aya::Pod + Default>(
+    map: &mut PerCpuArray<MapData, T>,
     name: &'static str,
     index: u32,
 ) -> Result<(), DataplaneError> {
     let cpus = aya::util::nr_cpus().map_err(|(_, source)| DataplaneError::Cpus(source))?;
-    let zeros = aya::maps::PerCpuValues::try_from(vec![TrafficCounters::default(); cpus])
+    let zeros = aya::maps::PerCpuValues::try_from(vec![T::default(); cpus])
         .map_err(DataplaneError::Cpus)?;
     map.set(index, zeros, 0).map_err(in_map(name))
 }
@@ -810,6 +821,7 @@ impl Dataplane for AyaDataplane {
     }
 
     fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError> {
+        zero(&mut self.quic_stats, MAP_QUIC_STATS, vip_id)?;
         zero(&mut self.vip_stats, MAP_VIP_STATS, vip_id)
     }
 
@@ -863,6 +875,25 @@ impl Dataplane for AyaDataplane {
 
     fn flow_reader(&self) -> Result<FlowReader, DataplaneError> {
         FlowReader::of(&self.conntrack)
+    }
+
+    fn quic_ids(&self) -> Result<Vec<(ServerKey, u32)>, DataplaneError> {
+        self.quic_ids
+            .iter()
+            .filter(|item| !matches!(item, Err(aya::maps::MapError::KeyNotFound)))
+            .collect::<Result<_, _>>()
+            .map_err(in_map(MAP_QUIC_IDS))
+    }
+
+    fn set_quic_id(&mut self, key: &ServerKey, backend: Option<u32>) -> Result<(), DataplaneError> {
+        let written = match backend {
+            Some(id) => self.quic_ids.insert(key, id, 0),
+            None => match self.quic_ids.remove(key) {
+                Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                other => other,
+            },
+        };
+        written.map_err(in_map(MAP_QUIC_IDS))
     }
 
     fn follow_interface(&mut self, target: &AttachTarget) -> Result<AttachedMode, DataplaneError> {

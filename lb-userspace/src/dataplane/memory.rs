@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use lb_common::{
     BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, SourceKey, TunnelConfig, VipInfo,
-    VipKey, stat,
+    VipKey, quic::ServerKey, stat,
 };
 
 use super::{Counters, Dataplane, DataplaneError, FlowReader};
@@ -31,6 +31,7 @@ pub struct MemoryDataplane {
     pub embryos: HashMap<u32, Embryo>,
     pub sources: HashMap<SourceKey, u64>,
     pub hot_sources: HashSet<SourceKey>,
+    pub quic_ids: HashMap<ServerKey, u32>,
     pub tunnel: TunnelConfig,
     pub log: Vec<Write>,
 }
@@ -112,6 +113,18 @@ impl Dataplane for MemoryDataplane {
 
     fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError> {
         Ok(self.hot_sources.contains(key))
+    }
+
+    fn quic_ids(&self) -> Result<Vec<(ServerKey, u32)>, DataplaneError> {
+        Ok(self.quic_ids.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn set_quic_id(&mut self, key: &ServerKey, backend: Option<u32>) -> Result<(), DataplaneError> {
+        match backend {
+            Some(id) => self.quic_ids.insert(*key, id),
+            None => self.quic_ids.remove(key),
+        };
+        Ok(())
     }
 
     fn set_hot_source(&mut self, key: &SourceKey, hot: bool) -> Result<(), DataplaneError> {

@@ -36,7 +36,7 @@ use std::{collections::HashMap, path::PathBuf, time::Duration};
 
 use lb_common::{
     BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, MAX_VIPS, SourceKey, TrafficCounters,
-    TunnelConfig, VipInfo, VipKey,
+    TunnelConfig, VipInfo, VipKey, quic::ServerKey,
 };
 
 use crate::config::Config;
@@ -118,6 +118,8 @@ pub struct Counters {
     pub outcomes: Vec<u64>,
     pub vips: HashMap<u32, TrafficCounters>,
     pub backends: HashMap<u32, TrafficCounters>,
+    /// QUIC VIPs' counters, by VIP id (every VIP asked for; zero for others).
+    pub quic: HashMap<u32, lb_common::quic::QuicCounters>,
 }
 
 /// What the agent needs of a data path.
@@ -162,6 +164,10 @@ pub trait Dataplane {
     fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError>;
     /// Adds `key` to `LB_HOT_SRC` (`hot`) or removes it.
     fn set_hot_source(&mut self, key: &SourceKey, hot: bool) -> Result<(), DataplaneError>;
+    /// The server IDs in `LB_QUIC_IDS`, with the backend each names.
+    fn quic_ids(&self) -> Result<Vec<(ServerKey, u32)>, DataplaneError>;
+    /// Points server ID `key` at `backend`, or (None) removes it.
+    fn set_quic_id(&mut self, key: &ServerKey, backend: Option<u32>) -> Result<(), DataplaneError>;
     /// Follows the interface to `target` (it came back under its name, or its MAC
     /// changed): the program again, built for its MAC, on the same maps, attached in
     /// place of the running one, or afresh by the mode rules of the start. A data path

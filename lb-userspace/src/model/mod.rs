@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use lb_common::{
     BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo, FORWARD_GUE, FORWARD_IPIP, MAX_BACKENDS,
-    MAX_VIPS, VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES, VipKey, maglev::MaglevBackend,
+    MAX_VIPS, VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES, VipKey, maglev::MaglevBackend, quic::ServerKey,
 };
 use serde::{Deserialize, Serialize};
 
@@ -306,7 +306,12 @@ pub struct VipState {
 impl VipState {
     /// The VIP's `VIP_F_*` bits: how the program hashes its new flows.
     pub fn flags(&self) -> u32 {
-        match self.config.hash {
+        let quic = if self.config.quic {
+            lb_common::quic::vip_flags(self.config.quic_server_id_len())
+        } else {
+            0
+        };
+        quic | match self.config.hash {
             HashMode::FiveTuple => 0,
             HashMode::SrcIp if self.config.hot_source_share.is_some() => {
                 VIP_F_HASH_SRC_IP | VIP_F_HOT_SOURCES
@@ -771,6 +776,17 @@ impl Model {
                     inputs
                         .backends
                         .insert(b.id, DesiredBackend { info, identity });
+                }
+            }
+            if vip.config.quic {
+                let len = vip.config.quic_server_id_len();
+                // Only backends the data path has (with a MAC): an ID must name one.
+                let named = vip.backends.iter().filter(|b| b.mac.is_some());
+                for b in named {
+                    if let Some(id) = b.config.server_id {
+                        let key = ServerKey::of_config(vip.id, id as u128, len);
+                        inputs.quic_ids.insert(key, b.id);
+                    }
                 }
             }
             inputs.vips.push(VipInputs {

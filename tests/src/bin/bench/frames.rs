@@ -16,8 +16,15 @@ pub const V4_SRC_ADDR_AT: usize = 14 + 12;
 
 #[derive(Clone, Copy, Debug)]
 pub enum L4 {
-    Tcp { flags: u8 },
+    Tcp {
+        flags: u8,
+    },
     Udp,
+    /// UDP carrying a QUIC short header whose connection ID names `server_id` (two
+    /// bytes, QUIC-LB plaintext), then a packet number and 24 sealed bytes.
+    QuicShort {
+        server_id: u16,
+    },
 }
 
 /// One frame from `src:sport` to `dst:dport` with 18 bytes of payload (a 72-byte IPv4
@@ -34,7 +41,12 @@ pub struct Frame {
 
 impl Frame {
     pub fn bytes(&self) -> Vec<u8> {
-        let payload = b"GET / HTTP/1.1\r\n\r\n";
+        let mut payload = b"GET / HTTP/1.1\r\n\r\n".to_vec();
+        if let L4::QuicShort { server_id } = self.l4 {
+            let mut cid = [0u8; 11];
+            lb_common::quic::encode_cid(server_id.into(), 2, &[0x5a; 8], &mut cid);
+            payload = [&[0x41][..], &cid, &[0xa7; 25]].concat();
+        }
         let (proto, mut l4) = match self.l4 {
             L4::Tcp { flags } => {
                 let mut h = vec![0u8; 20];
@@ -44,7 +56,7 @@ impl Frame {
                 h[14..16].copy_from_slice(&64240u16.to_be_bytes());
                 (6u8, h)
             }
-            L4::Udp => {
+            L4::Udp | L4::QuicShort { .. } => {
                 let mut h = vec![0u8; 8];
                 h[4..6].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
                 (17u8, h)
@@ -52,7 +64,7 @@ impl Frame {
         };
         l4[0..2].copy_from_slice(&self.sport.to_be_bytes());
         l4[2..4].copy_from_slice(&self.dport.to_be_bytes());
-        l4.extend_from_slice(payload);
+        l4.extend_from_slice(&payload);
 
         let mut f = Vec::with_capacity(128);
         f.extend_from_slice(&self.dst_mac);

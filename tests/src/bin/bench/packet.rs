@@ -45,8 +45,9 @@ pub struct Options {
     pub cases: Vec<String>,
 }
 
-/// A config with three VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80), each with
-/// `backends` backends whose MACs are given; no health checks; no insert limit (the
+/// A config with four VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80, and IPv4 UDP 443
+/// with `quic`, at most 64 backends), each with `backends` backends whose MACs are
+/// given; no health checks; no insert limit (the
 /// handshake cases measure the insert, which the default flood guard would skip above
 /// 100k inserts per second per CPU).
 pub fn config_text(backends: usize) -> String {
@@ -58,13 +59,26 @@ pub fn config_text(backends: usize) -> String {
         ("tcp4", VIP4.to_string(), 80, "tcp", false),
         ("udp4", VIP4.to_string(), 53, "udp", false),
         ("tcp6", VIP6.to_string(), 80, "tcp", true),
+        ("quic4", VIP4.to_string(), QUIC_PORT, "udp", false),
     ];
     for (v, (name, address, port, proto, v6)) in vips.iter().enumerate() {
         t += &format!(
             "\n[[vip]]\nname = \"{name}\"\naddress = \"{address}\"\nport = {port}\n\
-             protocol = \"{proto}\"\n[vip.health]\nkind = \"none\"\n"
+             protocol = \"{proto}\"\n{}[vip.health]\nkind = \"none\"\n",
+            if *name == "quic4" {
+                "quic = true\n"
+            } else {
+                ""
+            }
         );
-        for i in 0..backends {
+        // The QUIC VIP's backends count against `MAX_BACKENDS` with the others': a few
+        // suffice (its short headers name theirs, the table is not read).
+        let count = if *name == "quic4" {
+            backends.min(64)
+        } else {
+            backends
+        };
+        for i in 0..count {
             let address = if *v6 {
                 IpAddr::from(Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, i as u16 + 1))
             } else {
@@ -75,10 +89,17 @@ pub fn config_text(backends: usize) -> String {
                 (i >> 8) as u8,
                 i as u8
             );
+            // Backend i's connection IDs carry server ID i + 1.
+            if *name == "quic4" {
+                t += &format!("server_id = {}\n", i + 1);
+            }
         }
     }
     t
 }
+
+/// The QUIC VIP's port (on VIP4): a UDP VIP with `quic = true`.
+pub const QUIC_PORT: u16 = 443;
 
 /// The VIP ports of the tunnel cases (on VIP4), and the backends' GUE port.
 pub const IPIP_PORT: u16 = 81;
@@ -368,6 +389,36 @@ fn cases() -> Vec<Case> {
             prime: Some(frame(c4, v4, 40002, 53, L4::Udp)),
             cluster: false,
             new_source_per_call: false,
+            flows: 1,
+            action: XDP_TX,
+            once_per_call: false,
+        },
+        Case {
+            name: "quic_short_header",
+            what: "QUIC short header to a quic VIP, routed by its connection ID (entry fresh)",
+            frame: frame(c4, v4, 40009, QUIC_PORT, L4::QuicShort { server_id: 1 }),
+            then: vec![],
+            prime: Some(frame(
+                c4,
+                v4,
+                40009,
+                QUIC_PORT,
+                L4::QuicShort { server_id: 1 },
+            )),
+            cluster: false,
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_TX,
+            once_per_call: false,
+        },
+        Case {
+            name: "quic_moved",
+            what: "QUIC short header from a new source every call: routed by ID, entry made",
+            frame: frame(c4, v4, 40010, QUIC_PORT, L4::QuicShort { server_id: 1 }),
+            then: vec![],
+            prime: None,
+            cluster: false,
+            new_source_per_call: true,
             flows: 1,
             action: XDP_TX,
             once_per_call: false,
