@@ -74,7 +74,7 @@ pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 7;
+pub const LAYOUT_VERSION: u64 = 8;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -91,6 +91,22 @@ pub const BENCH_RECEIVED: u32 = 0;
 pub const BENCH_SENT: u32 = 1;
 /// Default size of the connection table.
 pub const DEFAULT_CONNTRACK_ENTRIES: u32 = 1 << 20;
+/// Most interfaces one data path is attached to (`dataplane.interfaces`); sizes the
+/// egress maps.
+pub const MAX_EGRESS: u32 = 16;
+/// Egress index -> `EgressInfo`: the interfaces a forwarded frame may leave by.
+pub const MAP_EGRESS: &str = "LB_EGRESS";
+/// Egress index -> interface index (a DEVMAP): the target of XDP_REDIRECT.
+pub const MAP_TX_PORTS: &str = "LB_TX_PORTS";
+/// Backend id -> egress index (u32): the interface that reaches the backend or its next
+/// hop.
+pub const MAP_BACKEND_EGRESS: &str = "LB_BE_EGRESS";
+/// Egress index -> traffic counters (per CPU): frames forwarded out of each interface.
+pub const MAP_EGRESS_STATS: &str = "LB_EGRESS_STATS";
+/// Global set at load time: how many interfaces the program is attached to. Above 1 a
+/// forwarded frame leaves by its backend's interface (`LB_BE_EGRESS`); 0 or 1: back out
+/// of the interface it came in by (XDP_TX), with `IFACE_MAC` as its source, as before.
+pub const GLOBAL_EGRESS_COUNT: &str = "EGRESS_COUNT";
 /// Global (read-only data) set at load time: the Maglev table size.
 pub const GLOBAL_MAGLEV_SIZE: &str = "MAGLEV_SIZE";
 /// Global set at load time: the interface's own MAC, written as the source of forwarded
@@ -451,6 +467,23 @@ pub struct RateWindow {
 }
 const _: () = assert!(size_of::<RateWindow>() == 16);
 
+/// Value of `LB_EGRESS`, indexed by egress index (the position of the interface in
+/// `dataplane.interfaces`): where a frame leaves and the source MAC it then carries.
+/// Written by the agent at attach and when an interface comes back or changes its MAC.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct EgressInfo {
+    /// The interface's index; 0: no interface (gone, or never attached).
+    pub ifindex: u32,
+    /// The interface's MAC: the source of frames that leave by it.
+    pub mac: [u8; 6],
+    /// `meta::MODE_NATIVE` or `MODE_GENERIC` (as a u8): how its link was attached, for a
+    /// restarted agent (the program does not read it).
+    pub mode: u8,
+    pub _pad: u8,
+}
+const _: () = assert!(size_of::<EgressInfo>() == 12);
+
 /// Per-VIP and per-backend traffic counters (per CPU; the agent sums them).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -563,7 +596,10 @@ pub mod stat {
     pub const CLUSTER_EXPORTED: u32 = 35;
     /// New entries not exported: the ring was full (the agent or its peers are slow).
     pub const CLUSTER_EXPORT_DROPPED: u32 = 36;
-    pub const COUNT: u32 = 37;
+    /// Dropped: the interface that reaches the backend (`dataplane.interfaces`) is gone,
+    /// or its redirect target is not set (XDP_REDIRECT refused).
+    pub const DROP_NO_EGRESS: u32 = 37;
+    pub const COUNT: u32 = 38;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -604,6 +640,7 @@ pub mod stat {
         "drop_encap_failed",
         "cluster_exported",
         "cluster_export_dropped",
+        "drop_no_egress",
     ];
 }
 
@@ -716,6 +753,7 @@ mod aya_pod {
     unsafe impl aya::Pod for super::FlowEntry {}
     unsafe impl aya::Pod for super::Embryo {}
     unsafe impl aya::Pod for super::RateWindow {}
+    unsafe impl aya::Pod for super::EgressInfo {}
 }
 
 /// The Maglev slot a flow hash selects: `hash` scaled onto `0..table_size` by a

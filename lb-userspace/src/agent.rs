@@ -30,7 +30,7 @@ use crate::{
     lock, metrics,
     model::Model,
     neighbor::{self, Neighbors},
-    preflight,
+    ports, preflight,
     state::{self, InterfaceChange, State},
     status::Start,
     tables::TableWriter,
@@ -86,6 +86,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         interface.clone(),
         started.mode,
     );
+    state.set_ports(started.ports);
     // A node without a table of its own learns its peers' before it announces.
     let learn = started.cluster.is_some() && !matches!(started.start, Start::Adopted);
     state.record_start(
@@ -143,6 +144,8 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
 /// A data path serving its first tables, and what the agent needs to go on from there.
 struct Started {
     neighbors: Neighbors,
+    /// Several interfaces: each as attached (empty with one).
+    ports: Vec<crate::dataplane::EgressPort>,
     model: Model,
     tables: Writer,
     mode: crate::dataplane::AttachedMode,
@@ -159,7 +162,8 @@ struct Started {
 struct HostReady {
     neighbors: Neighbors,
     interface: crate::neighbor::Interface,
-    hints: AttachHints,
+    /// By interface (`dataplane.interfaces`, in order).
+    hints: Vec<AttachHints>,
     announcer: Option<Announcer>,
     opened: Option<cluster::Opened>,
 }
@@ -169,12 +173,13 @@ struct HostReady {
 /// refused here leaves the host as it was.
 async fn check_host(config: &Config) -> anyhow::Result<HostReady> {
     // `lb doctor`'s checks: a failing one refuses the start with its fix.
-    let report = doctor::Report::run(config).await;
+    let reports = doctor::Report::run_each(config).await;
+    let hints = reports.iter().map(attach_hints).collect();
+    let report = doctor::Report::merge(reports);
     for warning in report.at(Level::Warn) {
         tracing::warn!("doctor: {warning}");
     }
     anyhow::ensure!(!report.failed(), "{}", report.refusal());
-    let hints = attach_hints(&report);
     let neighbors = Neighbors::open(&config.dataplane.interface)
         .await
         .context("reading the data-path interface")?;
@@ -227,12 +232,13 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         )
     };
     let HostReady {
-        neighbors,
+        mut neighbors,
         interface,
         hints,
         announcer,
         opened,
     } = check_host(config).await?;
+    let mut ports = ports::look_up(config, &mut neighbors).await?;
     let mut options = LoadOptions::from_config(config, interface.mac.0);
     options.ifindex = interface.index;
     let pin_dir = config.dataplane.pin_dir();
@@ -287,7 +293,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         model.adopt(adopted);
     }
     model.update(config)?;
-    state::follow_routes(&mut model, interface.index, neighbor::route_to);
+    ports::prepare(&mut dataplane, &mut model, &ports, &interface)?;
     resolve_first_macs(&neighbors, &mut model).await;
     let mut desired = model.desired();
     desired.tunnel = state::tunnel_config(config, &interface);
@@ -298,14 +304,12 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         report.tables_switched,
         report.backends_written
     );
-    let attached = dataplane.attach_pinned(&interface.name, config.dataplane.xdp_mode, &hints)?;
-    if let Some(why) = &attached.native_refused {
-        tracing::warn!("xdp_mode = \"auto\": attached in generic mode; native refused: {why}");
-    }
+    let attached = ports::attach_all(&mut dataplane, config, &interface, &hints, &mut ports)?;
     let tables =
         Writer::spawn(Box::new(dataplane), writer, desired).context("starting the table writer")?;
     Ok(Started {
         neighbors,
+        ports,
         model,
         tables,
         mode: attached.mode,
@@ -535,6 +539,7 @@ async fn serve(
 /// Follows the interface, then (while attached) the backends' routes and neighbours.
 async fn follow_host(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) {
     follow_interface(state, neighbors).await;
+    ports::follow(state, neighbors).await;
     let attached = state.lock().expect("agent state poisoned").is_attached();
     if attached && let Err(error) = follow_neighbors(neighbors, state).await {
         tracing::warn!("neighbour refresh: {error:#}");
@@ -593,6 +598,7 @@ async fn follow_interface(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) 
     match attach {
         Ok(Ok(mode)) => {
             neighbors.set_interface(interface.clone());
+            ports::first_followed(state, &interface, mode);
             state
                 .lock()
                 .expect("agent state poisoned")

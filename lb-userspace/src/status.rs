@@ -158,6 +158,22 @@ pub struct DataplaneStatus {
     pub conntrack_scan_age_seconds: Option<f64>,
     /// How the agent found the data path at start.
     pub start: Start,
+    /// Every interface the program is attached to (`dataplane.interfaces`), in order.
+    #[serde(default)]
+    pub interfaces: Vec<InterfaceStatus>,
+}
+
+/// One data-path interface.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InterfaceStatus {
+    pub name: String,
+    /// Its MAC, the source of the frames that leave by it; None while it is gone.
+    pub mac: Option<String>,
+    /// The XDP mode attached on it; None while it is gone.
+    pub xdp_mode: Option<AttachedMode>,
+    /// Frames forwarded out of it (to backends); with one interface, every VIP's.
+    pub forwarded_packets: u64,
+    pub forwarded_bytes: u64,
 }
 
 /// How the agent found the data path at start. In JSON, the words of its `Display`:
@@ -649,6 +665,7 @@ pub mod tests {
                 conntrack_capacity: 4096,
                 conntrack_scan_age_seconds: None,
                 start: Start::Fresh,
+                interfaces: Vec::new(),
             },
             vips: vec![VipStatus {
                 name: "web".into(),

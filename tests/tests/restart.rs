@@ -449,6 +449,7 @@ fn small_load_options() -> lb_userspace::dataplane::LoadOptions {
         source_sample: 1,
         ifindex: 1,
         cluster_export: false,
+        egress_count: 1,
     }
 }
 
