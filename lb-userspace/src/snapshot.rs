@@ -152,10 +152,15 @@ impl StatusSource {
             .enumerate()
             .map(|(i, port)| {
                 let sent = counters.egress.get(i).copied().unwrap_or_default();
+                // The first is followed as a single interface is (`interface_gone`).
+                let here = match i {
+                    0 => self.interface_gone.is_none(),
+                    _ => port.ifindex != 0,
+                };
                 InterfaceStatus {
                     name: port.name.clone(),
-                    mac: (port.ifindex != 0).then(|| MacAddr(port.mac).to_string()),
-                    xdp_mode: port.mode,
+                    mac: here.then(|| MacAddr(port.mac).to_string()),
+                    xdp_mode: port.mode.filter(|_| here),
                     forwarded_packets: sent.packets,
                     forwarded_bytes: sent.bytes,
                 }

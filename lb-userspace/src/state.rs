@@ -890,13 +890,18 @@ impl CheckHost for State {
             .find_map(|v| v.backends.iter().find(|b| b.id == id).map(|b| (v, b)))
             .ok_or("the backend is gone")?;
         let address = vip.config.address;
+        // The interface its traffic leaves by: the first, or (several) the backend's.
+        let (name, ifindex) = match self.ports.get(b.egress as usize) {
+            Some(port) if port.ifindex == 0 => {
+                return Err(format!("interface {} is gone", port.name));
+            }
+            Some(port) => (port.name.as_str(), port.ifindex),
+            None => (self.interface.name.as_str(), self.interface.index),
+        };
         let tunnel = if vip.config.forward.is_tunnel() {
             let backend = b.config.address;
             if b.next_hop.is_none() {
-                return Err(format!(
-                    "no route to {backend} out of {}",
-                    self.interface.name
-                ));
+                return Err(format!("no route to {backend} out of {name}"));
             }
             // The data path's outer source (`tunnel_config`).
             let source = self
@@ -917,18 +922,14 @@ impl CheckHost for State {
         } else {
             "the backend's MAC is not known yet"
         })?;
-        let source =
-            crate::health::vipprobe::interface_address(&self.interface.name, address.is_ipv4())
-                .ok_or_else(|| {
-                    format!(
-                        "{} has no address of the VIP's family to send checks from",
-                        self.interface.name
-                    )
-                })?;
+        let source = crate::health::vipprobe::interface_address(name, address.is_ipv4())
+            .ok_or_else(|| {
+                format!("{name} has no address of the VIP's family to send checks from")
+            })?;
         Ok(crate::health::vipprobe::VipPath {
             vip: std::net::SocketAddr::new(address, vip.config.port),
             mac: mac.0,
-            ifindex: self.interface.index,
+            ifindex,
             source,
             tunnel,
         })
@@ -2556,6 +2557,71 @@ mod tunnel_tests {
                 .next_hop
                 .is_none()
         );
+    }
+
+    /// `agent` on two interfaces: eth0 (index 1) and eth1 (index 2).
+    fn two_arm(forward: &str, backends: &[&str]) -> State {
+        let mut state = shared(config(forward, backends));
+        state.route_of = routes;
+        let port = |name: &str, ifindex| EgressPort {
+            name: name.into(),
+            ifindex,
+            mac: [2, 0, 0, 0, 0, ifindex as u8],
+            mode: Some(AttachedMode::Generic),
+            native_refused: None,
+        };
+        state.set_ports(vec![port("eth0", 1), port("eth1", 2)]);
+        state.follow_routes();
+        state
+    }
+
+    /// (next hop, egress) of each backend.
+    fn ways(state: &State) -> Vec<(Option<String>, u32)> {
+        state
+            .model
+            .backends()
+            .map(|b| (b.next_hop.map(|h| h.to_string()), b.egress))
+            .collect()
+    }
+
+    #[test]
+    fn with_two_interfaces_each_backend_leaves_by_the_one_its_route_takes() {
+        let l2 = two_arm("l2", &["10.0.0.11", "10.2.0.11", "10.1.0.11"]);
+        assert_eq!(
+            ways(&l2),
+            [
+                (Some("10.0.0.11".into()), 0),
+                (Some("10.2.0.11".into()), 1),
+                // Behind a router: l2 cannot reach it, whichever interface.
+                (None, 0),
+            ]
+        );
+        let mut ipip = two_arm("ipip", &["10.1.0.11", "10.2.0.12"]);
+        assert_eq!(
+            ways(&ipip),
+            [(Some("10.0.0.1".into()), 0), (Some("10.2.0.12".into()), 1)]
+        );
+        ipip.learn_macs(&neighbours());
+        ipip.learn_macs(&[("10.2.0.12".parse().unwrap(), MacAddr([2, 0, 0, 0, 2, 12]))].into());
+        ipip.sync();
+        let egress: Vec<u32> = ipip
+            .tables
+            .desired()
+            .backends
+            .values()
+            .map(|b| b.egress)
+            .collect();
+        assert_eq!(egress, [0, 1], "written for the data path");
+        // eth1 goes: its routes with it, so its backend has no way out.
+        ipip.port_changed(EgressPort {
+            ifindex: 0,
+            mode: None,
+            ..ipip.ports()[1].clone()
+        });
+        assert_eq!(ipip.ifindexes(), [1, 0]);
+        assert!(ipip.follow_routes());
+        assert_eq!(ways(&ipip)[1], (None, 0));
+        assert!(!ipip.model.backends().nth(1).unwrap().in_table());
     }
 
     #[test]
