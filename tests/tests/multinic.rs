@@ -414,6 +414,14 @@ fn restart_under_traffic_loses_nothing_on_either_interface() {
         modes.iter().all(|(_, m, _)| m == "native"),
         "after the restart: {modes:?}"
     );
+    // eth1's link taken over in one step, not replaced by a new one.
+    assert!(
+        second
+            .log()
+            .contains("eth1: the program took over the pinned link (native mode)"),
+        "log:\n{}",
+        second.log()
+    );
     drop(second);
     drop(first);
 }

@@ -64,6 +64,7 @@ impl AyaDataplane {
             && accepts(mode, pinned)
         {
             self.take_over(&link_path)?;
+            tracing::info!("{interface}: the program took over the pinned link ({pinned} mode)");
             return Ok(Attachment {
                 mode: pinned,
                 native_refused: None,
