@@ -480,3 +480,38 @@ impl Drop for TwoArm {
         let _ = (&self.client, &self.switch);
     }
 }
+
+/// An interface of the list that does not exist refuses the start, naming it, as a
+/// missing single interface does; nothing is attached to the others.
+#[test]
+fn a_missing_interface_refuses_the_start_naming_it() {
+    let Some(bin) = require_e2e("a_missing_interface_refuses_the_start_naming_it") else {
+        return;
+    };
+    let bed = TwoArm::new();
+    let pins = PinDir::new(&format!("multinic-{}", bed.lb.name())).expect("pin directory");
+    let config = bed.config(XdpMode::Generic, pins.path());
+    let text = std::fs::read_to_string(&config)
+        .expect("config")
+        .replace("\"eth1\"]", "\"nope0\"]");
+    std::fs::write(&config, text).expect("write the config");
+    // `timeout`: a start that is not refused would serve until stopped.
+    let out = std::process::Command::new("timeout")
+        .args(["20", "ip", "netns", "exec", bed.lb.name()])
+        .arg(&bin)
+        .args(["run", "--config"])
+        .arg(&config)
+        .output()
+        .expect("lb run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "want exit 1:\n{stderr}");
+    assert!(
+        stderr.contains("nope0"),
+        "the missing interface named:\n{stderr}"
+    );
+    let link = bed
+        .lb
+        .exec("ip", &["link", "show", "eth0"])
+        .expect("ip link");
+    assert!(!link.contains("xdp"), "eth0 attached all the same: {link}");
+}
