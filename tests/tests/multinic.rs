@@ -283,7 +283,7 @@ fn two_arm_failover_and_drain(test: &str, mode: XdpMode) {
     let Some(bin) = require_e2e(test) else {
         return;
     };
-    let (mut bed, _pins, _config, agent) = started(&bin, mode);
+    let (mut bed, _pins, config, agent) = started(&bin, mode);
     let modes = interfaces(&agent);
     assert_eq!(
         modes
@@ -311,6 +311,7 @@ fn two_arm_failover_and_drain(test: &str, mode: XdpMode) {
         "forwarded per interface: {sent:?}"
     );
     assert!(counter(&agent, "xdp_redirect") > 0, "no frame redirected");
+    doctor_checks_each_interface(&bin, &bed, &config);
     assert!(counter(&agent, "xdp_tx") > 0, "no frame sent back out");
     assert_eq!(counter(&agent, "drop_no_egress"), 0);
 
@@ -335,6 +336,28 @@ fn two_arm_failover_and_drain(test: &str, mode: XdpMode) {
         .expect("echo to the drained backend");
     kept.close().expect("close");
     drop(agent);
+}
+
+/// `lb doctor` beside the running agent: each interface's checks, named by it, and the
+/// program on each taken for lb's own (its pinned link), so nothing fails.
+fn doctor_checks_each_interface(bin: &Path, bed: &TwoArm, config: &Path) {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", bed.lb.name()])
+        .arg(bin)
+        .args(["doctor", "--config"])
+        .arg(config)
+        .output()
+        .expect("lb doctor");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "lb doctor failed:\n{stdout}");
+    for line in [
+        "ok xdp-attached: eth0: ",
+        "ok xdp-attached: eth1: ",
+        "ok driver: eth1: ",
+    ] {
+        assert!(stdout.contains(line), "no {line:?} in:\n{stdout}");
+    }
+    assert_eq!(stdout.matches(" kernel: ").count(), 1, "{stdout}");
 }
 
 #[test]
