@@ -101,6 +101,22 @@ pub const BENCH_RECEIVED: u32 = 0;
 pub const BENCH_SENT: u32 = 1;
 /// Default size of the connection table.
 pub const DEFAULT_CONNTRACK_ENTRIES: u32 = 1 << 20;
+/// Most interfaces one data path is attached to (`dataplane.interfaces`); sizes the
+/// egress maps.
+pub const MAX_EGRESS: u32 = 16;
+/// Egress index -> `EgressInfo`: the interfaces a forwarded frame may leave by.
+pub const MAP_EGRESS: &str = "LB_EGRESS";
+/// Egress index -> interface index (a DEVMAP): the target of XDP_REDIRECT.
+pub const MAP_TX_PORTS: &str = "LB_TX_PORTS";
+/// Backend id -> egress index (u32): the interface that reaches the backend or its next
+/// hop.
+pub const MAP_BACKEND_EGRESS: &str = "LB_BE_EGRESS";
+/// Egress index -> traffic counters (per CPU): frames forwarded out of each interface.
+pub const MAP_EGRESS_STATS: &str = "LB_EGRESS_STATS";
+/// Global set at load time: how many interfaces the program is attached to. Above 1 a
+/// forwarded frame leaves by its backend's interface (`LB_BE_EGRESS`); 0 or 1: back out
+/// of the interface it came in by (XDP_TX), with `IFACE_MAC` as its source, as before.
+pub const GLOBAL_EGRESS_COUNT: &str = "EGRESS_COUNT";
 /// Global (read-only data) set at load time: the Maglev table size.
 pub const GLOBAL_MAGLEV_SIZE: &str = "MAGLEV_SIZE";
 /// Global set at load time: the interface's own MAC, written as the source of forwarded
@@ -466,6 +482,23 @@ pub struct RateWindow {
 }
 const _: () = assert!(size_of::<RateWindow>() == 16);
 
+/// Value of `LB_EGRESS`, indexed by egress index (the position of the interface in
+/// `dataplane.interfaces`): where a frame leaves and the source MAC it then carries.
+/// Written by the agent at attach and when an interface comes back or changes its MAC.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct EgressInfo {
+    /// The interface's index; 0: no interface (gone, or never attached).
+    pub ifindex: u32,
+    /// The interface's MAC: the source of frames that leave by it.
+    pub mac: [u8; 6],
+    /// `meta::MODE_NATIVE` or `MODE_GENERIC` (as a u8): how its link was attached, for a
+    /// restarted agent (the program does not read it).
+    pub mode: u8,
+    pub _pad: u8,
+}
+const _: () = assert!(size_of::<EgressInfo>() == 12);
+
 /// Per-VIP and per-backend traffic counters (per CPU; the agent sums them).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -586,7 +619,10 @@ pub mod stat {
     /// A short-header QUIC packet whose server ID names no backend of its VIP (unknown,
     /// retired) or one that is down: balanced as any UDP datagram.
     pub const QUIC_CID_UNKNOWN: u32 = 38;
-    pub const COUNT: u32 = 39;
+    /// Dropped: the interface that reaches the backend (`dataplane.interfaces`) is gone,
+    /// or its redirect target is not set (XDP_REDIRECT refused).
+    pub const DROP_NO_EGRESS: u32 = 39;
+    pub const COUNT: u32 = 40;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -629,6 +665,7 @@ pub mod stat {
         "cluster_export_dropped",
         "quic_routed_by_cid",
         "quic_cid_unknown",
+        "drop_no_egress",
     ];
 }
 
@@ -743,6 +780,7 @@ mod aya_pod {
     unsafe impl aya::Pod for super::RateWindow {}
     unsafe impl aya::Pod for super::quic::ServerKey {}
     unsafe impl aya::Pod for super::quic::QuicCounters {}
+    unsafe impl aya::Pod for super::EgressInfo {}
 }
 
 /// The Maglev slot a flow hash selects: `hash` scaled onto `0..table_size` by a

@@ -7,6 +7,8 @@
 use lb_ebpf as _;
 
 #[cfg(target_arch = "bpf")]
+mod egress;
+#[cfg(target_arch = "bpf")]
 mod encap;
 #[cfg(target_arch = "bpf")]
 mod handshake;
@@ -49,7 +51,7 @@ mod program {
         count_traffic, export_flow, hot_source,
     };
     use crate::parse::{ethernet, parse};
-    use crate::{encap, next, quic, too_big};
+    use crate::{egress, encap, next, quic, too_big};
 
     /// Slots per VIP table; set by the agent at load time (`lb_common::GLOBAL_MAGLEV_SIZE`).
     #[unsafe(no_mangle)]
@@ -343,6 +345,8 @@ mod program {
         let Some(backend) = LB_BACKENDS.get(backend_id) else {
             return Err(Verdict::drop(stat::DROP_NO_BACKEND));
         };
+        // Before any tunnel header is added: a frame with nowhere to go is not wrapped.
+        let port = egress::port_of(backend_id)?;
         // As the client sent it: the same for every way of forwarding.
         let bytes = frame_len(ctx);
         // L2 first and alone: the common case pays one compare.
@@ -369,7 +373,10 @@ mod program {
             let dst = (*eth).dst_addr.as_mut_ptr();
             (dst as *mut u32).write_unaligned((mac as *const u32).read_unaligned());
             (dst.add(4) as *mut u16).write_unaligned((mac.add(4) as *const u16).read_unaligned());
-            (*eth).src_addr = core::ptr::read_volatile(&IFACE_MAC);
+            match &port {
+                Some(port) => port.write_source((*eth).src_addr.as_mut_ptr()),
+                None => (*eth).src_addr = core::ptr::read_volatile(&IFACE_MAC),
+            }
         }
         count_traffic(&LB_VIP_STATS, vip_id, bytes, new_flow);
         count_traffic(&LB_BACKEND_STATS, backend_id, bytes, new_flow);
@@ -379,7 +386,10 @@ mod program {
         if packet.ipv4_options {
             stats.count(stat::SEEN_IPV4_OPTIONS);
         }
-        Ok(Verdict::tx(stat::XDP_TX))
+        match port {
+            Some(port) => Ok(egress::send(ctx, &port, bytes, new_flow)),
+            None => Ok(Verdict::tx(stat::XDP_TX)),
+        }
     }
 
     /// Copies the frame's first `CAPTURE_BYTES` to the debug capture, at most

@@ -10,12 +10,15 @@
 use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns},
     macros::map,
-    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, ProgramArray, RingBuf},
+    maps::{
+        Array, DevMap, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, ProgramArray, RingBuf,
+    },
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, Embryo, ExportRecord, FlowEntry, FlowKey,
-    FlowTuple, HOT_SOURCE_ENTRIES, MAX_BACKENDS, MAX_VIPS, Outcomes, QUIC_ID_ENTRIES, RateWindow,
-    SOURCE_ENTRIES, SourceKey, TrafficCounters, TunnelConfig, VipInfo, VipKey, VipSlot,
+    BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, EgressInfo, Embryo, ExportRecord, FlowEntry,
+    FlowKey, FlowTuple, HOT_SOURCE_ENTRIES, MAX_BACKENDS, MAX_EGRESS, MAX_VIPS, Outcomes,
+    QUIC_ID_ENTRIES, RateWindow, SOURCE_ENTRIES, SourceKey, TrafficCounters, TunnelConfig, VipInfo,
+    VipKey, VipSlot,
     quic::{QuicCounters, ServerKey},
     stat,
 };
@@ -42,6 +45,27 @@ pub static LB_MAGLEV: Array<u32> = Array::with_max_entries(1, 0);
 /// backend id -> BackendInfo (its MAC, and how it is reached: L2 or a tunnel). Written by the agent; MAX_BACKENDS entries.
 #[map(name = "LB_BACKENDS")]
 pub static LB_BACKENDS: Array<BackendInfo> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// egress index -> EgressInfo: the interfaces forwarded frames leave by, and their MACs
+/// (`dataplane.interfaces`, in order). Written by the agent; MAX_EGRESS entries.
+#[map(name = "LB_EGRESS")]
+pub static LB_EGRESS: Array<EgressInfo> = Array::with_max_entries(MAX_EGRESS, 0);
+
+/// egress index -> interface index (DEVMAP): XDP_REDIRECT's targets, as `LB_EGRESS`.
+/// Written by the agent with it; the kernel removes an entry whose interface goes.
+#[map(name = "LB_TX_PORTS")]
+pub static LB_TX_PORTS: DevMap = DevMap::with_max_entries(MAX_EGRESS, 0);
+
+/// backend id -> egress index (u32): the interface that reaches the backend or its next
+/// hop. Written by the agent with every backend; read only with several interfaces.
+#[map(name = "LB_BE_EGRESS")]
+pub static LB_BACKEND_EGRESS: Array<u32> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// egress index -> traffic counters, per CPU: frames forwarded out of each interface.
+/// Read by the agent.
+#[map(name = "LB_EGRESS_STATS")]
+pub static LB_EGRESS_STATS: PerCpuArray<TrafficCounters> =
+    PerCpuArray::with_max_entries(MAX_EGRESS, 0);
 
 /// 0 -> TunnelConfig: outer source addresses and the interface MTU, for tunnelled
 /// backends. Written by the agent (start, reload).

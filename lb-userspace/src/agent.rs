@@ -21,8 +21,8 @@ use crate::{
     config::Config,
     control,
     dataplane::{
-        AttachHints, AttachTarget, AyaDataplane, Dataplane, FlowReader, Found, LoadOptions,
-        next::NextProgram, remove_pins,
+        AttachHints, AttachTarget, AyaDataplane, Dataplane, EgressPort, FlowReader, Found,
+        LoadOptions, next::NextProgram, remove_pins,
     },
     doctor::{self, Level},
     explain::monotonic_ns,
@@ -30,7 +30,7 @@ use crate::{
     lock, metrics,
     model::Model,
     neighbor::{self, Neighbors},
-    preflight,
+    ports, preflight,
     state::{self, InterfaceChange, State},
     statefile,
     status::Start,
@@ -90,6 +90,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         started.mode,
     );
     state.set_file_config(file);
+    state.set_ports(started.ports);
     // A node without a table of its own learns its peers' before it announces.
     let learn = started.cluster.is_some() && !matches!(started.start, Start::Adopted);
     state.record_start(
@@ -147,6 +148,8 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
 /// A data path serving its first tables, and what the agent needs to go on from there.
 struct Started {
     neighbors: Neighbors,
+    /// Several interfaces: each as attached (empty with one).
+    ports: Vec<crate::dataplane::EgressPort>,
     model: Model,
     tables: Writer,
     mode: crate::dataplane::AttachedMode,
@@ -163,7 +166,8 @@ struct Started {
 struct HostReady {
     neighbors: Neighbors,
     interface: crate::neighbor::Interface,
-    hints: AttachHints,
+    /// By interface (`dataplane.interfaces`, in order).
+    hints: Vec<AttachHints>,
     announcer: Option<Announcer>,
     opened: Option<cluster::Opened>,
 }
@@ -173,12 +177,13 @@ struct HostReady {
 /// refused here leaves the host as it was.
 async fn check_host(config: &Config) -> anyhow::Result<HostReady> {
     // `lb doctor`'s checks: a failing one refuses the start with its fix.
-    let report = doctor::Report::run(config).await;
+    let reports = doctor::Report::run_each(config).await;
+    let hints = reports.iter().map(attach_hints).collect();
+    let report = doctor::Report::merge(reports);
     for warning in report.at(Level::Warn) {
         tracing::warn!("doctor: {warning}");
     }
     anyhow::ensure!(!report.failed(), "{}", report.refusal());
-    let hints = attach_hints(&report);
     let neighbors = Neighbors::open(&config.dataplane.interface)
         .await
         .context("reading the data-path interface")?;
@@ -231,12 +236,13 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         )
     };
     let HostReady {
-        neighbors,
+        mut neighbors,
         interface,
         hints,
         announcer,
         opened,
     } = check_host(config).await?;
+    let mut ports = ports::look_up(config, &mut neighbors).await?;
     let (options, next) = load_options(config, &interface)?;
     let pin_dir = config.dataplane.pin_dir();
     ensure_bpffs(&pin_dir)?;
@@ -290,7 +296,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         model.adopt(adopted);
     }
     model.update(config)?;
-    state::follow_routes(&mut model, interface.index, neighbor::route_to);
+    ports::prepare(&mut dataplane, &mut model, &ports, &interface)?;
     resolve_first_macs(&neighbors, &mut model).await;
     let mut desired = model.desired();
     desired.tunnel = state::tunnel_config(config, &interface);
@@ -301,14 +307,12 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         report.tables_switched,
         report.backends_written
     );
-    let attached = attach_chained(&mut dataplane, config, &interface.name, &hints, next)?;
-    if let Some(why) = &attached.native_refused {
-        tracing::warn!("xdp_mode = \"auto\": attached in generic mode; native refused: {why}");
-    }
+    let attached = attach_chained(&mut dataplane, config, &interface, &hints, &mut ports, next)?;
     let tables =
         Writer::spawn(Box::new(dataplane), writer, desired).context("starting the table writer")?;
     Ok(Started {
         neighbors,
+        ports,
         model,
         tables,
         mode: attached.mode,
@@ -337,14 +341,15 @@ fn load_options(
     Ok((options, next))
 }
 
-/// Attaches (or takes over from a previous agent's program) with `next` chained before:
-/// a frame the program passes goes to the host's program from the first. The slot's map
-/// is pinned once attached, so the chain outlives this agent.
+/// Attaches to every interface (or takes over from a previous agent's program) with
+/// `next` chained before: a frame the program passes goes to the host's program from
+/// the first. The slot's map is pinned once attached, so the chain outlives this agent.
 fn attach_chained(
     dataplane: &mut AyaDataplane,
     config: &Config,
-    interface: &str,
-    hints: &AttachHints,
+    interface: &crate::neighbor::Interface,
+    hints: &[AttachHints],
+    ports: &mut [EgressPort],
     next: Option<NextProgram>,
 ) -> anyhow::Result<crate::dataplane::Attachment> {
     dataplane.chain(next.as_ref())?;
@@ -356,7 +361,7 @@ fn attach_chained(
             next.caller()
         );
     }
-    let attached = dataplane.attach_pinned(interface, config.dataplane.xdp_mode, hints)?;
+    let attached = ports::attach_all(dataplane, config, interface, hints, ports)?;
     dataplane.pin_next_program_map()?;
     Ok(attached)
 }
@@ -605,6 +610,7 @@ async fn serve(
 /// Follows the interface, then (while attached) the backends' routes and neighbours.
 async fn follow_host(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) {
     follow_interface(state, neighbors).await;
+    ports::follow(state, neighbors).await;
     let attached = state.lock().expect("agent state poisoned").is_attached();
     if attached && let Err(error) = follow_neighbors(neighbors, state).await {
         tracing::warn!("neighbour refresh: {error:#}");
@@ -663,6 +669,7 @@ async fn follow_interface(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) 
     match attach {
         Ok(Ok(mode)) => {
             neighbors.set_interface(interface.clone());
+            ports::first_followed(state, &interface, mode);
             state
                 .lock()
                 .expect("agent state poisoned")

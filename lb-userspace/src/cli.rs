@@ -528,10 +528,14 @@ fn decap_line(status: &crate::dataplane::decap::DecapStatus) -> String {
 /// `lb doctor`: exit 0 when no check fails, else 1.
 async fn doctor(config: &Path, json: bool, fix: bool) -> anyhow::Result<ExitCode> {
     let config = Config::load(config)?;
-    let mut report = crate::doctor::Report::run_with_dispatcher(&config).await;
+    let mut reports = crate::doctor::Report::run_each(&config).await;
     if fix {
-        report = crate::doctor::fix(&config, report).await?;
+        for (index, report) in reports.iter_mut().enumerate() {
+            let one = crate::doctor::config_for(&config, index);
+            *report = crate::doctor::fix(&one, report.clone()).await?;
+        }
     }
+    let report = crate::doctor::Report::merge(reports);
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -284,7 +284,16 @@ impl Default for AnnounceConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataplaneConfig {
+    /// The interface, or the first of `interfaces`: the one whose MAC, addresses and
+    /// pins are the data path's own (tunnel sources, health checks, `pin_dir`).
+    /// Serialized as `interfaces`, which then always holds it.
+    #[serde(default, skip_serializing)]
     pub interface: String,
+    /// Every interface the program is attached to, `interface` first; a frame leaves by
+    /// the one that reaches its backend. Given as `interface = "x"` (one) or
+    /// `interfaces = [..]`; `Config::from_toml` fills both.
+    #[serde(default)]
+    pub interfaces: Vec<String>,
     #[serde(default)]
     pub xdp_mode: XdpModeSetting,
     #[serde(default = "default_maglev_table_size")]
@@ -338,6 +347,37 @@ impl DataplaneConfig {
             _ => self.interface.clone(),
         };
         PathBuf::from("/sys/fs/bpf/lb").join(name)
+    }
+}
+
+impl DataplaneConfig {
+    /// Each of `interfaces` a name, none twice, at most `MAX_EGRESS`.
+    fn validate_interfaces(&self) -> Result<(), ConfigError> {
+        let field = "dataplane.interfaces";
+        if self.interfaces.len() > lb_common::MAX_EGRESS as usize {
+            return Err(invalid(
+                field,
+                format!(
+                    "{} interfaces; the data path serves at most {}",
+                    self.interfaces.len(),
+                    lb_common::MAX_EGRESS
+                ),
+            ));
+        }
+        for (i, name) in self.interfaces.iter().enumerate() {
+            if let Some(why) = bad_interface_name(name) {
+                return Err(invalid(field, why));
+            }
+            if self.interfaces[..i].contains(name) {
+                return Err(invalid(field, format!("{name:?} is listed twice")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Several interfaces: frames may leave by another than they came in by.
+    pub fn several_interfaces(&self) -> bool {
+        self.interfaces.len() > 1
     }
 }
 
@@ -1016,8 +1056,9 @@ impl Config {
 
     /// Parses and validates a configuration file's text.
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text)
+        let mut config: Config = toml::from_str(text)
             .map_err(|e| ConfigError::Parse(e.to_string().trim_end().to_owned()))?;
+        config.dataplane.settle_interfaces()?;
         config.validate()?;
         Ok(config)
     }
@@ -1103,7 +1144,7 @@ impl Config {
         &self,
         on_link: impl Fn(IpAddr) -> Result<(), String>,
     ) -> Result<(), ConfigError> {
-        let interface = &self.dataplane.interface;
+        let interface = self.dataplane.interfaces.join(" or ");
         for (i, vip) in self.vips.iter().enumerate() {
             if vip.forward.is_tunnel() {
                 continue;
@@ -1168,6 +1209,7 @@ impl Config {
         let (old, d, n) = (self, &self.dataplane, &new.dataplane);
         [
             ("dataplane.interface", d.interface != n.interface),
+            ("dataplane.interfaces", d.interfaces != n.interfaces),
             ("dataplane.xdp_mode", d.xdp_mode != n.xdp_mode),
             (
                 "dataplane.maglev_table_size",
@@ -1317,10 +1359,34 @@ fn bad_interface_name(name: &str) -> Option<String> {
 }
 
 impl DataplaneConfig {
+    /// Fills `interface` and `interfaces` from whichever of the two the file gives;
+    /// refuses both, or neither.
+    fn settle_interfaces(&mut self) -> Result<(), ConfigError> {
+        match (self.interface.is_empty(), self.interfaces.first()) {
+            (false, Some(_)) => Err(invalid(
+                "dataplane.interfaces",
+                "give `interface` (one) or `interfaces` (several), not both",
+            )),
+            (true, None) => Err(invalid(
+                "dataplane.interface",
+                "missing: name the data-path interface (or several, as `interfaces`)",
+            )),
+            (false, None) => {
+                self.interfaces = vec![self.interface.clone()];
+                Ok(())
+            }
+            (true, Some(first)) => {
+                self.interface = first.clone();
+                Ok(())
+            }
+        }
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         if let Some(why) = bad_interface_name(&self.interface) {
             return Err(invalid("dataplane.interface", why));
         }
+        self.validate_interfaces()?;
 
         let size = self.maglev_table_size;
         if !(MIN_MAGLEV_TABLE_SIZE..=MAX_MAGLEV_TABLE_SIZE).contains(&size) {
@@ -2298,6 +2364,7 @@ address = "10.0.0.11"
             config.dataplane,
             DataplaneConfig {
                 interface: "eth0".into(),
+                interfaces: vec!["eth0".into()],
                 xdp_mode: XdpModeSetting::Auto,
                 maglev_table_size: 65537,
                 conntrack_entries: 1_048_576,
@@ -2826,6 +2893,56 @@ weight = 3
         assert_eq!(
             rejected_field(|c| c.dataplane.interface = "eth0\n".into()),
             "dataplane.interface"
+        );
+    }
+
+    /// The field a configuration text is refused for.
+    fn refused_field(text: &str) -> String {
+        match Config::from_toml(text) {
+            Err(ConfigError::Invalid { field, .. }) => field,
+            other => panic!("expected a validation error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn interfaces_lists_several_and_interface_is_a_list_of_one() {
+        let several = MINIMAL.replace("interface = \"eth0\"", "interfaces = [\"eth0\", \"eth1\"]");
+        let config = Config::from_toml(&several).unwrap();
+        assert_eq!(config.dataplane.interface, "eth0");
+        assert_eq!(config.dataplane.interfaces, ["eth0", "eth1"]);
+        assert!(config.dataplane.several_interfaces());
+        let one = Config::from_toml(MINIMAL).unwrap();
+        assert_eq!(one.dataplane.interfaces, ["eth0"]);
+        assert!(!one.dataplane.several_interfaces());
+        // Written back, it reads the same (as `interfaces`).
+        let again = Config::from_toml(&toml::to_string(&config).unwrap()).unwrap();
+        assert_eq!(again.dataplane, config.dataplane);
+    }
+
+    #[test]
+    fn interfaces_twice_both_or_none_are_refused_naming_the_field() {
+        let with = |line: &str| MINIMAL.replace("interface = \"eth0\"", line);
+        assert_eq!(
+            refused_field(&with("interfaces = [\"eth0\", \"eth1\", \"eth0\"]")),
+            "dataplane.interfaces"
+        );
+        assert_eq!(
+            refused_field(&with("interface = \"eth0\"\ninterfaces = [\"eth1\"]")),
+            "dataplane.interfaces"
+        );
+        assert_eq!(refused_field(&with("")), "dataplane.interface");
+        assert_eq!(
+            refused_field(&with("interfaces = []")),
+            "dataplane.interface"
+        );
+        assert_eq!(
+            refused_field(&with("interfaces = [\"eth0\", \"eth 1\"]")),
+            "dataplane.interfaces"
+        );
+        let many: Vec<String> = (0..17).map(|i| format!("\"e{i}\"")).collect();
+        assert_eq!(
+            refused_field(&with(&format!("interfaces = [{}]", many.join(", ")))),
+            "dataplane.interfaces"
         );
     }
 

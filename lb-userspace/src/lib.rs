@@ -23,6 +23,7 @@ pub mod lock;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;
+pub mod ports;
 pub mod preflight;
 pub mod snapshot;
 pub mod state;

@@ -178,6 +178,7 @@ pub fn render(scrape: &Scrape) -> anyhow::Result<String> {
         registry.register(name, help, gauge);
     }
     register_agent(&mut registry, &scrape.status.agent);
+    register_interfaces(&mut registry, &dataplane.interfaces);
     registry.register(
         "health_check_duration_seconds",
         "Duration of health checks",
@@ -191,6 +192,56 @@ pub fn render(scrape: &Scrape) -> anyhow::Result<String> {
     let mut text = String::new();
     encode(&mut text, &registry).context("encoding metrics")?;
     Ok(text)
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InterfaceLabels {
+    interface: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InterfaceModeLabels {
+    interface: String,
+    /// "native" or "generic".
+    mode: String,
+}
+
+/// Each data-path interface: what left by it, and whether (and how) it is attached.
+fn register_interfaces(registry: &mut Registry, interfaces: &[crate::status::InterfaceStatus]) {
+    let packets = family::<InterfaceLabels, Counter>(
+        registry,
+        "interface_forwarded_packets",
+        "Frames forwarded out of a data-path interface",
+    );
+    let bytes = family::<InterfaceLabels, Counter>(
+        registry,
+        "interface_forwarded_bytes",
+        "Bytes forwarded out of a data-path interface",
+    );
+    let attached = family::<InterfaceModeLabels, Gauge>(
+        registry,
+        "interface_attached",
+        "1 while the program is attached to the interface, in this XDP mode",
+    );
+    for interface in interfaces {
+        let labels = InterfaceLabels {
+            interface: interface.name.clone(),
+        };
+        packets
+            .get_or_create(&labels)
+            .inc_by(interface.forwarded_packets);
+        bytes
+            .get_or_create(&labels)
+            .inc_by(interface.forwarded_bytes);
+        if let Some(mode) = interface.xdp_mode {
+            attached
+                .get_or_create(&InterfaceModeLabels {
+                    interface: interface.name.clone(),
+                    mode: mode.to_string(),
+                })
+                .set(1);
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

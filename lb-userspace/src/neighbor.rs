@@ -94,14 +94,38 @@ impl std::fmt::Display for Route {
 /// How a route is looked up: `route_to`, or a fake in unit tests.
 pub type RouteLookup = fn(IpAddr) -> Result<Route, NeighborError>;
 
-/// Whether `address` is a neighbour out of interface `ifindex` (on-link there); Err:
-/// the route found, or why there is none, for the configuration error.
-pub fn on_link(route_of: RouteLookup, ifindex: u32, address: IpAddr) -> Result<(), String> {
+/// Whether `address` is a neighbour out of one of the interfaces `ifindexes`.
+pub fn on_link_any(
+    route_of: RouteLookup,
+    ifindexes: &[u32],
+    address: IpAddr,
+) -> Result<(), String> {
     match route_of(address) {
-        Ok(route) if route.on_link(ifindex) => Ok(()),
+        Ok(route) if ifindexes.iter().any(|&i| route.on_link(i)) => Ok(()),
         Ok(route) => Err(format!("the route found is `{route}`")),
         Err(error) => Err(error.to_string()),
     }
+}
+
+/// The position in `ifindexes` (`dataplane.interfaces`, in order) of the interface
+/// `route` leaves by, with the neighbour there (gateway, or the destination on-link).
+pub fn egress_of(route: &Route, ifindexes: &[u32]) -> Option<(u32, IpAddr)> {
+    ifindexes
+        .iter()
+        .enumerate()
+        .find_map(|(i, &ifindex)| route.next_hop(ifindex).map(|hop| (i as u32, hop)))
+}
+
+/// The indexes of the interfaces named `names` (`dataplane.interfaces`), `primary`'s
+/// as it was looked up; 0 for one that does not exist (now).
+pub fn interface_indexes(names: &[String], primary: &Interface) -> Vec<u32> {
+    names
+        .iter()
+        .map(|name| match name == &primary.name {
+            true => primary.index,
+            false => nix::net::if_::if_nametoindex(name.as_str()).unwrap_or(0),
+        })
+        .collect()
 }
 
 /// The name of interface `index`, or `#index` when it has none (any more).
@@ -192,6 +216,10 @@ pub struct Interface {
 pub struct Neighbors {
     handle: Handle,
     interface: Interface,
+    /// With several interfaces (`dataplane.interfaces`): their indexes, `interface`'s
+    /// among them; entries are read on each, and the kernel's route picks the one a
+    /// resolution is provoked on. Empty: `interface` alone.
+    all: Vec<u32>,
 }
 
 /// Link changes (any interface's) as netlink announces them: a wake-up to look the
@@ -210,7 +238,11 @@ impl Neighbors {
         let interface = lookup(&handle, interface)
             .await?
             .ok_or_else(|| NeighborError::NoInterface(interface.to_string()))?;
-        Ok(Self { handle, interface })
+        Ok(Self {
+            handle,
+            interface,
+            all: Vec::new(),
+        })
     }
 
     pub fn interface(&self) -> &Interface {
@@ -220,6 +252,17 @@ impl Neighbors {
     /// Follows the interface to what `lookup` found: entries are then read there.
     pub fn set_interface(&mut self, interface: Interface) {
         self.interface = interface;
+    }
+
+    /// Reads entries on every one of `ifindexes` (several interfaces), not only on
+    /// `interface`.
+    pub fn set_all(&mut self, ifindexes: Vec<u32>) {
+        self.all = ifindexes;
+    }
+
+    /// Whether an entry on interface `ifindex` is one of ours.
+    fn ours(&self, ifindex: u32) -> bool {
+        ifindex == self.interface.index || self.all.contains(&ifindex)
     }
 
     /// The interface of this name as the kernel knows it now; None when there is none.
@@ -253,7 +296,7 @@ impl Neighbors {
         let mut entries = HashMap::new();
         let mut dump = self.handle.neighbours().get().execute();
         while let Some(message) = dump.try_next().await? {
-            if message.header.ifindex != self.interface.index || !usable(message.header.state) {
+            if !self.ours(message.header.ifindex) || !usable(message.header.state) {
                 continue;
             }
             let mut address = None;
@@ -288,6 +331,11 @@ impl Neighbors {
             IpAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
         };
         let socket = UdpSocket::bind(local)?;
+        // Several interfaces: the route picks the one the backend is behind.
+        if !self.all.is_empty() {
+            socket.send_to(&[], (address, 9))?;
+            return Ok(());
+        }
         nix::sys::socket::setsockopt(
             &socket,
             nix::sys::socket::sockopt::BindToDevice,

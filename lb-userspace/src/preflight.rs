@@ -165,7 +165,8 @@ fn run_one(
             config.validate_host(&interface.addresses)
         }
         (Check::Routes, Some(interface), _) => {
-            config.validate_routes(|a| neighbor::on_link(route_of, interface.index, a))
+            let ifindexes = neighbor::interface_indexes(&config.dataplane.interfaces, interface);
+            config.validate_routes(|a| neighbor::on_link_any(route_of, &ifindexes, a))
         }
         (Check::ClusterKey, _, Some(cluster)) => cluster::read_key(&cluster.key_file)
             .map(drop)

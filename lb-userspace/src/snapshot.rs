@@ -16,14 +16,17 @@ use lb_common::stat;
 
 use crate::{
     announce, cluster,
-    config::{AdminState, Config, Forward},
-    dataplane::{AttachedMode, CounterReader, Counters},
+    config::{AdminState, Config, Forward, MacAddr},
+    dataplane::{AttachedMode, CounterReader, Counters, EgressPort},
     explain::NextHop,
     health,
     metrics::{Observed, Scrape},
     model::{BackendState, Health, Model, VipState},
     neighbor::Interface,
-    status::{AgentStatus, BackendStatus, DataplaneStatus, HotSource, Start, Status, VipStatus},
+    status::{
+        AgentStatus, BackendStatus, DataplaneStatus, HotSource, InterfaceStatus, Start, Status,
+        VipStatus,
+    },
     tables::Desired,
     telemetry::{Telemetry, source_address},
 };
@@ -37,6 +40,8 @@ pub struct StatusSource {
     pub(crate) telemetry: Telemetry,
     pub(crate) interface: Interface,
     pub(crate) interface_gone: Option<Instant>,
+    /// Several interfaces, as attached (empty with one).
+    pub(crate) ports: Vec<EgressPort>,
     pub(crate) mode: Option<AttachedMode>,
     pub(crate) native_refused: Option<String>,
     pub(crate) config: Config,
@@ -132,6 +137,7 @@ impl StatusSource {
                 backend_id_capacity: ids.capacity,
                 backend_ids_in_use: ids.in_use,
                 backend_ids_held: ids.held,
+                interfaces: self.interface_status(&counters),
             },
             vips,
             counters: stat::NAMES
@@ -149,6 +155,40 @@ impl StatusSource {
             agent: self.agent.clone(),
         };
         Ok((status, counters.outcomes))
+    }
+
+    /// Each data-path interface: several as `ports` has them, with what left by each;
+    /// one as `interface`, with every VIP's traffic (all of it leaves there).
+    fn interface_status(&self, counters: &Counters) -> Vec<InterfaceStatus> {
+        if self.ports.is_empty() {
+            let attached = self.interface_gone.is_none();
+            return vec![InterfaceStatus {
+                name: self.interface.name.clone(),
+                mac: attached.then(|| self.interface.mac.to_string()),
+                xdp_mode: self.mode,
+                forwarded_packets: counters.vips.values().map(|c| c.packets).sum(),
+                forwarded_bytes: counters.vips.values().map(|c| c.bytes).sum(),
+            }];
+        }
+        self.ports
+            .iter()
+            .enumerate()
+            .map(|(i, port)| {
+                let sent = counters.egress.get(i).copied().unwrap_or_default();
+                // The first is followed as a single interface is (`interface_gone`).
+                let here = match i {
+                    0 => self.interface_gone.is_none(),
+                    _ => port.ifindex != 0,
+                };
+                InterfaceStatus {
+                    name: port.name.clone(),
+                    mac: here.then(|| MacAddr(port.mac).to_string()),
+                    xdp_mode: port.mode.filter(|_| here),
+                    forwarded_packets: sent.packets,
+                    forwarded_bytes: sent.bytes,
+                }
+            })
+            .collect()
     }
 
     /// One backend's status: its state, its counters and its slots in the table.

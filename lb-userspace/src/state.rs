@@ -21,7 +21,7 @@ use lb_common::{SourceKey, TunnelConfig};
 use crate::{
     announce, cluster,
     config::{AdminState, BackendConfig, Config, ConfigError, MAX_WEIGHT, MacAddr, VipConfig},
-    dataplane::AttachedMode,
+    dataplane::{AttachedMode, EgressPort},
     explain::{self, ExplainError, ExplainRequest, Explanation, VipTarget},
     health::{
         self, CheckHost, HealthTasks,
@@ -58,6 +58,9 @@ pub struct State {
     native_refused: Option<String>,
     /// Since when the interface is gone (the data path detached with it).
     interface_gone: Option<Instant>,
+    /// With several interfaces (`dataplane.interfaces`), each as attached, in order
+    /// (the first is `interface`); empty with one.
+    ports: Vec<EgressPort>,
     /// How this agent found the data path.
     start: Start,
     telemetry: Telemetry,
@@ -154,6 +157,7 @@ impl State {
             mode: Some(mode),
             native_refused: None,
             interface_gone: None,
+            ports: Vec::new(),
             start: Start::Fresh,
             telemetry: Telemetry::default(),
             remove_when_drained: HashSet::new(),
@@ -323,10 +327,39 @@ impl State {
         crate::preflight::interface_checks(config, &self.interface, self.route_of)
     }
 
+    /// The interfaces (`dataplane.interfaces`) as attached: several, or none.
+    pub fn set_ports(&mut self, ports: Vec<EgressPort>) {
+        self.ports = ports;
+    }
+
+    /// The interfaces attached, in order (several; empty with one).
+    pub fn ports(&self) -> &[EgressPort] {
+        &self.ports
+    }
+
+    /// One of several interfaces changed: gone (`ifindex` 0) or attached again.
+    pub fn port_changed(&mut self, port: EgressPort) {
+        if let Some(known) = self.ports.iter_mut().find(|p| p.name == port.name) {
+            *known = port;
+        }
+    }
+
+    /// The interface indexes frames may leave by, in `dataplane.interfaces` order (0 for
+    /// one that is gone).
+    pub fn ifindexes(&self) -> Vec<u32> {
+        let mut indexes: Vec<u32> = self.ports.iter().map(|p| p.ifindex).collect();
+        match indexes.first_mut() {
+            Some(first) => *first = self.interface.index,
+            None => indexes.push(self.interface.index),
+        }
+        indexes
+    }
+
     /// Looks up the next hop of every tunnelled backend (`follow_routes`). Returns
     /// whether any changed.
     pub fn follow_routes(&mut self) -> bool {
-        follow_routes(&mut self.model, self.interface.index, self.route_of)
+        let ifindexes = self.ifindexes();
+        follow_routes(&mut self.model, &ifindexes, self.route_of)
     }
 
     /// Hands the table writer what the model asks for now (it coalesces bursts), and
@@ -416,7 +449,7 @@ impl State {
         model.update(&new).map_err(ReloadError::Model)?;
         // A VIP that changed `forward` takes its new next hops now: the same backend ids
         // (its flows stay on them), written the new way.
-        follow_routes(&mut model, self.interface.index, self.route_of);
+        follow_routes(&mut model, &self.ifindexes(), self.route_of);
         let mut changes: Vec<String> = self
             .runtime_differences()
             .into_iter()
@@ -558,7 +591,7 @@ impl State {
         self.validate_on_host(&config)?;
         let mut model = self.model.clone();
         model.update(&config)?;
-        follow_routes(&mut model, self.interface.index, self.route_of);
+        follow_routes(&mut model, &self.ifindexes(), self.route_of);
         self.replace_model(model);
         self.config = config;
         self.sync();
@@ -826,6 +859,7 @@ impl State {
             telemetry: self.telemetry.clone(),
             interface: self.interface.clone(),
             interface_gone: self.interface_gone,
+            ports: self.ports.clone(),
             mode: self.mode,
             native_refused: self.native_refused.clone(),
             config: self.config.clone(),
@@ -946,13 +980,18 @@ impl CheckHost for State {
             .find_map(|v| v.backends.iter().find(|b| b.id == id).map(|b| (v, b)))
             .ok_or("the backend is gone")?;
         let address = vip.config.address;
+        // The interface its traffic leaves by: the first, or (several) the backend's.
+        let (name, ifindex) = match self.ports.get(b.egress as usize) {
+            Some(port) if port.ifindex == 0 => {
+                return Err(format!("interface {} is gone", port.name));
+            }
+            Some(port) => (port.name.as_str(), port.ifindex),
+            None => (self.interface.name.as_str(), self.interface.index),
+        };
         let tunnel = if vip.config.forward.is_tunnel() {
             let backend = b.config.address;
             if b.next_hop.is_none() {
-                return Err(format!(
-                    "no route to {backend} out of {}",
-                    self.interface.name
-                ));
+                return Err(format!("no route to {backend} out of {name}"));
             }
             // The data path's outer source (`tunnel_config`).
             let source = self
@@ -973,18 +1012,14 @@ impl CheckHost for State {
         } else {
             "the backend's MAC is not known yet"
         })?;
-        let source =
-            crate::health::vipprobe::interface_address(&self.interface.name, address.is_ipv4())
-                .ok_or_else(|| {
-                    format!(
-                        "{} has no address of the VIP's family to send checks from",
-                        self.interface.name
-                    )
-                })?;
+        let source = crate::health::vipprobe::interface_address(name, address.is_ipv4())
+            .ok_or_else(|| {
+                format!("{name} has no address of the VIP's family to send checks from")
+            })?;
         Ok(crate::health::vipprobe::VipPath {
             vip: std::net::SocketAddr::new(address, vip.config.port),
             mac: mac.0,
-            ifindex: self.interface.index,
+            ifindex,
             source,
             tunnel,
         })
@@ -1132,32 +1167,32 @@ pub fn tunnel_config(config: &Config, interface: &Interface) -> TunnelConfig {
 }
 
 /// Follows the routes of tunnelled backends (`forward = "ipip"|"gue"`): each one's next
-/// hop is its route's out of interface `ifindex` (the gateway, or the backend itself
-/// on-link), and its MAC then that neighbour's (`State::learn_macs`). A backend whose
-/// route no longer leaves there loses its MAC, and with it its traffic, until a route
-/// does again; one whose next hop changed keeps the old MAC until the new one is known.
-/// `l2` backends are their own next hop. Returns whether any next hop changed.
-pub fn follow_routes(model: &mut Model, ifindex: u32, route_of: RouteLookup) -> bool {
+/// hop is its route's out of one of the interfaces `ifindexes` (the gateway, or the
+/// backend itself on-link), and its MAC then that neighbour's (`State::learn_macs`). A
+/// backend whose route no longer leaves there loses its MAC, and with it its traffic,
+/// until a route does again; one whose next hop changed keeps the old MAC until the new
+/// one is known. `l2` backends are their own next hop. With several interfaces, each
+/// backend's `egress` is the one its route leaves by. Returns whether any changed.
+pub fn follow_routes(model: &mut Model, ifindexes: &[u32], route_of: RouteLookup) -> bool {
     let mut changed = false;
     for vip in &mut model.vips {
         let tunnel = vip.config.forward.is_tunnel();
         for b in &mut vip.backends {
             let address = b.config.address;
-            let (next_hop, why) = if !tunnel {
-                (Some(address), None)
-            } else {
-                match route_of(address) {
-                    Ok(route) => match route.next_hop(ifindex) {
-                        Some(hop) => (Some(hop), None),
-                        None => (
-                            None,
-                            Some(format!("its route `{route}` does not leave the interface")),
-                        ),
-                    },
-                    Err(error) => (None, Some(error.to_string())),
-                }
-            };
+            let (next_hop, egress, why) = next_hop_of(address, tunnel, ifindexes, route_of);
+            if next_hop == b.next_hop && egress == b.egress {
+                continue;
+            }
+            if egress != b.egress {
+                tracing::info!(
+                    "backend {address} of vip {}: reached through interface {} of the data path",
+                    vip.config.name,
+                    egress
+                );
+                b.egress = egress;
+            }
             if next_hop == b.next_hop {
+                changed = true;
                 continue;
             }
             match (next_hop, why) {
@@ -1177,10 +1212,50 @@ pub fn follow_routes(model: &mut Model, ifindex: u32, route_of: RouteLookup) -> 
                 }
             }
             b.next_hop = next_hop;
+            // Back in service: a configured MAC needs no neighbour entry.
+            if next_hop.is_some() && b.mac.is_none() {
+                b.mac = b.config.mac;
+            }
             changed = true;
         }
     }
     changed
+}
+
+/// A backend's next hop and the interface (its position in `ifindexes`) that reaches
+/// it, or why there is none. An `l2` backend is its own next hop; with several
+/// interfaces its route tells which one it is on, and it must be on-link there.
+fn next_hop_of(
+    address: IpAddr,
+    tunnel: bool,
+    ifindexes: &[u32],
+    route_of: RouteLookup,
+) -> (Option<IpAddr>, u32, Option<String>) {
+    if !tunnel && ifindexes.len() <= 1 {
+        return (Some(address), 0, None);
+    }
+    let route = match route_of(address) {
+        Ok(route) => route,
+        Err(error) => return (None, 0, Some(error.to_string())),
+    };
+    match neighbor::egress_of(&route, ifindexes) {
+        Some((egress, hop)) if tunnel || hop == address => (Some(hop), egress, None),
+        Some(_) => (
+            None,
+            0,
+            Some(format!(
+                "its route `{route}` is not on-link: forward = \"l2\" needs it on the \
+                 segment of one of the data-path interfaces"
+            )),
+        ),
+        None => (
+            None,
+            0,
+            Some(format!(
+                "its route `{route}` does not leave by the data-path interfaces"
+            )),
+        ),
+    }
 }
 
 /// An error and its sources, as one line.
@@ -2644,6 +2719,71 @@ mod tunnel_tests {
                 .next_hop
                 .is_none()
         );
+    }
+
+    /// `agent` on two interfaces: eth0 (index 1) and eth1 (index 2).
+    fn two_arm(forward: &str, backends: &[&str]) -> State {
+        let mut state = shared(config(forward, backends));
+        state.route_of = routes;
+        let port = |name: &str, ifindex| EgressPort {
+            name: name.into(),
+            ifindex,
+            mac: [2, 0, 0, 0, 0, ifindex as u8],
+            mode: Some(AttachedMode::Generic),
+            native_refused: None,
+        };
+        state.set_ports(vec![port("eth0", 1), port("eth1", 2)]);
+        state.follow_routes();
+        state
+    }
+
+    /// (next hop, egress) of each backend.
+    fn ways(state: &State) -> Vec<(Option<String>, u32)> {
+        state
+            .model
+            .backends()
+            .map(|b| (b.next_hop.map(|h| h.to_string()), b.egress))
+            .collect()
+    }
+
+    #[test]
+    fn with_two_interfaces_each_backend_leaves_by_the_one_its_route_takes() {
+        let l2 = two_arm("l2", &["10.0.0.11", "10.2.0.11", "10.1.0.11"]);
+        assert_eq!(
+            ways(&l2),
+            [
+                (Some("10.0.0.11".into()), 0),
+                (Some("10.2.0.11".into()), 1),
+                // Behind a router: l2 cannot reach it, whichever interface.
+                (None, 0),
+            ]
+        );
+        let mut ipip = two_arm("ipip", &["10.1.0.11", "10.2.0.12"]);
+        assert_eq!(
+            ways(&ipip),
+            [(Some("10.0.0.1".into()), 0), (Some("10.2.0.12".into()), 1)]
+        );
+        ipip.learn_macs(&neighbours());
+        ipip.learn_macs(&[("10.2.0.12".parse().unwrap(), MacAddr([2, 0, 0, 0, 2, 12]))].into());
+        ipip.sync();
+        let egress: Vec<u32> = ipip
+            .tables
+            .desired()
+            .backends
+            .values()
+            .map(|b| b.egress)
+            .collect();
+        assert_eq!(egress, [0, 1], "written for the data path");
+        // eth1 goes: its routes with it, so its backend has no way out.
+        ipip.port_changed(EgressPort {
+            ifindex: 0,
+            mode: None,
+            ..ipip.ports()[1].clone()
+        });
+        assert_eq!(ipip.ifindexes(), [1, 0]);
+        assert!(ipip.follow_routes());
+        assert_eq!(ways(&ipip)[1], (None, 0));
+        assert!(!ipip.model.backends().nth(1).unwrap().in_table());
     }
 
     #[test]

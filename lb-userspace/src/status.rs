@@ -175,6 +175,22 @@ pub struct DataplaneStatus {
     /// not handed out until it passes (an old flow's entry must not reach a new backend).
     #[serde(default)]
     pub backend_ids_held: u32,
+    /// Every interface the program is attached to (`dataplane.interfaces`), in order.
+    #[serde(default)]
+    pub interfaces: Vec<InterfaceStatus>,
+}
+
+/// One data-path interface.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InterfaceStatus {
+    pub name: String,
+    /// Its MAC, the source of the frames that leave by it; None while it is gone.
+    pub mac: Option<String>,
+    /// The XDP mode attached on it; None while it is gone.
+    pub xdp_mode: Option<AttachedMode>,
+    /// Frames forwarded out of it (to backends); with one interface, every VIP's.
+    pub forwarded_packets: u64,
+    pub forwarded_bytes: u64,
 }
 
 /// How the agent found the data path at start. In JSON, the words of its `Display`:
@@ -503,6 +519,19 @@ fn render_dataplane(out: &mut String, status: &Status) {
         "data path: {} {attached}, maglev table {} slots, {scanned}",
         d.interface, d.maglev_table_size
     );
+    if d.interfaces.len() > 1 {
+        for i in &d.interfaces {
+            let how = match (&i.mac, i.xdp_mode) {
+                (Some(mac), Some(mode)) => format!("({mac}) xdp mode {mode}"),
+                _ => "GONE: its backends are out of service until it returns".to_string(),
+            };
+            let _ = writeln!(
+                out,
+                "  interface {} {how}, {} frames ({} bytes) forwarded out",
+                i.name, i.forwarded_packets, i.forwarded_bytes
+            );
+        }
+    }
     let _ = writeln!(out, "start: {}", d.start);
     if d.backend_id_capacity > 0 {
         let _ = writeln!(
@@ -792,6 +821,7 @@ pub mod tests {
                 backend_id_capacity: 4096,
                 backend_ids_in_use: 2,
                 backend_ids_held: 0,
+                interfaces: Vec::new(),
             },
             vips: vec![VipStatus {
                 name: "web".into(),
@@ -880,6 +910,27 @@ pub mod tests {
             text.contains("data path: eth0 (02:00:00:00:00:01) xdp mode generic"),
             "{text}"
         );
+        assert!(
+            !text.contains("  interface "),
+            "one interface: no list\n{text}"
+        );
+        let port = |name: &str, mac: Option<&str>| InterfaceStatus {
+            name: name.into(),
+            mac: mac.map(String::from),
+            xdp_mode: mac.map(|_| AttachedMode::Native),
+            forwarded_packets: 3,
+            forwarded_bytes: 180,
+        };
+        let mut two = status.clone();
+        two.dataplane.interfaces =
+            vec![port("eth0", Some("02:00:00:00:00:01")), port("eth1", None)];
+        let listed = render(&two);
+        for line in [
+            "  interface eth0 (02:00:00:00:00:01) xdp mode native, 3 frames (180 bytes) forwarded out",
+            "  interface eth1 GONE: its backends are out of service until it returns, 3 frames",
+        ] {
+            assert!(listed.contains(line), "{line}\n{listed}");
+        }
         for line in [
             "start: fresh",
             "vip web 10.0.0.100:80/tcp hash 5-tuple",

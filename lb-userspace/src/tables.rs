@@ -34,6 +34,8 @@ pub struct DesiredVip {
 pub struct DesiredBackend {
     pub info: BackendInfo,
     pub identity: BackendIdentity,
+    /// The interface its frames leave by (`LB_BE_EGRESS`; see `BackendState::egress`).
+    pub egress: u32,
 }
 
 /// The whole data path as it should be.
@@ -191,6 +193,7 @@ impl TableWriter {
                 DesiredBackend {
                     info: *info,
                     identity: *identity,
+                    egress: adopted.egress.get(id).copied().unwrap_or(0),
                 },
             );
         }
@@ -232,6 +235,8 @@ impl TableWriter {
                 dataplane.reset_backend_counters(id)?;
             }
             if self.backends.get(&id) != Some(backend) {
+                // The way out before the backend that takes it.
+                dataplane.set_backend_egress(id, backend.egress)?;
                 dataplane.set_backend(id, &backend.info, &backend.identity)?;
                 self.backends.insert(id, *backend);
                 report.backends_written += 1;
@@ -427,7 +432,14 @@ mod tests {
                 3,
             );
             let identity = crate::model::identity([10, 0, 0, *id as u8].into(), 3);
-            backends.insert(*id, DesiredBackend { info, identity });
+            backends.insert(
+                *id,
+                DesiredBackend {
+                    info,
+                    identity,
+                    egress: 0,
+                },
+            );
         }
         Desired {
             vips: vec![DesiredVip {
@@ -484,6 +496,7 @@ mod tests {
                 .collect(),
             tables: vec![(3, live)],
             freed: Vec::new(),
+            egress: Default::default(),
         };
         let mut writer = TableWriter::new(SIZE);
         writer.adopt(&adopted);

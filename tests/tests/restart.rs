@@ -450,6 +450,7 @@ fn small_load_options() -> lb_userspace::dataplane::LoadOptions {
         ifindex: 1,
         cluster_export: false,
         program: lb_userspace::dataplane::next::LB_XDP,
+        egress_count: 1,
     }
 }
 

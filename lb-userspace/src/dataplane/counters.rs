@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use aya::maps::{IterableMap, Map, MapData, PerCpuArray, PerCpuHashMap};
 use lb_common::{
-    MAP_BACKEND_STATS, MAP_QUIC_STATS, MAP_SOURCES, MAP_STATS, MAP_VIP_STATS, Outcomes, SourceKey,
-    TrafficCounters, quic::QuicCounters, stat,
+    MAP_BACKEND_STATS, MAP_EGRESS_STATS, MAP_QUIC_STATS, MAP_SOURCES, MAP_STATS, MAP_VIP_STATS,
+    Outcomes, SourceKey, TrafficCounters, quic::QuicCounters, stat,
 };
 
 use super::{Counters, Dataplane, DataplaneError, in_map};
@@ -22,6 +22,10 @@ pub(super) struct CounterMaps<'a> {
     pub backend_stats: &'a PerCpuArray<MapData, TrafficCounters>,
     pub sources: &'a PerCpuHashMap<MapData, SourceKey, u64>,
     pub quic_stats: &'a PerCpuArray<MapData, QuicCounters>,
+    pub egress_stats: &'a PerCpuArray<MapData, TrafficCounters>,
+    /// How many interfaces frames leave by (`LoadOptions::egress_count`); their counters
+    /// are read only when there are several.
+    pub egress_count: u32,
 }
 
 /// A reader's own handles on the counter maps.
@@ -31,6 +35,8 @@ struct OwnedCounterMaps {
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
     sources: PerCpuHashMap<MapData, SourceKey, u64>,
     quic_stats: PerCpuArray<MapData, QuicCounters>,
+    egress_stats: PerCpuArray<MapData, TrafficCounters>,
+    egress_count: u32,
 }
 
 impl OwnedCounterMaps {
@@ -41,6 +47,8 @@ impl OwnedCounterMaps {
             backend_stats: &self.backend_stats,
             sources: &self.sources,
             quic_stats: &self.quic_stats,
+            egress_stats: &self.egress_stats,
+            egress_count: self.egress_count,
         }
     }
 }
@@ -75,6 +83,12 @@ impl CounterMaps<'_> {
                 MAP_QUIC_STATS,
             )?))
             .map_err(in_map(MAP_QUIC_STATS))?,
+            egress_stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
+                IterableMap::map(self.egress_stats),
+                MAP_EGRESS_STATS,
+            )?))
+            .map_err(in_map(MAP_EGRESS_STATS))?,
+            egress_count: self.egress_count,
         })
     }
 
@@ -119,6 +133,11 @@ impl CounterMaps<'_> {
             counters
                 .backends
                 .insert(id, sum_per_cpu(self.backend_stats, MAP_BACKEND_STATS, id)?);
+        }
+        if self.egress_count > 1 {
+            counters.egress = (0..self.egress_count)
+                .map(|index| sum_per_cpu(self.egress_stats, MAP_EGRESS_STATS, index))
+                .collect::<Result<_, _>>()?;
         }
         Ok(counters)
     }

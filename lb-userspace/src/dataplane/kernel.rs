@@ -8,23 +8,26 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap as BpfHashMap, IterableMap, MapData, PerCpuArray, PerCpuHashMap},
+    maps::{
+        Array, DevMap, HashMap as BpfHashMap, IterableMap, MapData, PerCpuArray, PerCpuHashMap,
+    },
     programs::{Xdp, XdpMode, xdp::XdpLinkId},
 };
 use lb_common::{
-    BackendIdentity, BackendInfo, Embryo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE,
+    BackendIdentity, BackendInfo, EgressInfo, Embryo, FlowEntry, FlowKey, GLOBAL_CAPTURE_RATE,
     GLOBAL_CT_INSERT_LIMIT, GLOBAL_IFACE_MAC, GLOBAL_MAGLEV_SIZE, GLOBAL_UDP_IDLE_NS,
-    MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE, MAP_CONNTRACK, MAP_EMBRYONIC,
-    MAP_EXPORT, MAP_HOT_SOURCES, MAP_MAGLEV, MAP_META, MAP_NEXT, MAP_QUIC_IDS, MAP_QUIC_STATS,
-    MAP_SOURCES, MAP_STATS, MAP_TUNNEL, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS,
-    Outcomes, SourceKey, TABLE_GENERATIONS, TrafficCounters, TunnelConfig, VipInfo, VipKey,
+    MAP_BACKEND_EGRESS, MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE,
+    MAP_CONNTRACK, MAP_EGRESS, MAP_EGRESS_STATS, MAP_EMBRYONIC, MAP_EXPORT, MAP_HOT_SOURCES,
+    MAP_MAGLEV, MAP_META, MAP_NEXT, MAP_QUIC_IDS, MAP_QUIC_STATS, MAP_SOURCES, MAP_STATS,
+    MAP_TUNNEL, MAP_TX_PORTS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes,
+    SourceKey, TABLE_GENERATIONS, TrafficCounters, TunnelConfig, VipInfo, VipKey,
     quic::{QuicCounters, ServerKey},
     stat,
 };
 
 use super::{
     Adopted, AttachHints, AttachTarget, AttachedMode, Attachment, CounterReader, Counters,
-    Dataplane, DataplaneError, FlowReader, FlowWriter, Found, LoadOptions, attach,
+    Dataplane, DataplaneError, EgressPort, FlowReader, FlowWriter, Found, LoadOptions, attach,
     batch::update_batch,
     counters::CounterMaps,
     in_map,
@@ -35,6 +38,8 @@ use super::{
     syscall_error,
 };
 use crate::config::XdpModeSetting;
+
+mod ports;
 
 /// How long a link whose pin was removed may take to leave its interface before an
 /// attach in its place gives up (the kernel frees a released link deferred).
@@ -64,6 +69,12 @@ pub struct AyaDataplane {
     identities: Array<MapData, BackendIdentity>,
     tunnel: Array<MapData, TunnelConfig>,
     meta: Array<MapData, u64>,
+    /// The interfaces frames leave by (`LB_EGRESS`, `LB_TX_PORTS`), which backend takes
+    /// which (`LB_BE_EGRESS`) and what left by each (`LB_EGRESS_STATS`).
+    egress: Array<MapData, EgressInfo>,
+    tx_ports: DevMap<MapData>,
+    backend_egress: Array<MapData, u32>,
+    egress_stats: PerCpuArray<MapData, TrafficCounters>,
     /// Where the maps and the link are pinned, if they are.
     pin_dir: Option<PathBuf>,
     /// The options in force (adopted pins may have a larger VIP capacity than asked).
@@ -175,6 +186,10 @@ impl AyaDataplane {
             identities: take_map(&mut ebpf, MAP_BACKEND_IDS)?,
             tunnel: take_map(&mut ebpf, MAP_TUNNEL)?,
             meta: take_map(&mut ebpf, MAP_META)?,
+            egress: take_map(&mut ebpf, MAP_EGRESS)?,
+            tx_ports: take_map(&mut ebpf, MAP_TX_PORTS)?,
+            backend_egress: take_map(&mut ebpf, MAP_BACKEND_EGRESS)?,
+            egress_stats: take_map(&mut ebpf, MAP_EGRESS_STATS)?,
             pin_dir: pins.map(Path::to_path_buf),
             options,
             link_mode: None,
@@ -219,6 +234,7 @@ impl AyaDataplane {
                 &options.source_sample,
                 true,
             )
+            .override_global(lb_common::GLOBAL_EGRESS_COUNT, &options.egress_count, true)
             .map_max_entries(MAP_MAGLEV, maglev_entries)
             .map_max_entries(MAP_CONNTRACK, options.conntrack_entries);
         if let Some(dir) = pins {
@@ -264,6 +280,11 @@ impl AyaDataplane {
                 .map_err(in_map(MAP_BACKEND_IDS))?;
             if identity.in_use == 1 {
                 let info = self.backends.get(&id, 0).map_err(in_map(MAP_BACKENDS))?;
+                let egress = self
+                    .backend_egress
+                    .get(&id, 0)
+                    .map_err(in_map(MAP_BACKEND_EGRESS))?;
+                adopted.egress.insert(id, egress);
                 adopted.backends.push((id, info, identity));
             } else if identity.addr != [0; 16] {
                 adopted.freed.push(id);
@@ -296,11 +317,7 @@ impl AyaDataplane {
         let link_path = dir.join(LINK_PIN);
         // Take over a pinned link of a mode the configuration accepts; otherwise (a
         // changed xdp_mode) attach afresh.
-        let wanted = |m: AttachedMode| match mode {
-            XdpModeSetting::Auto => true,
-            XdpModeSetting::Native => m == AttachedMode::Native,
-            XdpModeSetting::Generic => m == AttachedMode::Generic,
-        };
+        let wanted = |m: AttachedMode| accepts(mode, m);
         // Generic because native could not serve when it was attached (a veth's peer
         // without a program): once native is known to serve, move to it. The kernel
         // holds one mode at a time, so the interface is without a program for the
@@ -318,12 +335,7 @@ impl AyaDataplane {
         if let Some(mode) = self.link_mode.filter(|m| wanted(*m) && !to_native(*m))
             && link_path.exists()
         {
-            let link = pins::open_pinned_link(&link_path)?;
-            let program = program(&mut self.ebpf)?;
-            let id = program.attach_to_link(link).map_err(lb_xdp_error)?;
-            // The link stays pinned; our handle to it must not detach it on exit.
-            let link = program.take_link(id).map_err(lb_xdp_error)?;
-            std::mem::forget(link);
+            self.take_over(&link_path)?;
             pins::write_meta(&mut self.meta, &self.options, Some(mode))?;
             return Ok(Attachment {
                 mode,
@@ -331,6 +343,18 @@ impl AyaDataplane {
             });
         }
         self.attach_afresh(interface, mode, &link_path, hints)
+    }
+
+    /// Puts this program on the link pinned at `link_path`, in one step: no frame sees no
+    /// program. The link stays pinned.
+    fn take_over(&mut self, link_path: &Path) -> Result<(), DataplaneError> {
+        let link = pins::open_pinned_link(link_path)?;
+        let program = program(&mut self.ebpf)?;
+        let id = program.attach_to_link(link).map_err(lb_xdp_error)?;
+        // The link stays pinned; our handle to it must not detach it on exit.
+        let link = program.take_link(id).map_err(lb_xdp_error)?;
+        std::mem::forget(link);
+        Ok(())
     }
 
     /// Replaces the link pinned at `link_path` (if any) with a new one of this program on
@@ -414,7 +438,11 @@ impl AyaDataplane {
             .take_link(id)
             .map_err(lb_xdp_error)?;
         pins::pin_link(link, link_path)?;
-        pins::write_meta(&mut self.meta, &self.options, Some(attachment.mode))?;
+        // `LB_META` records the first interface's link; the others' modes are in
+        // `LB_EGRESS` (`set_egress`).
+        if link_path.file_name() == Some(std::ffi::OsStr::new(LINK_PIN)) {
+            pins::write_meta(&mut self.meta, &self.options, Some(attachment.mode))?;
+        }
         Ok(attachment)
     }
 
@@ -640,7 +668,18 @@ impl AyaDataplane {
             backend_stats: &self.backend_stats,
             sources: &self.sources,
             quic_stats: &self.quic_stats,
+            egress_stats: &self.egress_stats,
+            egress_count: self.options.egress_count,
         }
+    }
+}
+
+/// Whether a link attached in mode `attached` serves `xdp_mode = setting`.
+fn accepts(setting: XdpModeSetting, attached: AttachedMode) -> bool {
+    match setting {
+        XdpModeSetting::Auto => true,
+        XdpModeSetting::Native => attached == AttachedMode::Native,
+        XdpModeSetting::Generic => attached == AttachedMode::Generic,
     }
 }
 
@@ -806,6 +845,29 @@ impl Dataplane for AyaDataplane {
             .set(id, identity, 0)
             .map_err(in_map(MAP_BACKEND_IDS))?;
         self.backends.set(id, info, 0).map_err(in_map(MAP_BACKENDS))
+    }
+
+    fn set_backend_egress(&mut self, id: u32, egress: u32) -> Result<(), DataplaneError> {
+        self.write_backend_egress(id, egress)
+    }
+
+    fn set_egress(&mut self, index: u32, port: &EgressPort) -> Result<(), DataplaneError> {
+        self.record_egress(index, port)
+    }
+
+    fn attach_port(
+        &mut self,
+        index: usize,
+        port: &EgressPort,
+        mode: XdpModeSetting,
+    ) -> Result<Attachment, DataplaneError> {
+        self.attach_more(
+            index,
+            &port.name,
+            port.ifindex,
+            mode,
+            &AttachHints::default(),
+        )
     }
 
     fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError> {

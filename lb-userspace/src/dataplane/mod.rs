@@ -47,7 +47,9 @@ pub use counters::CounterReader;
 pub use kernel::AyaDataplane;
 #[cfg(test)]
 pub use memory::{MemoryDataplane, Write};
-pub use pins::{PINNED_MAPS, PinnedLinkState, RemovedPins, pinned_link_state, remove_pins};
+pub use pins::{
+    PINNED_MAPS, PinnedLinkState, RemovedPins, link_pin_name, pinned_link_state, remove_pins,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
@@ -72,6 +74,12 @@ pub enum DataplaneError {
         mode: &'static str,
         meaning: String,
         source: Box<aya::programs::ProgramError>,
+    },
+    #[error("redirect target {index} (interface index {ifindex}) in LB_TX_PORTS")]
+    TxPort {
+        index: u32,
+        ifindex: u32,
+        source: aya::maps::xdp::XdpMapError,
     },
     #[error("counting the possible CPUs")]
     Cpus(#[source] std::io::Error),
@@ -120,6 +128,9 @@ pub struct Counters {
     pub backends: HashMap<u32, TrafficCounters>,
     /// QUIC VIPs' counters, by VIP id (every VIP asked for; zero for others).
     pub quic: HashMap<u32, lb_common::quic::QuicCounters>,
+    /// With several interfaces: frames forwarded out of each, by egress index (their
+    /// order in `dataplane.interfaces`); empty with one.
+    pub egress: Vec<TrafficCounters>,
 }
 
 /// What the agent needs of a data path.
@@ -135,6 +146,29 @@ pub trait Dataplane {
         info: &BackendInfo,
         identity: &BackendIdentity,
     ) -> Result<(), DataplaneError>;
+    /// Writes which interface frames to backend `id` leave by (`LB_BE_EGRESS`: its
+    /// position in `dataplane.interfaces`). Read only with several interfaces.
+    fn set_backend_egress(&mut self, _id: u32, _egress: u32) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    /// Records the `index`th of several interfaces (`LB_EGRESS`, `LB_TX_PORTS`): where
+    /// frames of its backends leave; `port.ifindex` 0: it is gone.
+    fn set_egress(&mut self, _index: u32, _port: &EgressPort) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    /// Attaches the program to the `index`th (not the first) of several interfaces, onto
+    /// the link a previous agent pinned there when it can, else afresh.
+    fn attach_port(
+        &mut self,
+        _index: usize,
+        _port: &EgressPort,
+        _mode: crate::config::XdpModeSetting,
+    ) -> Result<Attachment, DataplaneError> {
+        Ok(Attachment {
+            mode: AttachedMode::Generic,
+            native_refused: None,
+        })
+    }
     /// Writes the tunnel settings (`LB_TUNNEL`): outer source addresses and the
     /// interface MTU, for the VIPs with `forward = "ipip" | "gue"`.
     fn set_tunnel(&mut self, tunnel: &TunnelConfig) -> Result<(), DataplaneError>;
@@ -201,6 +235,19 @@ pub struct AttachTarget {
     pub attached: Option<AttachedMode>,
 }
 
+/// One of several data-path interfaces (`dataplane.interfaces`) as the agent attached it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EgressPort {
+    pub name: String,
+    /// 0 while the interface is gone.
+    pub ifindex: u32,
+    pub mac: [u8; 6],
+    /// The mode attached; None while gone.
+    pub mode: Option<AttachedMode>,
+    /// `xdp_mode = "auto"` attached generic: why native was refused.
+    pub native_refused: Option<String>,
+}
+
 /// The XDP mode that was actually attached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -250,6 +297,9 @@ pub struct LoadOptions {
     /// Which build of the program to load: `next::LB_XDP`, or `next::LB_XDP_1BUF` to
     /// tail-call a `next_program` that is not multi-buffer aware.
     pub program: &'static str,
+    /// How many interfaces the program is attached to (`dataplane.interfaces`): above 1,
+    /// frames leave by their backend's interface (XDP_REDIRECT where it is another).
+    pub egress_count: u32,
 }
 
 impl LoadOptions {
@@ -267,6 +317,7 @@ impl LoadOptions {
             ifindex: 0,
             cluster_export: config.cluster.is_some(),
             program: next::LB_XDP,
+            egress_count: config.dataplane.interfaces.len() as u32,
         }
     }
 }
@@ -295,6 +346,8 @@ pub struct Adopted {
     pub vips: Vec<(VipKey, VipInfo)>,
     /// By backend id, the ids in use.
     pub backends: Vec<(u32, BackendInfo, BackendIdentity)>,
+    /// By backend id (in use), the interface its frames leave by (`LB_BE_EGRESS`).
+    pub egress: std::collections::BTreeMap<u32, u32>,
     /// By vip id, the slots of the table the VIP points at.
     pub tables: Vec<(u32, Vec<u32>)>,
     /// Backend ids a previous agent used and freed: connection-table entries may still

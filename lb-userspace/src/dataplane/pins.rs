@@ -12,9 +12,9 @@ use aya::{
     },
 };
 use lb_common::{
-    LAYOUT_VERSION, MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CONNTRACK, MAP_EMBRYONIC,
-    MAP_FLOOD, MAP_MAGLEV, MAP_META, MAP_STATS, MAP_TUNNEL, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS,
-    meta,
+    LAYOUT_VERSION, MAP_BACKEND_EGRESS, MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS,
+    MAP_CONNTRACK, MAP_EGRESS, MAP_EGRESS_STATS, MAP_EMBRYONIC, MAP_FLOOD, MAP_MAGLEV, MAP_META,
+    MAP_STATS, MAP_TUNNEL, MAP_TX_PORTS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, meta,
 };
 
 use super::{AttachedMode, DataplaneError, Found, LoadOptions, in_map};
@@ -22,7 +22,7 @@ use super::{AttachedMode, DataplaneError, Found, LoadOptions, in_map};
 /// The name the link is pinned under, next to the maps.
 pub(super) const LINK_PIN: &str = "link";
 /// Maps pinned (shared with a restarted agent); the rest are per program instance.
-pub const PINNED_MAPS: [&str; 13] = [
+pub const PINNED_MAPS: [&str; 17] = [
     MAP_VIPS,
     MAP_VIP_SLOTS,
     MAP_MAGLEV,
@@ -36,7 +36,31 @@ pub const PINNED_MAPS: [&str; 13] = [
     MAP_BACKEND_IDS,
     MAP_TUNNEL,
     MAP_META,
+    MAP_EGRESS,
+    MAP_TX_PORTS,
+    MAP_BACKEND_EGRESS,
+    MAP_EGRESS_STATS,
 ];
+
+/// The name the link of `dataplane.interface` is pinned under, in `dataplane.interfaces`.
+pub fn link_pin_name(dataplane: &crate::config::DataplaneConfig) -> String {
+    let index = dataplane
+        .interfaces
+        .iter()
+        .position(|name| name == &dataplane.interface)
+        .unwrap_or(0);
+    link_pin_of(index, &dataplane.interface)
+}
+
+/// The name the link of the `index`th of several interfaces is pinned under: the first
+/// one's is `LINK_PIN` (as with one interface, so either adopts the other's), the others'
+/// are named after their interface (bpffs refuses a dot in a name).
+pub(super) fn link_pin_of(index: usize, interface: &str) -> String {
+    match index {
+        0 => LINK_PIN.to_string(),
+        _ => format!("{LINK_PIN}-{interface}"),
+    }
+}
 
 /// Records the layout, sizes and interface in force (and the attach mode, once
 /// attached) in `LB_META`, for a restarted agent.
@@ -61,7 +85,7 @@ pub(super) fn write_meta(
     Ok(())
 }
 
-fn mode_code(mode: AttachedMode) -> u64 {
+pub(super) fn mode_code(mode: AttachedMode) -> u64 {
     match mode {
         AttachedMode::Native => meta::MODE_NATIVE,
         AttachedMode::Generic => meta::MODE_GENERIC,
@@ -69,7 +93,7 @@ fn mode_code(mode: AttachedMode) -> u64 {
 }
 
 /// The mode `mode_code` recorded, if any.
-fn mode_from_code(code: u64) -> Option<AttachedMode> {
+pub(super) fn mode_from_code(code: u64) -> Option<AttachedMode> {
     match code {
         meta::MODE_NATIVE => Some(AttachedMode::Native),
         meta::MODE_GENERIC => Some(AttachedMode::Generic),
@@ -270,7 +294,16 @@ pub struct RemovedPins {
 
 /// Removes everything lb pinned in `dir` (the link first: that detaches the program).
 pub fn remove_pins(dir: &Path) -> Result<RemovedPins, DataplaneError> {
-    let link = remove_pin(&dir.join(LINK_PIN))?;
+    let mut link = remove_pin(&dir.join(LINK_PIN))?;
+    // The links of the other interfaces (`dataplane.interfaces`).
+    let prefix = format!("{LINK_PIN}-");
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                link |= remove_pin(&entry.path())?;
+            }
+        }
+    }
     let maps = remove_map_pins(dir)?;
     let _ = std::fs::remove_dir(dir);
     Ok(RemovedPins { link, maps })
@@ -293,12 +326,16 @@ pub enum PinnedLinkState {
 /// What the link pinned in `dir` is attached to (bpf(2) by hand: aya 0.14's link info
 /// does not show the XDP link's interface).
 pub fn pinned_link_state(dir: &Path) -> PinnedLinkState {
+    link_state_at(&dir.join(LINK_PIN))
+}
+
+/// What the link pinned at `path` is attached to.
+pub(super) fn link_state_at(path: &Path) -> PinnedLinkState {
     use std::os::fd::{FromRawFd, OwnedFd};
     use std::os::unix::ffi::OsStrExt;
     const BPF_OBJ_GET: libc::c_long = 7;
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
     const BPF_LINK_TYPE_XDP: u32 = 6;
-    let path = dir.join(LINK_PIN);
     let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
         return PinnedLinkState::Absent;
     };

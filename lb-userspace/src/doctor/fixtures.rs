@@ -560,3 +560,34 @@ fn stale_pins_are_reported_with_what_lb_run_does() {
     facts.bpffs.link = PinnedLink::Unreadable { errno: 13 };
     assert_level(&Report::of(facts), "pins", Level::Warn, &["unreadable"]);
 }
+
+#[test]
+fn several_interfaces_are_checked_each_and_the_host_once() {
+    let mut first = checked(VETH, Native);
+    first.interface = "eth0".into();
+    let mut second = checked(IXGBE, Native);
+    second.interface = "eth1".into();
+    let merged = Report::merge(vec![first, second]);
+    let count = |name: &str| merged.checks.iter().filter(|f| f.name == name).count();
+    for host in ["privileges", "bpffs", "kernel", "btf", "jit"] {
+        assert_eq!(count(host), 1, "{host} once:\n{}", merged.render());
+    }
+    for own in ["interface", "driver", "mtu", "xdp-attached"] {
+        assert_eq!(count(own), 2, "{own} for each:\n{}", merged.render());
+    }
+    let drivers: Vec<&str> = merged
+        .checks
+        .iter()
+        .filter(|f| f.name == "driver")
+        .map(|f| f.detail.as_str())
+        .collect();
+    assert!(
+        drivers[0].starts_with("eth0: ") && drivers[1].starts_with("eth1: "),
+        "each names its interface: {drivers:?}"
+    );
+    assert_eq!(merged.interface, "eth0, eth1");
+    // ixgbe's LRO (on eth1) is the warning, named there.
+    let lro: Vec<&Finding> = merged.checks.iter().filter(|f| f.name == "lro").collect();
+    assert_eq!(lro[1].level, Level::Warn, "{}", lro[1]);
+    assert!(lro[1].detail.starts_with("eth1: "), "{}", lro[1]);
+}

@@ -55,7 +55,7 @@ pub async fn gather(config: &Config) -> Facts {
     link.name = dataplane.interface.clone();
     link.driver = driver_info(&link.name);
     link.attached = attached(&message);
-    link.pinned_program = pinned_program(&pin_dir.join("link"));
+    link.pinned_program = pinned_program(&pin_dir.join(crate::dataplane::link_pin_name(dataplane)));
     if let Some(parent) = parent_index(&message)
         && link.kind.as_deref() != Some("veth")
     {

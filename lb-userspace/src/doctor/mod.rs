@@ -63,6 +63,48 @@ impl Report {
         Report::of(facts)
     }
 
+    /// One report per interface of `config` (`dataplane.interfaces`, in order).
+    pub async fn run_each(config: &Config) -> Vec<Report> {
+        let mut reports = Vec::new();
+        for index in 0..config.dataplane.interfaces.len() {
+            let one = config_for(config, index);
+            // libxdp's dispatcher is the host's question: asked once, with the first.
+            reports.push(if index == 0 {
+                Report::run_with_dispatcher(&one).await
+            } else {
+                Report::run(&one).await
+            });
+        }
+        reports
+    }
+
+    /// Several interfaces' reports as one: the host's checks once, every interface's own
+    /// with its name before the detail. One report is itself.
+    pub fn merge(mut reports: Vec<Report>) -> Report {
+        if reports.len() <= 1 {
+            return reports.pop().expect("a report per interface");
+        }
+        let names: Vec<String> = reports.iter().map(|r| r.interface.clone()).collect();
+        let mut merged = reports[0].clone();
+        merged.checks.retain(|c| HOST_CHECKS.contains(&c.name));
+        merged.fixed.clear();
+        for report in reports {
+            merged.fixed.extend(report.fixed);
+            merged.checks.extend(
+                report
+                    .checks
+                    .into_iter()
+                    .filter(|c| !HOST_CHECKS.contains(&c.name))
+                    .map(|c| Finding {
+                        detail: format!("{}: {}", report.interface, c.detail),
+                        ..c
+                    }),
+            );
+        }
+        merged.interface = names.join(", ");
+        merged
+    }
+
     pub fn failed(&self) -> bool {
         self.checks.iter().any(|c| c.level == Level::Fail)
     }
@@ -97,6 +139,27 @@ impl Report {
             lines.join("\n  ")
         )
     }
+}
+
+/// The checks of the host itself, made once however many interfaces there are; every
+/// other check looks at one interface.
+const HOST_CHECKS: [&str; 7] = [
+    "privileges",
+    "bpffs",
+    "pins",
+    "kernel",
+    "btf",
+    "jit",
+    "libxdp-dispatcher",
+];
+
+/// `config` as the checks of its `index`th interface see it: that interface as
+/// `dataplane.interface`, the pins where the configuration has them.
+pub fn config_for(config: &Config, index: usize) -> Config {
+    let mut one = config.clone();
+    one.dataplane.pin_path = Some(config.dataplane.pin_dir());
+    one.dataplane.interface = config.dataplane.interfaces[index].clone();
+    one
 }
 
 /// `lb doctor --fix`: turns off the offloads the checks name (the only fixes applied

@@ -105,6 +105,9 @@ pub struct BackendState {
     /// on-link) or the gateway of its route. None while a tunnelled backend has no route
     /// out of the interface (then it has no MAC either).
     pub next_hop: Option<IpAddr>,
+    /// Which of `dataplane.interfaces` reaches `next_hop` (its position there): the
+    /// interface frames to this backend leave by. 0 with one interface.
+    pub egress: u32,
     pub health: Health,
     /// Consecutive results agreeing with each other (rise/fall progress).
     pub streak: u32,
@@ -652,6 +655,7 @@ impl Model {
             config: backend_config.clone(),
             mac,
             next_hop,
+            egress: 0,
             health,
             streak: 0,
             last_check: None,
@@ -773,9 +777,14 @@ impl Model {
                     };
                     let info = backend_info(&vip.config, b.config.address, mac, flags, vip.id);
                     let identity = identity(b.config.address, vip.id);
-                    inputs
-                        .backends
-                        .insert(b.id, DesiredBackend { info, identity });
+                    inputs.backends.insert(
+                        b.id,
+                        DesiredBackend {
+                            info,
+                            identity,
+                            egress: b.egress,
+                        },
+                    );
                 }
             }
             if vip.config.quic {

@@ -29,6 +29,61 @@ use crate::report::{Table, median, num, range};
 
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
+const XDP_REDIRECT: u32 = 4;
+
+/// The interfaces of the instance a case runs on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Nics {
+    /// One interface: frames go back out where they came in (the default).
+    One,
+    /// Two; the backends behind the interface the frames come in by (the loopback of a
+    /// test run): XDP_TX after the egress lookups.
+    TwoSame,
+    /// Two; the backends behind the other: XDP_REDIRECT through `LB_TX_PORTS`.
+    TwoOther,
+}
+
+impl Nics {
+    /// The instance of `insts` this case runs on (see `run`).
+    fn instance(self, cluster: bool) -> usize {
+        match (self, cluster) {
+            (Nics::One, false) => 0,
+            (Nics::One, true) => 1,
+            (Nics::TwoSame, _) => 2,
+            (Nics::TwoOther, _) => 3,
+        }
+    }
+}
+
+/// Makes `inst` one of two interfaces: egress 0 the loopback (where a test run's frames
+/// come in), egress 1 another device of this namespace (a test run returns the action
+/// and sends nothing), every backend behind egress `egress`.
+fn two_nics(inst: &mut Instance, egress: u32) -> Result<()> {
+    use lb_userspace::dataplane::EgressPort;
+    let other = nix::net::if_::if_nameindex()
+        .context("listing the interfaces")?
+        .iter()
+        .map(|i| i.index())
+        .find(|&i| i != 1)
+        .ok_or_else(|| {
+            anyhow!("no interface but the loopback here: the redirect case needs one")
+        })?;
+    for (index, ifindex) in [(0, 1), (1, other)] {
+        let port = EgressPort {
+            name: format!("if{ifindex}"),
+            ifindex,
+            mac: IFACE_MAC,
+            mode: None,
+            native_refused: None,
+        };
+        inst.dataplane.record_egress(index, &port)?;
+    }
+    let ids: Vec<u32> = inst.model.backends().map(|b| b.id).collect();
+    for id in ids {
+        inst.dataplane.set_backend_egress(id, egress)?;
+    }
+    Ok(())
+}
 
 const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
 const VIP4: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
@@ -244,6 +299,10 @@ struct Case {
     prime: Option<Vec<u8>>,
     /// Run on the instance loaded with `[cluster]` (new entries go to the export ring).
     cluster: bool,
+    /// The instance's interfaces: one (as always), or two (`dataplane.interfaces`) with
+    /// the backends behind the one the frame came in by (XDP_TX) or the other
+    /// (XDP_REDIRECT through the DEVMAP).
+    nics: Nics,
     /// The loop gives every call a new source (IPv4 only).
     new_source_per_call: bool,
     /// The loop cycles the source port through this many flows, each primed with a SYN
@@ -314,6 +373,7 @@ fn cases() -> Vec<Case> {
             then: vec![],
             prime: None,
             cluster: false,
+            nics: Nics::One,
             new_source_per_call: true,
             flows: 1,
             action: XDP_TX,
@@ -326,6 +386,7 @@ fn cases() -> Vec<Case> {
             then: vec![frame(c4, v4, 40008, 80, ack)],
             prime: None,
             cluster: true,
+            nics: Nics::One,
             new_source_per_call: true,
             flows: 1,
             action: XDP_TX,
@@ -342,6 +403,7 @@ fn cases() -> Vec<Case> {
             action: XDP_TX,
             once_per_call: false,
             cluster: false,
+            nics: Nics::One,
         },
         Case {
             name: "tcp_short_connection",
@@ -356,6 +418,7 @@ fn cases() -> Vec<Case> {
             action: XDP_TX,
             once_per_call: false,
             cluster: false,
+            nics: Nics::One,
         },
         Case {
             name: "tcp_established",
@@ -364,6 +427,7 @@ fn cases() -> Vec<Case> {
             then: vec![],
             prime: Some(frame(c4, v4, 40001, 80, syn)),
             cluster: false,
+            nics: Nics::One,
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
@@ -376,6 +440,7 @@ fn cases() -> Vec<Case> {
             then: vec![],
             prime: Some(frame(c4, v4, FLOWS_BASE_PORT, 80, syn)),
             cluster: false,
+            nics: Nics::One,
             new_source_per_call: false,
             flows: MANY_FLOWS,
             action: XDP_TX,
@@ -388,6 +453,7 @@ fn cases() -> Vec<Case> {
             then: vec![],
             prime: Some(frame(c4, v4, 40002, 53, L4::Udp)),
             cluster: false,
+            nics: Nics::One,
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
@@ -406,6 +472,7 @@ fn cases() -> Vec<Case> {
                 L4::QuicShort { server_id: 1 },
             )),
             cluster: false,
+            nics: Nics::One,
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
@@ -418,6 +485,7 @@ fn cases() -> Vec<Case> {
             then: vec![],
             prime: None,
             cluster: false,
+            nics: Nics::One,
             new_source_per_call: true,
             flows: 1,
             action: XDP_TX,
@@ -430,6 +498,7 @@ fn cases() -> Vec<Case> {
             then: vec![],
             prime: Some(frame(c6, v6, 40003, 80, syn)),
             cluster: false,
+            nics: Nics::One,
             new_source_per_call: false,
             flows: 1,
             action: XDP_TX,
@@ -446,6 +515,7 @@ fn cases() -> Vec<Case> {
             action: XDP_TX,
             once_per_call: true,
             cluster: false,
+            nics: Nics::One,
         },
         Case {
             name: "tcp_established_gue",
@@ -458,6 +528,35 @@ fn cases() -> Vec<Case> {
             action: XDP_TX,
             once_per_call: true,
             cluster: false,
+            nics: Nics::One,
+        },
+        Case {
+            name: "tcp_established_2nic_tx",
+            what: "tcp_established with two interfaces, the backend behind the one the \
+                   frame came in by (XDP_TX)",
+            frame: frame(c4, v4, 40001, 80, ack),
+            then: vec![],
+            prime: Some(frame(c4, v4, 40001, 80, syn)),
+            cluster: false,
+            nics: Nics::TwoSame,
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_TX,
+            once_per_call: false,
+        },
+        Case {
+            name: "tcp_established_redirect",
+            what: "tcp_established with two interfaces, the backend behind the other one \
+                   (XDP_REDIRECT through the DEVMAP)",
+            frame: frame(c4, v4, 40001, 80, ack),
+            then: vec![],
+            prime: Some(frame(c4, v4, 40001, 80, syn)),
+            cluster: false,
+            nics: Nics::TwoOther,
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_REDIRECT,
+            once_per_call: false,
         },
         Case {
             name: "pass_not_vip",
@@ -466,12 +565,31 @@ fn cases() -> Vec<Case> {
             then: vec![],
             prime: None,
             cluster: false,
+            nics: Nics::One,
             new_source_per_call: false,
             flows: 1,
             action: XDP_PASS,
             once_per_call: false,
         },
     ]
+}
+
+/// How a case was measured: the loop's kernel time, or `repeat`'s.
+#[derive(Clone, Copy)]
+enum Way {
+    Loop,
+    Repeat,
+}
+
+/// The net ns of `case` with `backends` backends, measured `way` (NaN: not run).
+fn net_ns(net: &[(String, usize, f64, f64, f64)], case: &str, backends: usize, way: Way) -> f64 {
+    net.iter()
+        .find(|r| r.0 == case && r.1 == backends)
+        .map(|r| match way {
+            Way::Loop => r.3,
+            Way::Repeat => r.2,
+        })
+        .unwrap_or(f64::NAN)
 }
 
 /// The tunnels' cost next to L2's, per backend count: loop kernel net ns, and ratios.
@@ -483,12 +601,7 @@ fn tunnel_ratios(net: &[(String, usize, f64, f64, f64)]) -> Table {
     let mut counts: Vec<usize> = net.iter().map(|r| r.1).collect();
     counts.dedup();
     for backends in counts {
-        let ns = |case: &str| {
-            net.iter()
-                .find(|r| r.0 == case && r.1 == backends)
-                .map(|r| r.3)
-                .unwrap_or(f64::NAN)
-        };
+        let ns = |case: &str| net_ns(net, case, backends, Way::Loop);
         let (l2, ipip, gue) = (
             ns("tcp_established"),
             ns("tcp_established_ipip"),
@@ -504,6 +617,50 @@ fn tunnel_ratios(net: &[(String, usize, f64, f64, f64)]) -> Table {
         ]);
     }
     table.note("Figures, not limits: ratios of one run on this machine.");
+    table
+}
+
+/// Leaving by another interface (XDP_REDIRECT) next to XDP_TX, per backend count: net
+/// ns of the loop and of `repeat`, and their ratios.
+fn egress_ratios(net: &[(String, usize, f64, f64, f64)]) -> Table {
+    let mut table = Table::new(
+        "Several interfaces (established TCP, net ns, medians)",
+        &[
+            "backends",
+            "way",
+            "one nic (tx)",
+            "two, same (tx)",
+            "two, other (redirect)",
+            "redirect / tx",
+            "two tx / one",
+        ],
+    );
+    let mut counts: Vec<usize> = net.iter().map(|r| r.1).collect();
+    counts.dedup();
+    for backends in counts {
+        for (way, pick) in [("loop kernel", Way::Loop), ("repeat", Way::Repeat)] {
+            let ns = |case: &str| net_ns(net, case, backends, pick);
+            let (one, same, other) = (
+                ns("tcp_established"),
+                ns("tcp_established_2nic_tx"),
+                ns("tcp_established_redirect"),
+            );
+            table.row(vec![
+                backends.to_string(),
+                way.into(),
+                num(one, 1),
+                num(same, 1),
+                num(other, 1),
+                num(other / same, 2),
+                num(same / one, 2),
+            ]);
+        }
+    }
+    table.note(
+        "The program's own cost: a test run returns XDP_REDIRECT without sending the frame, \
+         so the device's transmit (ndo_xdp_xmit, the DEVMAP's bulk queue) is not in these \
+         figures. Figures, not limits: ratios of one run on this machine.",
+    );
     table
 }
 
@@ -616,18 +773,35 @@ pub fn run(opts: &Options) -> Result<Results> {
         // second instance and its reader only when a chosen case runs there: the reader
         // wakes every few milliseconds, which the other cases should not share.
         let vips = config_text(backends) + &tunnel_vips(VIP4, backends);
-        let mut insts = vec![Instance::load(&vips)?];
+        // By `Nics::instance`: plain, [cluster], two interfaces (TX), two (redirect);
+        // each loaded only when a chosen case runs there.
+        let wanted = |i: usize| cases.iter().any(|c| c.nics.instance(c.cluster) == i);
+        let mut insts: Vec<Option<Instance>> = Vec::new();
         let mut exports = None;
-        if cases.iter().any(|c| c.cluster) {
+        insts.push(wanted(0).then(|| Instance::load(&vips)).transpose()?);
+        insts.push(None);
+        if wanted(1) {
             let mut inst = Instance::load(&(vips.clone() + CLUSTER))?;
             exports = Some(ExportReader::start(inst.dataplane.take_export()?.0));
+            insts[1] = Some(inst);
+        }
+        for egress in [0, 1] {
+            let inst = if wanted(2 + egress as usize) {
+                let mut inst = Instance::load_with(&vips, |o| o.egress_count = 2)?;
+                two_nics(&mut inst, egress)?;
+                Some(inst)
+            } else {
+                None
+            };
             insts.push(inst);
         }
-        for inst in insts.iter_mut() {
+        for inst in insts.iter_mut().flatten() {
             make_tunnels(inst, [2, 0, 0, 0, 0, 0xfe])?;
         }
         for case in &cases {
-            let inst = &mut insts[usize::from(case.cluster)];
+            let inst = insts[case.nics.instance(case.cluster)]
+                .as_mut()
+                .expect("loaded for its cases");
             if let Some(p) = &case.prime {
                 let program = inst.dataplane.program_mut()?;
                 // The flow's first packet, then its frame once: the second packet is
@@ -649,7 +823,9 @@ pub fn run(opts: &Options) -> Result<Results> {
         let mut source_counter = 0u64;
         for round in 0..opts.rounds {
             for (ci, case) in cases.iter().enumerate() {
-                let inst = &mut insts[usize::from(case.cluster)];
+                let inst = insts[case.nics.instance(case.cluster)]
+                    .as_mut()
+                    .expect("loaded for its cases");
                 let repeat = if case.once_per_call { 1 } else { opts.repeat };
                 let pass_prog = xdp(&mut pass_ebpf, "xdp_pass")?;
                 let (rv, k, w) = run_repeat(pass_prog, &case.frame, repeat)?;
@@ -819,8 +995,9 @@ pub fn run(opts: &Options) -> Result<Results> {
     // What a passed frame costs with `next_program` (issue 37), in this run.
     let not_vip = cases().into_iter().find(|c| c.name == "pass_not_vip");
     let (chain, chain_json) = crate::chain::run(opts, &not_vip.expect("case").frame)?;
+    let egress = egress_ratios(&net_all);
     Ok(Results {
-        tables: vec![table, ratios, chain],
+        tables: vec![table, ratios, egress, chain],
         json: json!({
             "empty_program": "xdp_pass",
             "results": out_json,
