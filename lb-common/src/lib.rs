@@ -74,7 +74,7 @@ pub const MAP_META: &str = "LB_META";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 7;
+pub const LAYOUT_VERSION: u64 = 8;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -272,8 +272,8 @@ pub struct VipSlot {
 const _: () = assert!(size_of::<VipSlot>() == 40);
 
 impl VipSlot {
-    /// The slot of a VIP key: MurmurHash3 over its words (IPv4: the one address word),
-    /// so keys that differ in any field land on unrelated slots.
+    /// The slot of a VIP key: the top bits of `hash::vip_key_hash` (multiply-shift over
+    /// all its words), so keys that differ in any field land on unrelated slots.
     #[inline(always)]
     pub fn index(key: &VipKey) -> u32 {
         hash::vip_key_hash(key) >> (32 - VIP_SLOTS.trailing_zeros())
