@@ -298,8 +298,8 @@ pub struct VipSlot {
 const _: () = assert!(size_of::<VipSlot>() == 40);
 
 impl VipSlot {
-    /// The slot of a VIP key: MurmurHash3 over its words (IPv4: the one address word),
-    /// so keys that differ in any field land on unrelated slots.
+    /// The slot of a VIP key: the top bits of `hash::vip_key_hash` (multiply-shift over
+    /// all its words), so keys that differ in any field land on unrelated slots.
     #[inline(always)]
     pub fn index(key: &VipKey) -> u32 {
         hash::vip_key_hash(key) >> (32 - VIP_SLOTS.trailing_zeros())
