@@ -400,8 +400,9 @@ mod tests {
             outcomes[..5].iter().all(|(_, o)| *o == Outcome::Passed),
             "{outcomes:?}"
         );
-        assert_eq!(outcomes[5], (Check::CaFiles, Outcome::NotConfigured));
-        assert_eq!(outcomes[6], (Check::OperatorsGroup, Outcome::NotConfigured));
+        assert_eq!(outcomes[5], (Check::NextProgram, Outcome::NotConfigured));
+        assert_eq!(outcomes[6], (Check::CaFiles, Outcome::NotConfigured));
+        assert_eq!(outcomes[7], (Check::OperatorsGroup, Outcome::NotConfigured));
         // An operators' group this host does not have.
         let mut no_group = good.clone();
         no_group.control.operators_group = Some("lb-no-such-group".into());
@@ -414,7 +415,7 @@ mod tests {
         let mut root_group = good.clone();
         root_group.control.operators_group = Some("root".into());
         let outcomes = run(&root_group, Some(&here), on_link, Mode::Check).unwrap();
-        assert_eq!(outcomes[6], (Check::OperatorsGroup, Outcome::Passed));
+        assert_eq!(outcomes[7], (Check::OperatorsGroup, Outcome::Passed));
         // No address of the peers' family to bind.
         let v6_peer = private.clone();
         let mut v6_peer = v6_peer;
@@ -494,7 +495,7 @@ mod tests {
         };
         let good = concat!(env!("CARGO_MANIFEST_DIR"), "/src/health/testdata/ca.pem");
         let outcomes = run(&https(good.as_ref()), Some(&eth0()), on_link, Mode::Check).unwrap();
-        assert_eq!(outcomes[5], (Check::CaFiles, Outcome::Passed));
+        assert_eq!(outcomes[6], (Check::CaFiles, Outcome::Passed));
         let here = eth0();
         interface_checks(&https(good.as_ref()), &here, on_link).unwrap();
 

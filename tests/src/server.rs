@@ -703,6 +703,7 @@ fn udp_loop(
             Err(e) => return Err(e).context("udp recvmsg"),
         };
         let iov = [IoSlice::new(reply.as_bytes())];
+        answered.fetch_add(1, Ordering::Relaxed);
         let sent = match local {
             Some(IpAddr::V4(a)) => {
                 let pi = libc::in_pktinfo {
@@ -743,8 +744,11 @@ fn udp_loop(
                 Some(&peer),
             ),
         };
-        if sent.is_ok() {
-            answered.fetch_add(1, Ordering::Relaxed);
+        // Counted before the send returns (and taken back if it failed): a client that
+        // has its answer must find it counted, even when this thread is descheduled
+        // between the send and the count on a loaded machine.
+        if sent.is_err() {
+            answered.fetch_sub(1, Ordering::Relaxed);
         }
     }
     Ok(())
