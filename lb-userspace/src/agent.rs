@@ -69,6 +69,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     let mut lock = lock::acquire(&config, &config_path)?;
     let pin_dir = config.dataplane.pin_dir();
     ensure_bpffs(&pin_dir)?;
+    let pins_reach = pins_reach(&pin_dir);
     lock.lock_pins(&pin_dir)?;
     // Every listener is bound before the data path is touched: a socket or port in use
     // stops the start with nothing attached (not an attached program without an agent).
@@ -129,6 +130,11 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     .await?;
     services.stop().await;
     match on_exit {
+        OnExit::StayAttached if pins_reach == crate::bpffs::Reach::Private => tracing::info!(
+            "stopping; the program goes with the agent: its pins in {} lie on a bpf \
+             filesystem private to this process's mount namespace, which goes too",
+            pin_dir.display()
+        ),
         OnExit::StayAttached => tracing::info!(
             "stopping; the program stays attached to {} with its last tables (pins in {}; \
              `lb detach --config FILE` removes it)",
@@ -143,6 +149,22 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// How far the bpffs of `pin_dir` reaches; says so when it is private to this mount
+/// namespace, since the program then does not outlive the agent.
+fn pins_reach(pin_dir: &Path) -> crate::bpffs::Reach {
+    let reach = crate::bpffs::reach(pin_dir);
+    if reach == crate::bpffs::Reach::Private {
+        tracing::warn!(
+            "pins in {} lie on a bpf filesystem only this process's mount namespace sees \
+             (`ip netns exec` gives each command a fresh /sys): the program goes when the \
+             agent stops; to keep it attached across restarts, {}",
+            pin_dir.display(),
+            crate::bpffs::PRIVATE_FIX
+        );
+    }
+    reach
 }
 
 /// A data path serving its first tables, and what the agent needs to go on from there.

@@ -434,6 +434,7 @@ fn decap(command: DecapCommand) -> anyhow::Result<ExitCode> {
             pins,
         } => {
             agent::ensure_bpffs(&pins.pin_path)?;
+            crate::bpffs::require_shared(&pins.pin_path)?;
             let status = decap::attach(
                 crate::DECAP_OBJECT,
                 &iface,
@@ -463,6 +464,14 @@ fn decap(command: DecapCommand) -> anyhow::Result<ExitCode> {
                     "not attached anywhere (pins in {})",
                     pins.pin_path.display()
                 );
+                if crate::bpffs::reach(&pins.pin_path) == crate::bpffs::Reach::Private {
+                    println!(
+                        "note: {} is on no bpf filesystem the host shares: pins made in \
+                         another `ip netns exec` went with it; {}",
+                        pins.pin_path.display(),
+                        crate::bpffs::PRIVATE_FIX
+                    );
+                }
             }
             for status in found.iter().filter(|_| !json) {
                 println!("{}", decap_line(status));
@@ -490,6 +499,7 @@ fn peer(command: PeerCommand) -> anyhow::Result<ExitCode> {
     match command {
         PeerCommand::Attach { iface, pins } => {
             agent::ensure_bpffs(&pins.pin_path)?;
+            crate::bpffs::require_shared(&pins.pin_path)?;
             let mode = peer::attach(&iface, &pins.pin_path)
                 .with_context(|| format!("attaching the XDP_PASS program to {iface}"))?;
             println!("xdp_pass on {iface} (xdp mode {mode})");

@@ -339,11 +339,29 @@ impl DataplaneConfig {
                 .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
                 .ok()
         };
+        // Linux 6.18 on numbers the initial network namespace 0xEFFFFFF9 (below every
+        // number it hands out, so no other namespace has it on any kernel).
+        const INITIAL_NET: u64 = 0xEFFF_FFF9;
         let ours = inode("/proc/self/ns/net");
-        let name = match ours {
-            Some(ours) if ours != inode("/proc/1/ns/net").unwrap_or(ours) => {
-                format!("{}-ns{ours}", self.interface)
+        let initial = match (ours, inode("/proc/1/ns/net")) {
+            (Some(ours), Some(init)) => ours == init,
+            (Some(INITIAL_NET), None) | (None, _) => true,
+            // Unreadable (a container, hidepid): other pins must not be shared by mistake.
+            (Some(ours), None) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    tracing::warn!(
+                        "/proc/1/ns/net is unreadable, so whether this is the initial network \
+                         namespace cannot be told: taking it as another one (pins in \
+                         /sys/fs/bpf/lb/{}-ns{ours}; set dataplane.pin_path to choose)",
+                        self.interface
+                    )
+                });
+                false
             }
+        };
+        let name = match ours {
+            Some(ours) if !initial => format!("{}-ns{ours}", self.interface),
             _ => self.interface.clone(),
         };
         PathBuf::from("/sys/fs/bpf/lb").join(name)

@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod announce;
 pub mod api;
+pub mod bpffs;
 pub mod capture;
 pub mod cli;
 pub mod client;

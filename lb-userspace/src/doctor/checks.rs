@@ -242,6 +242,21 @@ fn bpffs(facts: &Facts) -> Finding {
             Level::Ok,
             format!("no bpf filesystem at /sys/fs/bpf yet: lb run mounts one (pins in {dir})"),
         ),
+        BpffsState::Private { mounted } => finding(
+            "bpffs",
+            Level::Warn,
+            format!(
+                "{} bpf filesystem only this mount namespace sees (pins in {dir}; `ip netns \
+                 exec` gives each command a fresh /sys): the program would go when the \
+                 agent stops; {}",
+                if *mounted {
+                    "pins on a"
+                } else {
+                    "lb run would mount a"
+                },
+                crate::bpffs::PRIVATE_FIX
+            ),
+        ),
         BpffsState::NotBpffs { existing } => finding(
             "bpffs",
             Level::Fail,

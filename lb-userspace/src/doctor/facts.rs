@@ -69,6 +69,9 @@ pub enum BpffsState {
     Unmounted,
     /// Elsewhere, and not on a bpf filesystem: `lb run` refuses it.
     NotBpffs { existing: PathBuf },
+    /// On (or, unmounted, to be mounted on) a bpf filesystem that only this mount
+    /// namespace sees (`ip netns exec`): pins go with the agent.
+    Private { mounted: bool },
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -513,6 +513,19 @@ fn host_checks() {
     assert_level(&report, "btf", Level::Warn, &[]);
     assert_level(&report, "bpffs", Level::Fail, &["mount -t bpf bpf /run"]);
     let mut facts = self::facts(VETH, Native);
+    facts.bpffs.state = BpffsState::Private { mounted: false };
+    let report = Report::of(facts);
+    assert_level(
+        &report,
+        "bpffs",
+        Level::Warn,
+        &[
+            "only this mount namespace",
+            "nsenter --net",
+            "mount -t bpf bpf",
+        ],
+    );
+    let mut facts = self::facts(VETH, Native);
     facts.link = None;
     let report = Report::of(facts);
     assert_level(&report, "interface", Level::Fail, &["no interface eth0"]);

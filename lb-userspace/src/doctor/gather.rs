@@ -116,7 +116,10 @@ fn bpffs_state(pin_dir: &Path) -> BpffsState {
         .unwrap_or(Path::new("/"));
     let on_bpffs = nix::sys::statfs::statfs(existing)
         .is_ok_and(|s| s.filesystem_type().0 as u64 == BPF_FS_MAGIC);
-    if on_bpffs {
+    let private = crate::bpffs::reach(pin_dir) == crate::bpffs::Reach::Private;
+    if private && (on_bpffs || pin_dir.starts_with(BPF_FS)) {
+        BpffsState::Private { mounted: on_bpffs }
+    } else if on_bpffs {
         BpffsState::Mounted
     } else if pin_dir.starts_with(BPF_FS) {
         BpffsState::Unmounted
