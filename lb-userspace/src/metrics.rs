@@ -589,12 +589,21 @@ fn register_cluster(registry: &mut Registry, cluster: &crate::status::ClusterSta
         "cluster_last_contact_seconds",
         "Seconds since the last accepted datagram from a cluster peer (absent: none yet)",
     );
+    let seen = family::<PeerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>(
+        registry,
+        "cluster_peer_last_seen_timestamp_seconds",
+        "When the last accepted datagram from a cluster peer came, in seconds since the Unix \
+         epoch (absent: none yet); peers send at least every 2s",
+    );
     for peer in &cluster.peers {
+        let labels = PeerLabels {
+            peer: peer.address.clone(),
+        };
         if let Some(age) = peer.last_contact_seconds {
-            let labels = PeerLabels {
-                peer: peer.address.clone(),
-            };
             contact.get_or_create(&labels).set(age);
+        }
+        if let Some(at) = peer.last_seen_unix_seconds {
+            seen.get_or_create(&labels).set(at);
         }
     }
     for (name, help, value) in [
@@ -789,6 +798,7 @@ mod tests {
                 sent: 5,
                 rejected: 2,
                 last_contact_seconds: Some(0.5),
+                last_seen_unix_seconds: Some(1_796_000_000.5),
                 ..Default::default()
             }],
             ..Default::default()
@@ -798,6 +808,7 @@ mod tests {
             "lb_cluster_entries_sent_total{peer=\"10.0.0.12\"} 5",
             "lb_cluster_rejected_total{peer=\"10.0.0.12\"} 2",
             "lb_cluster_last_contact_seconds{peer=\"10.0.0.12\"} 0.5",
+            "lb_cluster_peer_last_seen_timestamp_seconds{peer=\"10.0.0.12\"} 1796000000.5",
             "lb_cluster_exported_total 9",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");

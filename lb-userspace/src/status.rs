@@ -115,6 +115,10 @@ pub struct PeerStatus {
     pub last_reject: Option<String>,
     /// Seconds since its last accepted datagram; none yet: null.
     pub last_contact_seconds: Option<f64>,
+    /// When that datagram came, in seconds since the Unix epoch; none yet: null. Peers
+    /// send at least every `cluster::KEEPALIVE`, so an old time means a silent peer.
+    #[serde(default)]
+    pub last_seen_unix_seconds: Option<f64>,
 }
 
 /// The node's part in a multi-node deployment (`[announce]`).

@@ -309,6 +309,17 @@ fn flows_survive_a_node_loss_after_a_backend_change() {
     ));
     assert!(via_lb1 > 0 && via_lb2 > 0, "all through one node");
     assert_eq!(via_lb1 + via_lb2, FLOWS as u64);
+    // Each node sees the other, and keeps seeing it with no new flows (keepalives).
+    let seen = |node: &Node| node.peer()["last_seen_unix_seconds"].as_f64();
+    let first: Vec<f64> = nodes
+        .iter()
+        .map(|n| seen(n).unwrap_or_else(|| panic!("a peer never seen: {:#}", n.peer())))
+        .collect();
+    wait_for(
+        "a later datagram from each peer",
+        Duration::from_secs(10),
+        || nodes.iter().zip(&first).all(|(n, at)| seen(n) > Some(*at)),
+    );
     let chat = Chatter::start(conns, Duration::from_millis(100), Duration::from_secs(120));
 
     // A backend added at runtime on both nodes: the tables change.
@@ -798,6 +809,10 @@ fn forged_and_replayed_datagrams_are_rejected() {
     assert_eq!(peer_now["address"], peer.to_string());
     assert_eq!(peer_now["rejected"], 4, "{peer_now:#}");
     assert!(peer_now["last_contact_seconds"].is_number(), "{peer_now:#}");
+    assert!(
+        peer_now["last_seen_unix_seconds"].is_number(),
+        "{peer_now:#}"
+    );
     let text = agent.status().unwrap();
     assert!(
         text.contains("cluster: ") && text.contains("rejected 4"),

@@ -71,6 +71,9 @@ const LIVE_PER_TICK: usize = 100;
 const DUMP_PER_TICK: usize = 50;
 /// Entries waiting to be sent, at most: beyond it new ones are dropped and counted.
 const MAX_QUEUE: usize = 100_000;
+/// How long a node sends nothing before it sends its peers an empty datagram, so that
+/// each peer's last-seen time tells a silent peer from an idle one.
+pub const KEEPALIVE: Duration = Duration::from_secs(2);
 /// How often a learning node logs how far it is, all peers together.
 const LEARN_LOG_EVERY: Duration = Duration::from_secs(1);
 /// Shortest accepted key.
@@ -258,6 +261,8 @@ pub struct PeerStats {
     pub send_errors: u64,
     /// When the last accepted datagram came.
     pub last_contact: Option<Instant>,
+    /// The same on the wall clock, for status and metrics as a time.
+    pub last_seen: Option<SystemTime>,
 }
 
 /// Learning before announcing.
@@ -329,6 +334,7 @@ impl Stats {
                     last_contact_seconds: p
                         .last_contact
                         .map(|at| now.saturating_duration_since(at).as_secs_f64()),
+                    last_seen_unix_seconds: p.last_seen.map(unix_seconds),
                 })
                 .collect(),
         }
@@ -426,6 +432,7 @@ pub fn start<H: Host>(
         guards: HashMap::new(),
         dumped: HashMap::new(),
         learning: None,
+        last_sent: Instant::now(),
     };
     if learn {
         task.start_learning(learn_timeout, &shutdown)?;
@@ -511,6 +518,14 @@ struct Task<H> {
     /// The run of each peer that was sent a dump.
     dumped: HashMap<IpAddr, u64>,
     learning: Option<LearnState>,
+    /// When a datagram last went to every peer (new entries or a keepalive).
+    last_sent: Instant,
+}
+
+/// `at` in seconds since the Unix epoch.
+fn unix_seconds(at: SystemTime) -> f64 {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn wall_ns() -> u64 {
@@ -622,7 +637,13 @@ impl<H: Host> Task<H> {
             let n = self.queue.len().min(wire::MAX_ENTRIES);
             let entries: Vec<Entry> = self.queue.drain(..n).collect();
             self.send(Kind::Entries, entries, &peers).await;
+            self.last_sent = Instant::now();
             sent += 1;
+        }
+        if self.last_sent.elapsed() >= KEEPALIVE {
+            // No entries: a node of any version takes it as an empty batch.
+            self.send(Kind::Entries, Vec::new(), &peers).await;
+            self.last_sent = Instant::now();
         }
         self.send_dumps().await;
         self.follow_learning();
@@ -792,6 +813,7 @@ impl<H: Host> Task<H> {
             let mut stats = self.stats();
             let peer_stats = stats.peers.entry(peer).or_default();
             peer_stats.last_contact = Some(Instant::now());
+            peer_stats.last_seen = Some(SystemTime::now());
             peer_stats.received += message.entries.len() as u64;
         }
         match message.kind {
@@ -1046,6 +1068,37 @@ mod tests {
         assert_eq!(
             bind_address(&fixed, "eth0", &[]).unwrap(),
             "10.0.0.9:4790".parse().unwrap()
+        );
+    }
+
+    #[test]
+    fn status_shows_when_each_peer_was_last_seen() {
+        let now = Instant::now();
+        let seen = SystemTime::UNIX_EPOCH + Duration::from_millis(1_796_000_000_250);
+        let mut stats = Stats::default();
+        let heard: IpAddr = "10.0.0.12".parse().unwrap();
+        let silent: IpAddr = "10.0.0.13".parse().unwrap();
+        stats.peers.insert(
+            heard,
+            PeerStats {
+                last_contact: Some(now - Duration::from_secs(3)),
+                last_seen: Some(seen),
+                ..Default::default()
+            },
+        );
+        stats.peers.insert(silent, PeerStats::default());
+        let status = stats.status(&[], now);
+        let peer = |address: IpAddr| {
+            let address = address.to_string();
+            status.peers.iter().find(|p| p.address == address).unwrap()
+        };
+        assert_eq!(peer(heard).last_seen_unix_seconds, Some(1_796_000_000.25));
+        assert_eq!(peer(heard).last_contact_seconds, Some(3.0));
+        assert_eq!(peer(silent).last_seen_unix_seconds, None);
+        let json = serde_json::to_value(&status).unwrap();
+        assert!(
+            json["peers"][1]["last_seen_unix_seconds"].is_null(),
+            "{json}"
         );
     }
 }
