@@ -2166,7 +2166,7 @@ mod tests {
         );
         let status = shared.status().unwrap();
         let b = &status.vips[0].backends[0];
-        assert_eq!(b.weight_reason, "agent 50%");
+        assert_eq!(b.weight_reason.as_str(), "agent 50%");
         assert!(
             b.agent_error
                 .as_deref()

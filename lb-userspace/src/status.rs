@@ -13,7 +13,7 @@ use crate::{
     config::{Forward, HashMode, Protocol},
     dataplane::AttachedMode,
     explain::{NextHop, VipTarget},
-    model::{AdminStatus, CheckRecord, Health},
+    model::{AdminStatus, CheckRecord, Health, weights::WeightReason},
 };
 
 /// How many heavy hitters status reports per VIP.
@@ -381,7 +381,7 @@ pub struct BackendStatus {
     /// Why it differs from the configured weight: "configured", "slow start 40%",
     /// "agent 75%", "least-flows 1.41x".
     #[serde(default)]
-    pub weight_reason: String,
+    pub weight_reason: WeightReason,
     /// Why the backend's last agent answer was not used (`[vip.agent]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_error: Option<String>,
@@ -708,7 +708,7 @@ fn render_backend(out: &mut String, b: &BackendStatus) {
         b.new_flows,
         check
     );
-    if b.weight_reason != "configured" && !b.weight_reason.is_empty() {
+    if !b.weight_reason.is_configured() {
         let _ = writeln!(
             out,
             "    effective weight {:.2}: {}",
@@ -802,7 +802,7 @@ pub mod tests {
             last_local_error: None,
             new_flows_per_second: 0.0,
             effective_weight: 1.0,
-            weight_reason: "configured".into(),
+            weight_reason: WeightReason::Configured,
             agent_error: None,
             handshakes: Handshakes::default(),
             outlier: None,
@@ -951,7 +951,7 @@ pub mod tests {
     fn a_load_rule_shows_its_effective_weight() {
         let mut status = sample();
         status.vips[0].backends[0].effective_weight = 0.4;
-        status.vips[0].backends[0].weight_reason = "slow start 40%".into();
+        status.vips[0].backends[0].weight_reason = WeightReason::Rules("slow start 40%".into());
         status.vips[0].backends[1].agent_error = Some("agent 10.0.0.12:4500: refused".into());
         status.vips[0].backends[0].state = AdminStatus::Draining;
         status.vips[0].backends[0].state_reason = Some("agent check says drain".into());

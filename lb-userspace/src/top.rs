@@ -253,7 +253,7 @@ fn backend_rows(out: &mut String, vip: &VipStatus, per_backend: &[(f64, f64)]) {
             bar,
             share * 100.0,
         );
-        if b.weight_reason != "configured" && !b.weight_reason.is_empty() {
+        if !b.weight_reason.is_configured() {
             let line = format!(
                 "    weight {:.2} of {}: {}",
                 b.effective_weight, b.weight, b.weight_reason
@@ -331,7 +331,8 @@ mod tests {
         status.vips[0].backends[0].packets += 123_456_789;
         status.vips[0].backends[0].new_flows += 1_234_567;
         status.vips[0].backends[0].active_flows = 9_999_999;
-        status.vips[0].backends[0].weight_reason = "agent 75%: ".repeat(20);
+        status.vips[0].backends[0].weight_reason =
+            crate::model::weights::WeightReason::Rules("agent 75%: ".repeat(20));
         status.vips[0].top_sources = (0..3)
             .map(|i| crate::status::SourceRate {
                 address: format!("fd00:1234:5678:9abc:def0:1234:5678:{i}"),

@@ -1200,7 +1200,7 @@ mod tests {
             .iter()
             .map(|b| {
                 let e = b.effective_weight(&vip.config, at(5));
-                (e.weight, e.reason)
+                (e.weight, e.reason.to_string())
             })
             .collect();
         assert_eq!(effective[0], (10, "slow start 10%".to_string()));

@@ -140,8 +140,55 @@ pub fn parse_agent_reply(line: &str) -> Result<AgentReport, String> {
 pub struct Effective {
     /// What the table builder gets (configured × `SCALE` × factors).
     pub weight: u32,
-    /// "configured", or the rules that apply: "slow start 40%, agent 75%".
-    pub reason: String,
+    pub reason: WeightReason,
+}
+
+/// Why a backend's effective weight is what it is. Status JSON carries it as its words
+/// (`as_str`): "configured", or the rules that apply, "slow start 40%, agent 75%".
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum WeightReason {
+    /// No rule applies: the weight is the configured one.
+    #[default]
+    Configured,
+    /// The rules that apply, in the words status shows.
+    Rules(String),
+}
+
+impl WeightReason {
+    /// Whether no rule applies (nothing to show beside the configured weight).
+    pub fn is_configured(&self) -> bool {
+        *self == WeightReason::Configured
+    }
+
+    pub fn as_str(&self) -> &str {
+        match self {
+            WeightReason::Configured => "configured",
+            WeightReason::Rules(rules) => rules,
+        }
+    }
+}
+
+impl std::fmt::Display for WeightReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl serde::Serialize for WeightReason {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for WeightReason {
+    /// "configured" (or empty, from an answer without the field) is no rule.
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        Ok(match text.as_str() {
+            "configured" | "" => WeightReason::Configured,
+            _ => WeightReason::Rules(text),
+        })
+    }
 }
 
 /// The rules that apply to one backend now.
@@ -181,9 +228,9 @@ pub fn effective(configured: u32, factors: Factors) -> Effective {
     Effective {
         weight,
         reason: if reasons.is_empty() {
-            "configured".into()
+            WeightReason::Configured
         } else {
-            reasons.join(", ")
+            WeightReason::Rules(reasons.join(", "))
         },
     }
 }
@@ -298,13 +345,28 @@ mod tests {
         }
     }
 
+    /// Status JSON keeps the words it had as a string: "configured", or the rules.
+    #[test]
+    fn a_weight_reason_is_written_and_read_as_its_words() {
+        let configured = serde_json::to_string(&WeightReason::Configured).unwrap();
+        assert_eq!(configured, "\"configured\"");
+        let rules = WeightReason::Rules("slow start 40%, agent 75%".into());
+        let text = serde_json::to_string(&rules).unwrap();
+        assert_eq!(text, "\"slow start 40%, agent 75%\"");
+        assert_eq!(serde_json::from_str::<WeightReason>(&text).unwrap(), rules);
+        for configured in ["\"configured\"", "\"\""] {
+            let read: WeightReason = serde_json::from_str(configured).unwrap();
+            assert!(read.is_configured(), "{configured}");
+        }
+    }
+
     #[test]
     fn effective_weight_multiplies_the_rules_and_says_why() {
         assert_eq!(
             effective(3, Factors::default()),
             Effective {
                 weight: 300,
-                reason: "configured".into()
+                reason: WeightReason::Configured
             }
         );
         let e = effective(
@@ -316,7 +378,7 @@ mod tests {
             },
         );
         assert_eq!(e.weight, 60);
-        assert_eq!(e.reason, "slow start 40%, agent 75%");
+        assert_eq!(e.reason.as_str(), "slow start 40%, agent 75%");
         let e = effective(
             1,
             Factors {
