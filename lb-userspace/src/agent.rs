@@ -541,18 +541,9 @@ impl Services {
         let health_tasks = HealthTasks::new(shutdown.clone());
         let control = control::serve(listeners.control, state.clone(), health_tasks.clone());
         state::spawn_checks(state, &health_tasks);
-        let metrics = match listeners.metrics {
-            Some(listener) => {
-                let state = state.clone();
-                let scraper: metrics::Scraper = Arc::new(move || {
-                    // Copied under the lock; the counters are read after it.
-                    let source = state.lock().expect("agent state poisoned").status_source();
-                    source.scrape()
-                });
-                Some(metrics::serve(listener, scraper, shutdown.clone()))
-            }
-            None => None,
-        };
+        let metrics = listeners.metrics.map(|listener| {
+            metrics::serve(listener, metrics::scraper(state.clone()), shutdown.clone())
+        });
         let announcer = match (announcer, &config.announce) {
             (Some(announcer), Some(announce)) => {
                 Some(announce::start(state.clone(), announcer, announce))

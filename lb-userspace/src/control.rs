@@ -1,7 +1,8 @@
 //! The control socket: HTTP/1.1 with JSON bodies on a Unix socket that only root can
 //! open (created 0600). `GET /status` returns `Status`. With `control.operators_group`, a
 //! second socket (the operators' socket, 0660 for that group) answers the read-only
-//! requests (status, explain: what `lb status`, `lb explain` and `lb top` ask) and
+//! requests (status, explain, metrics: what `lb status`, `lb explain`, `lb top` and a
+//! Prometheus scrape over the socket ask) and
 //! refuses every change with a 403. Every change asked for is logged with the asker's
 //! uid and pid (SO_PEERCRED). Request bodies are read as JSON
 //! whatever their Content-Type (`curl -d` sends a form type); every refusal is a JSON
@@ -94,21 +95,13 @@ impl OperatorsSocket {
         let gid = crate::preflight::group_id(group)
             .map_err(|why| anyhow::anyhow!("`control.operators_group`: {why}"))?;
         let listener = bind(&path, 0o755, 0o600).await?;
-        // Group-owned and 0660; without CAP_CHOWN (a unit that bounds it away) it cannot be
-        // given to the group, and is opened to all instead: each peer's groups are checked
-        // on every request anyway (`operators_only`).
-        let mode = match nix::unistd::chown(&path, None, Some(nix::unistd::Gid::from_raw(gid))) {
-            Ok(()) => 0o660,
-            Err(errno) => {
-                tracing::warn!(
-                    "operators' socket {}: cannot give it to group {group} ({errno}); it is \
-                     0666 and each peer's groups are checked instead",
-                    path.display()
-                );
-                0o666
-            }
-        };
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+        // Group-owned and 0660, never wider. Without CAP_CHOWN (the shipped unit bounds it
+        // away) the agent, as the file's owner, may still give it to a group it is a
+        // member of: the unit's `SupplementaryGroups=lb`.
+        if let Err(why) = give_to_group(&path, group, gid) {
+            let _ = std::fs::remove_file(&path);
+            return Err(why);
+        }
         if let Some(parent) = path.parent()
             && let Ok(meta) = std::fs::metadata(parent)
             && meta.permissions().mode() & 0o011 == 0
@@ -131,6 +124,22 @@ impl OperatorsSocket {
     }
 }
 
+/// Gives the socket at `path` to group `gid` and makes it 0660, or says why it cannot
+/// (the socket is then not served: a mode open to all is not a fallback).
+fn give_to_group(path: &Path, group: &str, gid: u32) -> anyhow::Result<()> {
+    if let Err(errno) = nix::unistd::chown(path, None, Some(nix::unistd::Gid::from_raw(gid))) {
+        bail!(
+            "`control.operators_group`: cannot give the operators' socket {} to group \
+             {group} ({errno}): the agent needs CAP_CHOWN or to be a member of {group} \
+             (the shipped unit has SupplementaryGroups=lb; for another group, add it in a \
+             drop-in: systemctl edit lb)",
+            path.display()
+        );
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("operators' socket {}: chmod 0660", path.display()))
+}
+
 /// The requests that change something, and what answers them on the control socket.
 fn changes() -> [(&'static str, MethodRouter<Api>); 6] {
     [
@@ -148,6 +157,7 @@ fn reads() -> Router<Api> {
     Router::new()
         .route("/status", get(status))
         .route("/explain", post(explain))
+        .route("/metrics", get(metrics))
         .fallback(unknown_path)
         .method_not_allowed_fallback(wrong_method)
 }
@@ -229,7 +239,7 @@ async fn read_only(uri: Uri, peer: Option<Extension<Peer>>) -> Refusal {
     refusal(
         StatusCode::FORBIDDEN,
         format!(
-            "POST {uri}: the operators' socket is read-only (status, explain, top); changes \
+            "POST {uri}: the operators' socket is read-only (status, explain, top, metrics); changes \
              go through the control socket, as root"
         ),
     )
@@ -473,6 +483,17 @@ const STATUS_WAITS: usize = 10;
 
 /// `GET /status`, once the tables the model asks for are written: a backend shown down
 /// holds no slots any more (the writer takes milliseconds after a health change).
+/// `GET /metrics`, as the metrics endpoint answers it: for the operators' group where
+/// `control.metrics` is off or its port is out of their reach.
+async fn metrics(
+    Extract(Api { shared, .. }): Extract<Api>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    crate::metrics::metrics(Extract(crate::metrics::scraper(shared)), headers)
+        .await
+        .into_response()
+}
+
 async fn status(Extract(Api { shared, .. }): Extract<Api>) -> Result<Json<Status>, Refusal> {
     for _ in 0..STATUS_WAITS {
         let pending = {
@@ -508,6 +529,20 @@ mod tests {
         content_type: Option<&str>,
         body: &str,
     ) -> (u16, serde_json::Value) {
+        let (code, body) = send_raw(socket, method, path, content_type, body).await;
+        let json = serde_json::from_str(&body)
+            .unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {code} {body}"));
+        (code, json)
+    }
+
+    /// The status code and the body of the answer.
+    async fn send_raw(
+        socket: &Path,
+        method: &str,
+        path: &str,
+        content_type: Option<&str>,
+        body: &str,
+    ) -> (u16, String) {
         let mut stream = UnixStream::connect(socket).await.unwrap();
         let content_type = content_type
             .map(|t| format!("Content-Type: {t}\r\n"))
@@ -522,9 +557,7 @@ mod tests {
         stream.read_to_string(&mut response).await.unwrap();
         let (head, body) = response.split_once("\r\n\r\n").unwrap();
         let code = head.split(' ').nth(1).unwrap().parse().unwrap();
-        let json = serde_json::from_str(body)
-            .unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {response}"));
-        (code, json)
+        (code, body.to_string())
     }
 
     /// An agent's control socket over an in-memory data path, in a fresh directory.
@@ -653,6 +686,9 @@ mod tests {
         let explain = r#"{"vip": "10.0.0.100:80/tcp", "source": "10.9.0.1:4000"}"#;
         let (code, answer) = send(&operators, "POST", "/explain", None, explain).await;
         assert_eq!(code, 200, "{answer}");
+        let (code, metrics) = send_raw(&operators, "GET", "/metrics", None, "").await;
+        assert_eq!(code, 200, "{metrics}");
+        assert!(metrics.contains("\nlb_build_info{"), "{metrics}");
         for path in [
             "/reload",
             "/backend/state",
@@ -709,6 +745,7 @@ mod tests {
         // What `serve` routes.
         let served: std::collections::BTreeSet<&str> = [
             "GET /status",
+            "GET /metrics",
             "POST /reload",
             "POST /explain",
             "POST /backend/state",
@@ -722,9 +759,9 @@ mod tests {
         let (socket, _agent) = agent("readme").await;
         for request in served {
             let (method, path) = request.split_once(' ').unwrap();
-            let (code, answer) = send(&socket, method, path, None, "").await;
+            let (code, answer) = send_raw(&socket, method, path, None, "").await;
             assert!(
-                ![404, 405].contains(&code) || answer["error"].as_str().unwrap().contains("VIP"),
+                ![404, 405].contains(&code) || answer.contains("VIP"),
                 "{request}: {code} {answer}"
             );
         }

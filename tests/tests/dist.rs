@@ -180,6 +180,7 @@ fn the_package_has_a_maintainer_a_changelog_and_maintainer_scripts() {
     };
     let postinst = script("postinst");
     assert!(postinst.contains("systemctl daemon-reload"), "{postinst}");
+    postinst_creates_the_group_once(&control.path().join("postinst"));
     let prerm = script("prerm");
     assert!(
         prerm.contains(r#""$1" = "remove""#) && prerm.contains("systemctl stop lb.service"),
@@ -194,6 +195,58 @@ fn the_package_has_a_maintainer_a_changelog_and_maintainer_scripts() {
     assert!(
         purge.contains("/sys/fs/bpf/lb ") && purge.contains("rm -rf \"$pins\""),
         "purge removes the default pins:\n{postrm}"
+    );
+    // The group stays on purge: files (a state file, a log) may still name it.
+    assert!(!postrm.contains("groupdel"), "{postrm}");
+    assert!(
+        field("Depends").split(", ").any(|d| d == "passwd"),
+        "groupadd's package is a dependency"
+    );
+}
+
+/// postinst `configure` creates the system group `lb` when the host has none and leaves
+/// it alone when it has one (run twice, as an upgrade does): `getent` and `groupadd` are
+/// stand-ins on PATH that record their calls.
+fn postinst_creates_the_group_once(postinst: &Path) {
+    let bin = tempfile::tempdir().unwrap();
+    let calls = bin.path().join("calls");
+    let has_group = bin.path().join("has-group");
+    let stand_in = |name: &str, body: &str| {
+        let path = bin.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "#!/bin/sh\necho \"{name} $*\" >> {}\n{body}\n",
+                calls.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+    };
+    stand_in("getent", &format!("[ -e {} ]", has_group.display()));
+    stand_in("groupadd", &format!("touch {}", has_group.display()));
+    // Where this host runs systemd, the script's systemctl calls reach a stand-in too.
+    let systemctl = bin.path().join("systemctl");
+    std::fs::write(&systemctl, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(
+        &systemctl,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let path = format!("{}:/usr/bin:/bin", bin.path().display());
+    let configure = |previous: &str| {
+        run(Command::new("sh")
+            .arg(postinst)
+            .args(["configure", previous])
+            .env("PATH", &path));
+        std::fs::read_to_string(&calls).unwrap_or_default()
+    };
+    assert_eq!(configure(""), "getent group lb\ngroupadd --system lb\n");
+    assert_eq!(
+        configure("0.1.0-1"),
+        "getent group lb\ngroupadd --system lb\ngetent group lb\n",
+        "a second configure (an upgrade) finds the group and creates none"
     );
 }
 
@@ -302,6 +355,8 @@ fn the_unit_verifies_and_is_hardened() {
         assert_eq!(caps.join(" "), wanted, "{key}");
     }
     assert_eq!(value("NoNewPrivileges"), "yes");
+    // The operators' socket's group, which the agent (no CAP_CHOWN) may give its file to.
+    assert_eq!(value("SupplementaryGroups"), "lb");
     assert_eq!(value("ProtectSystem"), "strict");
     assert_eq!(value("ProtectHome"), "yes");
     let writable = value("ReadWritePaths");

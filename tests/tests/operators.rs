@@ -9,6 +9,11 @@
 //!   still drained (status lists the runtime change and its state file); a reload undoes
 //!   it and says so.
 //!
+//! - Under the shipped unit's limits (no CAP_CHOWN): an agent with the group as a
+//!   supplementary group (the unit's `SupplementaryGroups=lb`) gives the socket to it,
+//!   0660, and members read while others are refused; without the group it refuses to
+//!   start, naming `control.operators_group`, and never opens the socket to all.
+//!
 //! Needs root, bpffs, the eBPF object, a built `lb`, `setpriv` and an unprivileged user;
 //! otherwise it prints `SKIPPED` (or fails under `LB_REQUIRE_ALL_TESTS=1`).
 //! `cargo test -p lb-tests --test operators`.
@@ -45,6 +50,10 @@ fn lb_as(bin: &Path, uid: u32, gid: u32, args: &[&str]) -> CliOutput {
 }
 
 fn start(lab: &Lab, bin: &Path, config: &Path) -> Agent {
+    start_with(lab, bin, config).expect("start the agent")
+}
+
+fn start_with(lab: &Lab, bin: &Path, config: &Path) -> anyhow::Result<Agent> {
     Agent::start(
         bin,
         lab.lb(),
@@ -52,7 +61,26 @@ fn start(lab: &Lab, bin: &Path, config: &Path) -> Agent {
         &lab.socket_path(),
         &lab.dir().join("lb.log"),
     )
-    .expect("start the agent")
+}
+
+/// The lab's configuration with an operators' socket at `operators` for `group`,
+/// written into the lab's directory.
+fn operators_config(lab: &Lab, group: &str, operators: &Path) -> PathBuf {
+    let vip = lab.vip("web", false, 80, Protocol::Tcp, Health::fast_tcp());
+    let config = lab
+        .agent_config(XdpMode::Native, vec![vip])
+        .to_toml()
+        .replacen(
+            "[control]\n",
+            &format!(
+                "[control]\noperators_group = \"{group}\"\noperators_socket = \"{}\"\n",
+                operators.display()
+            ),
+            1,
+        );
+    let config_path = lab.dir().join("lb.toml");
+    std::fs::write(&config_path, &config).unwrap();
+    config_path
 }
 
 fn backend_state(agent: &Agent, address: std::net::IpAddr) -> String {
@@ -83,21 +111,7 @@ fn operators_read_through_their_socket_and_runtime_changes_survive_a_restart() {
     let open = host::open_dir().expect("an open directory");
     let user_bin = host::copy_out(&bin, open.path()).expect("copy lb out");
     let operators: PathBuf = open.path().join("lb-operators.sock");
-    let vip = lab.vip("web", false, 80, Protocol::Tcp, Health::fast_tcp());
-    let config = lab
-        .agent_config(XdpMode::Native, vec![vip])
-        .to_toml()
-        .replacen(
-            "[control]\n",
-            &format!(
-                "[control]\noperators_group = \"{}\"\noperators_socket = \"{}\"\n",
-                group.name,
-                operators.display()
-            ),
-            1,
-        );
-    let config_path = lab.dir().join("lb.toml");
-    std::fs::write(&config_path, &config).unwrap();
+    let config_path = operators_config(&lab, &group.name, &operators);
     let agent = start(&lab, &bin, &config_path);
     lb_tests::wait_backends_up(&agent, "web", WAIT, &|| false).expect("backends up");
 
@@ -200,6 +214,98 @@ fn operators_read_through_their_socket_and_runtime_changes_survive_a_restart() {
     assert_eq!(backend_state(&agent, lab.backend_addr(0, false)), "ready");
     let state_file = status["agent"]["state_file"].as_str().unwrap().to_string();
     assert!(!Path::new(&state_file).exists(), "{state_file} is left");
+    drop(agent);
+    drop(lab);
+}
+
+/// An executable `lb` in `dir` that runs `bin` as root without CAP_CHOWN (bounding and
+/// inheritable sets, as the shipped unit's CapabilityBoundingSet= leaves it out), with
+/// `groups` as its only supplementary groups.
+fn lb_without_chown(bin: &Path, dir: &Path, groups: Option<u32>) -> PathBuf {
+    let setpriv = host::which(host::SETPRIV.command).expect("setpriv");
+    let groups = groups.map_or("--clear-groups".to_string(), |gid| {
+        format!("--groups={gid}")
+    });
+    let wrapper = dir.join("lb-without-chown");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec {} --bounding-set=-chown --inh-caps=-chown {groups} {} \"$@\"\n",
+            setpriv.display(),
+            bin.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    wrapper
+}
+
+#[test]
+fn without_cap_chown_the_operators_socket_goes_to_a_supplementary_group_or_not_at_all() {
+    let test = "without_cap_chown_the_operators_socket_goes_to_a_supplementary_group_or_not_at_all";
+    let Some(bin) = require_e2e(test) else {
+        return;
+    };
+    if !host::require_tool(test, host::SETPRIV) {
+        return;
+    }
+    let user = match host::unprivileged_user() {
+        Ok(user) => user,
+        Err(why) => return skip(test, &why),
+    };
+    let group = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(user.gid))
+        .ok()
+        .flatten()
+        .expect("the unprivileged user's group");
+    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+    lab.serve_tcp(80, false).expect("backend servers");
+    let open = host::open_dir().expect("an open directory");
+    let user_bin = host::copy_out(&bin, open.path()).expect("copy lb out");
+    let operators = open.path().join("lb-operators.sock");
+    let config_path = operators_config(&lab, &group.name, &operators);
+
+    // Not a member of the group: the agent refuses to start, says why, and leaves no
+    // socket behind (it used to open it 0666 instead).
+    let outsider = lb_without_chown(&bin, open.path(), None);
+    let refused = start_with(&lab, &outsider, &config_path)
+        .err()
+        .expect("an agent that cannot give the socket to the group does not start");
+    let refused = format!("{refused:#}");
+    assert!(
+        refused.contains("`control.operators_group`: cannot give the operators' socket")
+            && refused.contains(&group.name),
+        "{refused}"
+    );
+    assert!(!operators.exists(), "the operators' socket is left behind");
+
+    // A member (the unit's SupplementaryGroups=): the socket is root's and the group's, 0660.
+    let member = lb_without_chown(&bin, open.path(), Some(user.gid));
+    let agent = start_with(&lab, &member, &config_path).expect("start the agent");
+    let caps = std::fs::read_to_string(format!("/proc/{}/status", agent.pid().unwrap())).unwrap();
+    let effective = caps
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap())
+        .expect("CapEff");
+    // CAP_CHOWN is capability 0.
+    assert_eq!(effective & 1, 0, "the agent has CAP_CHOWN");
+    let meta = std::fs::metadata(&operators).expect("the operators' socket");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o660);
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), 0);
+    assert_eq!(std::os::unix::fs::MetadataExt::gid(&meta), user.gid);
+    let ops = operators.to_str().unwrap();
+    let status = lb_as(&user_bin, user.uid, user.gid, &["status", "--socket", ops]);
+    assert!(status.success(), "{}", status);
+    assert!(status.stdout.contains("vip web"), "{}", status);
+    let outsider_gid = if user.gid == 1 { 2 } else { 1 };
+    let denied = lb_as(
+        &user_bin,
+        user.uid,
+        outsider_gid,
+        &["status", "--socket", ops],
+    );
+    assert!(!denied.success(), "{}", denied);
+    assert!(denied.stderr.contains("permission denied"), "{}", denied);
     drop(agent);
     drop(lab);
 }
