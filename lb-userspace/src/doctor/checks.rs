@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::{
     dispatcher::Dispatcher,
-    facts::{Facts, Feature, Link, Peer, XdpFeatures},
+    facts::{Facts, Feature, Link, NextProgramFact, Peer, XdpFeatures},
 };
 use crate::config::XdpModeSetting;
 use crate::dataplane::next::{LB_XDP, LB_XDP_1BUF};
@@ -85,6 +85,7 @@ pub fn check(facts: &Facts) -> Vec<Finding> {
         interface(facts),
     ];
     out.extend(facts.dispatcher.as_ref().map(dispatcher));
+    out.extend(facts.next_program.as_ref().map(next_program));
     let Some(link) = &facts.link else {
         return out;
     };
@@ -892,6 +893,22 @@ fn dispatcher(probe: &Dispatcher) -> Finding {
             Level::Ok,
             format!("not checked: {why}; lb does not need it"),
         ),
+    }
+}
+
+/// `dataplane.next_program`, as `preflight` (`lb check`, `lb run`) judged it.
+fn next_program(fact: &NextProgramFact) -> Finding {
+    const NAME: &str = "next-program";
+    match fact {
+        NextProgramFact::Usable(next) => finding(
+            NAME,
+            Level::Ok,
+            format!(
+                "{} (id {}) pinned at {}: lb's {} tail-calls it with every frame it passes",
+                next.name, next.id, next.path, next.caller
+            ),
+        ),
+        NextProgramFact::Refused { why } => finding(NAME, Level::Fail, why.clone()),
     }
 }
 
