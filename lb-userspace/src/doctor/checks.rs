@@ -10,7 +10,10 @@ use super::{
     facts::{Facts, Feature, Link, NextProgramFact, Peer, XdpFeatures},
 };
 use crate::config::XdpModeSetting;
-use crate::dataplane::next::{LB_XDP, LB_XDP_1BUF};
+use crate::dataplane::{
+    foreign_program_fix,
+    next::{LB_XDP, LB_XDP_1BUF},
+};
 
 /// The oldest kernel the program loads on: multi-buffer XDP (`xdp.frags`,
 /// `BPF_F_XDP_HAS_FRAGS`) and `bpf_xdp_load_bytes` are 5.18's; BPF links for XDP 5.9's.
@@ -845,11 +848,8 @@ fn xdp_attached(facts: &Facts, link: &Link) -> Finding {
             Level::Fail,
             format!(
                 "{whose} is attached to {iface}: {other}; lb replaces nothing and cannot \
-                 attach beside it: detach it first (its owner; `xdp-loader unload {iface} \
-                 --all` for one loaded with libxdp, as xdp-filter does; `ip link set dev \
-                 {iface} xdp off` for one attached through netlink), or run it behind lb: \
-                 pin it and name the pin in dataplane.next_program (lb passes it every frame \
-                 that is not for a VIP)"
+                 attach beside it: {}",
+                foreign_program_fix(iface)
             ),
         );
     }
