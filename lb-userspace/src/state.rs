@@ -894,6 +894,7 @@ impl State {
             desired: &desired,
             dataplane: dataplane.as_ref(),
             flow_idle: self.config.dataplane.flow_idle_timeout,
+            interfaces: &self.config.dataplane.interfaces,
         };
         explain::explain(&view, request, now_ns)
     }
