@@ -370,16 +370,10 @@ pub fn explain(
     let remembered = next
         .filter(|choice| choice.by == Source::Embryo)
         .map(|choice| choice.backend_id);
-    let backend = vip.backends.iter().find(|b| b.id == next_id);
-    let next_hop = backend.and_then(|b| {
-        Some(NextHop {
-            address: b.next_hop?.to_string(),
-            mac: b.mac.map(|m| m.to_string()),
-        })
-    });
-    let interface = backend
-        .filter(|b| b.next_hop.is_some() && view.interfaces.len() > 1)
-        .and_then(|b| view.interfaces.get(b.egress as usize).cloned());
+    let (next_hop, interface) = match vip.backends.iter().find(|b| b.id == next_id) {
+        Some(backend) => route_of(backend, view.interfaces),
+        None => (None, None),
+    };
     Ok(Explanation {
         vip: vip.config.name.clone(),
         hash,
@@ -397,6 +391,25 @@ pub fn explain(
         interface,
         quic,
     })
+}
+
+/// `backend`'s next hop, and with several `interfaces` the one it is reached by (none
+/// without a next hop: its recorded egress means nothing then).
+fn route_of(
+    backend: &crate::model::BackendState,
+    interfaces: &[String],
+) -> (Option<NextHop>, Option<String>) {
+    let Some(address) = backend.next_hop else {
+        return (None, None);
+    };
+    let next_hop = NextHop {
+        address: address.to_string(),
+        mac: backend.mac.map(|m| m.to_string()),
+    };
+    let interface = (interfaces.len() > 1)
+        .then(|| interfaces.get(backend.egress as usize).cloned())
+        .flatten();
+    (Some(next_hop), interface)
 }
 
 /// A connection ID in hex (1 to 20 bytes; `:` and spaces allowed between bytes).
