@@ -92,6 +92,7 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
     );
     state.set_file_config(file);
     state.set_ports(started.ports);
+    state.set_next_program(started.next_program);
     // A node without a table of its own learns its peers' before it announces.
     let learn = started.cluster.is_some() && !matches!(started.start, Start::Adopted);
     state.record_start(
@@ -177,6 +178,8 @@ struct Started {
     mode: crate::dataplane::AttachedMode,
     /// `xdp_mode = "auto"` attached generic: why native was refused.
     native_refused: Option<String>,
+    /// `dataplane.next_program` as chained.
+    next_program: Option<crate::status::NextProgramStatus>,
     start: Start,
     flow_reader: Arc<FlowReader>,
     capture: Option<(aya::maps::RingBuf<aya::maps::MapData>, PathBuf)>,
@@ -329,6 +332,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         report.tables_switched,
         report.backends_written
     );
+    let next_program = next.as_ref().map(crate::status::NextProgramStatus::from);
     let attached = attach_chained(&mut dataplane, config, &interface, &hints, &mut ports, next)?;
     let tables =
         Writer::spawn(Box::new(dataplane), writer, desired).context("starting the table writer")?;
@@ -339,6 +343,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         tables,
         mode: attached.mode,
         native_refused: attached.native_refused,
+        next_program,
         start,
         flow_reader,
         capture,

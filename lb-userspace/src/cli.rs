@@ -641,7 +641,11 @@ fn print_explanation(request: &ExplainRequest, e: crate::explain::Explanation) {
         ),
         None => "no next hop".into(),
     };
-    println!("  forwarded by:     {}, {via}", e.forward);
+    let out = e
+        .interface
+        .map(|name| format!(" out of {name}"))
+        .unwrap_or_default();
+    println!("  forwarded by:     {}, {via}{out}", e.forward);
     if let Some(quic) = e.quic {
         println!("  quic connection id: {}", quic.why);
     }

@@ -182,6 +182,11 @@ pub struct Explanation {
     /// (with the MAC used); None without a backend or a route.
     #[serde(default)]
     pub next_hop: Option<NextHop>,
+    /// With several interfaces (`dataplane.interfaces`): the one the next packet's
+    /// backend is reached by, as the agent found its route. None with one, or without a
+    /// next hop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interface: Option<String>,
     /// With `quic_cid`: the server ID it carries and what the program does with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quic: Option<QuicExplanation>,
@@ -255,6 +260,8 @@ pub struct View<'a> {
     pub desired: &'a Desired,
     pub dataplane: &'a dyn Dataplane,
     pub flow_idle: Duration,
+    /// `dataplane.interfaces`, in order: a backend's `egress` is a position in it.
+    pub interfaces: &'a [String],
 }
 
 /// What the program's decisions read, as the agent writes it (`LB_VIPS`,
@@ -363,12 +370,10 @@ pub fn explain(
     let remembered = next
         .filter(|choice| choice.by == Source::Embryo)
         .map(|choice| choice.backend_id);
-    let next_hop = vip.backends.iter().find(|b| b.id == next_id).and_then(|b| {
-        Some(NextHop {
-            address: b.next_hop?.to_string(),
-            mac: b.mac.map(|m| m.to_string()),
-        })
-    });
+    let (next_hop, interface) = match vip.backends.iter().find(|b| b.id == next_id) {
+        Some(backend) => route_of(backend, view.interfaces),
+        None => (None, None),
+    };
     Ok(Explanation {
         vip: vip.config.name.clone(),
         hash,
@@ -383,8 +388,28 @@ pub fn explain(
         hot_source,
         forward: vip.config.forward,
         next_hop,
+        interface,
         quic,
     })
+}
+
+/// `backend`'s next hop, and with several `interfaces` the one it is reached by (none
+/// without a next hop: its recorded egress means nothing then).
+fn route_of(
+    backend: &crate::model::BackendState,
+    interfaces: &[String],
+) -> (Option<NextHop>, Option<String>) {
+    let Some(address) = backend.next_hop else {
+        return (None, None);
+    };
+    let next_hop = NextHop {
+        address: address.to_string(),
+        mac: backend.mac.map(|m| m.to_string()),
+    };
+    let interface = (interfaces.len() > 1)
+        .then(|| interfaces.get(backend.egress as usize).cloned())
+        .flatten();
+    (Some(next_hop), interface)
 }
 
 /// A connection ID in hex (1 to 20 bytes; `:` and spaces allowed between bytes).
@@ -557,6 +582,7 @@ mod tests {
             desired,
             dataplane,
             flow_idle: Duration::from_secs(30),
+            interfaces: &[],
         };
         explain(&view, request, now_ns).unwrap()
     }
@@ -588,6 +614,41 @@ mod tests {
             flags: 0,
             last_seen_ns,
         }
+    }
+
+    /// With several interfaces, the explanation names the one the next packet's backend
+    /// is reached by (its recorded egress); with one, or without a next hop, none.
+    #[test]
+    fn the_interface_a_backend_is_reached_by_is_named_with_several() {
+        let (mut model, desired) = model_of(&two_backends("tcp", 80));
+        let request = ExplainRequest {
+            vip: "10.0.0.100:80/tcp".parse().unwrap(),
+            source: CLIENT.parse().unwrap(),
+            quic_cid: None,
+        };
+        let dataplane = MemoryDataplane::default();
+        let interfaces = ["eth0".to_string(), "eth1".to_string()];
+        let explained = |model: &Model, interfaces: &[String]| {
+            let view = View {
+                model,
+                desired: &desired,
+                dataplane: &dataplane,
+                flow_idle: Duration::from_secs(30),
+                interfaces,
+            };
+            explain(&view, &request, 0).unwrap().interface
+        };
+        for backend in &mut model.vips[0].backends {
+            backend.next_hop = None;
+            backend.egress = 1;
+        }
+        assert_eq!(explained(&model, &interfaces), None, "no next hop");
+        for backend in &mut model.vips[0].backends {
+            backend.next_hop = Some(backend.config.address);
+            backend.egress = 1;
+        }
+        assert_eq!(explained(&model, &interfaces).as_deref(), Some("eth1"));
+        assert_eq!(explained(&model, &interfaces[..1]), None);
     }
 
     #[test]
@@ -750,6 +811,7 @@ mod tests {
                 desired: &desired,
                 dataplane,
                 flow_idle: Duration::from_secs(30),
+                interfaces: &[],
             };
             let source = SocketAddr::from(([10, 0, 0, 1], port));
             explain(&view, &ExplainRequest::flow(vip, source), SECOND).unwrap()
@@ -782,6 +844,7 @@ mod tests {
             desired: &plain_desired,
             dataplane: &dataplane,
             flow_idle: Duration::from_secs(30),
+            interfaces: &[],
         };
         let source = SocketAddr::from(([10, 0, 0, 1], 40000));
         let e = explain(&view, &ExplainRequest::flow(vip, source), SECOND).unwrap();
@@ -824,6 +887,7 @@ mod tests {
                 desired: &desired,
                 dataplane: &MemoryDataplane::default(),
                 flow_idle: Duration::from_secs(30),
+                interfaces: &[],
             };
             explain(&view, &request, SECOND)
         };

@@ -179,6 +179,7 @@ pub fn render(scrape: &Scrape) -> anyhow::Result<String> {
     }
     register_agent(&mut registry, &scrape.status.agent);
     register_interfaces(&mut registry, &dataplane.interfaces);
+    register_next_program(&mut registry, dataplane.next_program.as_ref());
     registry.register(
         "health_check_duration_seconds",
         "Duration of health checks",
@@ -241,6 +242,31 @@ fn register_interfaces(registry: &mut Registry, interfaces: &[crate::status::Int
                 })
                 .set(1);
         }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NextProgramLabels {
+    name: String,
+    id: String,
+    /// The build of lb's program that calls it: "lb_xdp" or "lb_xdp_1buf".
+    caller: String,
+}
+
+/// `dataplane.next_program`: one sample while a program is chained, none without.
+fn register_next_program(registry: &mut Registry, next: Option<&crate::status::NextProgramStatus>) {
+    let info = family::<NextProgramLabels, Gauge>(
+        registry,
+        "next_program_info",
+        "The host's XDP program lb tail-calls with the frames it passes (always 1)",
+    );
+    if let Some(next) = next {
+        info.get_or_create(&NextProgramLabels {
+            name: next.name.clone(),
+            id: next.id.to_string(),
+            caller: next.caller.clone(),
+        })
+        .set(1);
     }
 }
 
@@ -824,6 +850,28 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
         }
+    }
+
+    #[test]
+    fn the_next_program_is_an_info_series_only_while_chained() {
+        let mut status = crate::status::tests::sample();
+        let scrape = |status: &Status| Scrape {
+            status: status.clone(),
+            outcomes: vec![0; stat::COUNT as usize],
+            observed: Observed::default(),
+        };
+        let plain = prometheus_text(&render(&scrape(&status)).unwrap());
+        assert!(!plain.contains("lb_next_program_info{"), "{plain}");
+        status.dataplane.next_program = Some(crate::status::NextProgramStatus {
+            path: "/sys/fs/bpf/host-fw".into(),
+            name: "xdpfilt_alw_ip".into(),
+            id: 42,
+            caller: "lb_xdp_1buf".into(),
+        });
+        let text = prometheus_text(&render(&scrape(&status)).unwrap());
+        let line =
+            "lb_next_program_info{name=\"xdpfilt_alw_ip\",id=\"42\",caller=\"lb_xdp_1buf\"} 1";
+        assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
     }
 
     #[test]

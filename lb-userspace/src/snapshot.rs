@@ -24,8 +24,8 @@ use crate::{
     model::{BackendState, Health, Model, VipState},
     neighbor::Interface,
     status::{
-        AgentStatus, BackendStatus, DataplaneStatus, HotSource, InterfaceStatus, Start, Status,
-        VipStatus,
+        AgentStatus, BackendStatus, DataplaneStatus, HotSource, InterfaceStatus, NextProgramStatus,
+        Start, Status, VipStatus,
     },
     tables::Desired,
     telemetry::{Telemetry, source_address},
@@ -44,6 +44,8 @@ pub struct StatusSource {
     pub(crate) ports: Vec<EgressPort>,
     pub(crate) mode: Option<AttachedMode>,
     pub(crate) native_refused: Option<String>,
+    /// `dataplane.next_program` as last chained (start or reload).
+    pub(crate) next_program: Option<NextProgramStatus>,
     pub(crate) config: Config,
     pub(crate) start: Start,
     pub(crate) announce: announce::State,
@@ -138,6 +140,7 @@ impl StatusSource {
                 backend_ids_in_use: ids.in_use,
                 backend_ids_held: ids.held,
                 interfaces: self.interface_status(&counters),
+                next_program: self.next_program.clone(),
             },
             vips,
             counters: stat::NAMES

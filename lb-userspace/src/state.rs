@@ -32,7 +32,7 @@ use crate::{
     neighbor::{self, Interface, RouteLookup},
     snapshot::StatusSource,
     statefile,
-    status::{AgentStatus, LastReload, Start, Status},
+    status::{AgentStatus, LastReload, NextProgramStatus, Start, Status},
     tables::TableInputs,
     telemetry::{Telemetry, source_address},
     writer::{Requested, Writer},
@@ -56,6 +56,8 @@ pub struct State {
     mode: Option<AttachedMode>,
     /// `xdp_mode = "auto"` attached generic: why native was refused.
     native_refused: Option<String>,
+    /// `dataplane.next_program` as last put in the slot (start, then each reload).
+    next_program: Option<NextProgramStatus>,
     /// Since when the interface is gone (the data path detached with it).
     interface_gone: Option<Instant>,
     /// With several interfaces (`dataplane.interfaces`), each as attached, in order
@@ -156,6 +158,7 @@ impl State {
             interface,
             mode: Some(mode),
             native_refused: None,
+            next_program: None,
             interface_gone: None,
             ports: Vec::new(),
             start: Start::Fresh,
@@ -332,6 +335,11 @@ impl State {
         self.ports = ports;
     }
 
+    /// `dataplane.next_program` as the start chained it (reloads keep it up to date).
+    pub fn set_next_program(&mut self, next: Option<NextProgramStatus>) {
+        self.next_program = next;
+    }
+
     /// The interfaces attached, in order (several; empty with one).
     pub fn ports(&self) -> &[EgressPort] {
         &self.ports
@@ -483,6 +491,7 @@ impl State {
                 reason: error.to_string(),
             })?;
         let now = next.as_ref().map(|n| n.id);
+        self.next_program = next.as_ref().map(NextProgramStatus::from);
         Ok((before != now).then(|| {
             let was = before.map_or("none".into(), |id| format!("id {id}"));
             let is = next.map_or("none".into(), |n| {
@@ -862,6 +871,7 @@ impl State {
             ports: self.ports.clone(),
             mode: self.mode,
             native_refused: self.native_refused.clone(),
+            next_program: self.next_program.clone(),
             config: self.config.clone(),
             start: self.start.clone(),
             announce: self.announce.clone(),
@@ -884,6 +894,7 @@ impl State {
             desired: &desired,
             dataplane: dataplane.as_ref(),
             flow_idle: self.config.dataplane.flow_idle_timeout,
+            interfaces: &self.config.dataplane.interfaces,
         };
         explain::explain(&view, request, now_ns)
     }

@@ -182,6 +182,34 @@ pub struct DataplaneStatus {
     /// Every interface the program is attached to (`dataplane.interfaces`), in order.
     #[serde(default)]
     pub interfaces: Vec<InterfaceStatus>,
+    /// `dataplane.next_program`: the host's program lb passes frames on to; None (null)
+    /// without one.
+    #[serde(default)]
+    pub next_program: Option<NextProgramStatus>,
+}
+
+/// The program in `LB_NEXT`'s slot, as the kernel names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NextProgramStatus {
+    /// The pin `dataplane.next_program` names.
+    pub path: String,
+    /// Its name as the kernel knows it (15 characters at most).
+    pub name: String,
+    pub id: u32,
+    /// The build of lb's program that tail-calls it: `lb_xdp` (multi-buffer aware) or
+    /// `lb_xdp_1buf`.
+    pub caller: String,
+}
+
+impl From<&crate::dataplane::next::NextProgram> for NextProgramStatus {
+    fn from(next: &crate::dataplane::next::NextProgram) -> Self {
+        Self {
+            path: next.path.display().to_string(),
+            name: next.name.clone(),
+            id: next.id,
+            caller: next.caller().to_string(),
+        }
+    }
 }
 
 /// One data-path interface.
@@ -552,6 +580,13 @@ fn render_dataplane(out: &mut String, status: &Status) {
     if let Some(why) = &d.native_refused {
         let _ = writeln!(out, "native xdp refused: {why}");
     }
+    if let Some(next) = &d.next_program {
+        let _ = writeln!(
+            out,
+            "next program: {} (id {}) at {}, tail-called by {} with every frame lb passes",
+            next.name, next.id, next.path, next.caller
+        );
+    }
     if let Some(cluster) = &status.cluster {
         render_cluster(out, cluster);
     }
@@ -826,6 +861,7 @@ pub mod tests {
                 backend_ids_in_use: 2,
                 backend_ids_held: 0,
                 interfaces: Vec::new(),
+                next_program: None,
             },
             vips: vec![VipStatus {
                 name: "web".into(),

@@ -1231,6 +1231,7 @@ fn explain_flow(fixture: &Fixture, request: &ExplainRequest) -> explain::Explana
         desired: &desired,
         dataplane: &fixture.dataplane,
         flow_idle: fixture.config.dataplane.flow_idle_timeout,
+        interfaces: &fixture.config.dataplane.interfaces,
     };
     explain::explain(&view, request, explain::monotonic_ns()).expect("explain")
 }

@@ -244,6 +244,21 @@ fn xdp_filter_behind_lb_guards_the_host_and_a_new_pin_is_taken_up_on_reload() {
         "the agent does not say what it chains to:\n{}",
         agent.log()
     );
+    assert_next_program(&agent, &firewall.pin(), first_id);
+    let text = agent.status().expect("lb status");
+    assert!(
+        text.contains(&format!(
+            "next program: xdpfilt_alw_ip (id {first_id}) at {}, tail-called by lb_xdp_1buf",
+            firewall.pin().display()
+        )),
+        "lb status does not show the next program:\n{text}"
+    );
+    let doctor = lb_in_lab(&lab, &bin, &["doctor"], &config);
+    assert!(
+        doctor.stdout.lines().any(|l| l.contains("next-program")
+            && l.contains(&format!("xdpfilt_alw_ip (id {first_id})"))),
+        "lb doctor does not check the next program:\n{doctor}"
+    );
 
     // The host's own traffic goes through xdp-filter: the blocked source is dropped
     // there (its counter says so), the other reaches the host.
@@ -285,6 +300,7 @@ fn xdp_filter_behind_lb_guards_the_host_and_a_new_pin_is_taken_up_on_reload() {
         )),
         "the reload does not say it:\n{log}"
     );
+    assert_next_program(&agent, &firewall.pin(), second_id);
 
     // The agent stops, its program stays: so does the chain (the program array is
     // pinned; the kernel would empty it with the agent's last handle otherwise).
@@ -333,6 +349,22 @@ fn xdp_filter_behind_lb_guards_the_host_and_a_new_pin_is_taken_up_on_reload() {
     let s = spread(lab.client(), vip, 30).expect("spread");
     assert_eq!(s.failures, 0, "{:?}\n{}", s.errors, s.table());
     agent.stop().expect("stop the agent");
+}
+
+/// `lb status --json` names the program chained: `dataplane.next_program`, its pin, name,
+/// id and the build of lb that calls it (xdp-filter's is not multi-buffer aware).
+fn assert_next_program(agent: &Agent, pin: &Path, id: u32) {
+    let status = agent.status_json().expect("status");
+    assert_eq!(
+        status["dataplane"]["next_program"],
+        serde_json::json!({
+            "path": pin.display().to_string(),
+            "name": "xdpfilt_alw_ip",
+            "id": id,
+            "caller": "lb_xdp_1buf",
+        }),
+        "{status:#}"
+    );
 }
 
 /// `lb ARGS... --config FILE` in the balancer's namespace.

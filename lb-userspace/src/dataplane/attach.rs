@@ -65,9 +65,9 @@ pub fn meaning(errno: Option<i32>, mode: &str, interface: &str, hints: &AttachHi
                 .map(|p| format!(": {p}"))
                 .unwrap_or_default();
             format!(
-                "another XDP program is attached to {interface}{whose}; detach it first (its \
-                 owner, or `ip link set dev {interface} xdp off` for one attached through \
-                 netlink)"
+                "another XDP program is attached to {interface}{whose}; lb replaces nothing: \
+                 {}",
+                foreign_program_fix(interface)
             )
         }
         Some(libc::EOPNOTSUPP) if mode == "native" => {
@@ -106,6 +106,17 @@ pub fn meaning(errno: Option<i32>, mode: &str, interface: &str, hints: &AttachHi
     }
 }
 
+/// What to do about another program on `interface`'s XDP hook, as `lb run` and `lb
+/// doctor` say it: detach it, or chain it behind lb.
+pub fn foreign_program_fix(interface: &str) -> String {
+    format!(
+        "detach it first (its owner; `xdp-loader unload {interface} --all` for one loaded \
+         with libxdp, as xdp-filter does; `ip link set dev {interface} xdp off` for one \
+         attached through netlink), or run it behind lb: pin it and name the pin in \
+         dataplane.next_program (lb passes it every frame that is not for a VIP)"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,7 +143,9 @@ mod tests {
         for errno in [libc::EBUSY, libc::EEXIST] {
             let m = meaning(Some(errno), "native", "eth0", &h);
             assert!(
-                m.contains("another XDP program") && m.contains("xdp_filter (id 42"),
+                m.contains("another XDP program")
+                    && m.contains("xdp_filter (id 42")
+                    && m.contains("dataplane.next_program"),
                 "{m}"
             );
         }

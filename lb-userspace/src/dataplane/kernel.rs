@@ -140,8 +140,9 @@ impl AyaDataplane {
                         ..Adopted::default()
                     });
                 // New maps, same link: `attach_pinned` swaps the new program onto it, so
-                // the interface is never without a program.
-                pins::remove_map_pins(dir)?;
+                // the interface is never without a program (nor the host's program
+                // behind it: `LB_NEXT` stays pinned until then).
+                pins::remove_map_pins_for_takeover(dir)?;
             } else {
                 remove_pins(dir)?;
             }

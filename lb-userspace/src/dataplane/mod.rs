@@ -41,7 +41,7 @@ use lb_common::{
 
 use crate::config::Config;
 
-pub use attach::{AttachHints, SINGLE_BUFFER_MTU};
+pub use attach::{AttachHints, SINGLE_BUFFER_MTU, foreign_program_fix};
 pub use batch::{FlowReader, FlowWriter};
 pub use counters::CounterReader;
 pub use kernel::AyaDataplane;

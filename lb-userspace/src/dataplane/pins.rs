@@ -14,7 +14,7 @@ use aya::{
 use lb_common::{
     LAYOUT_VERSION, MAP_BACKEND_EGRESS, MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS,
     MAP_CONNTRACK, MAP_EGRESS, MAP_EGRESS_STATS, MAP_EMBRYONIC, MAP_FLOOD, MAP_MAGLEV, MAP_META,
-    MAP_STATS, MAP_TUNNEL, MAP_TX_PORTS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, meta,
+    MAP_NEXT, MAP_STATS, MAP_TUNNEL, MAP_TX_PORTS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, meta,
 };
 
 use super::{AttachedMode, DataplaneError, Found, LoadOptions, in_map};
@@ -246,15 +246,29 @@ pub(super) fn pin_link(link: XdpLink, path: &Path) -> Result<(), DataplaneError>
     Ok(())
 }
 
-/// Removes the pinned maps but not the link (the program stays attached). Returns how
+/// Removes the pinned maps but not the link (the program stays attached), for a new
+/// program to take over that link with maps of its own. Returns how many there were.
+///
+/// `LB_NEXT` stays until the new program is attached (`pin_next_program_map` then pins
+/// the new one's in its place): the running program tail-calls the host's program
+/// through it, and the kernel empties a program array when its last user-space
+/// reference (a descriptor or a pin) goes, whatever programs still use it
+/// (`map_release_uref`, `prog_array_map_clear` in kernel/bpf/arraymap.c). With the old
+/// agent gone, removing the pin would let the host's own traffic past its firewall
+/// until the new program took the link.
+pub(super) fn remove_map_pins_for_takeover(dir: &Path) -> Result<usize, DataplaneError> {
+    remove_map_pins_but(dir, &[MAP_NEXT])
+}
+
+/// Removes the pinned maps but not the link, nor the maps named in `keep`. Returns how
 /// many there were.
-pub(super) fn remove_map_pins(dir: &Path) -> Result<usize, DataplaneError> {
+fn remove_map_pins_but(dir: &Path, keep: &[&str]) -> Result<usize, DataplaneError> {
     // Every map lb pins is named LB_*: maps of other layouts (names since gone) too.
     let names = match std::fs::read_dir(dir) {
         Ok(entries) => entries
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|name| name.starts_with("LB_"))
+            .filter(|name| name.starts_with("LB_") && !keep.contains(&name.as_str()))
             .collect::<Vec<_>>(),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(source) => {
@@ -304,7 +318,7 @@ pub fn remove_pins(dir: &Path) -> Result<RemovedPins, DataplaneError> {
             }
         }
     }
-    let maps = remove_map_pins(dir)?;
+    let maps = remove_map_pins_but(dir, &[])?;
     let _ = std::fs::remove_dir(dir);
     Ok(RemovedPins { link, maps })
 }
@@ -379,5 +393,35 @@ pub(super) fn link_state_at(path: &Path) -> PinnedLinkState {
         (BPF_LINK_TYPE_XDP, 0) => PinnedLinkState::Defunct,
         (BPF_LINK_TYPE_XDP, ifindex) => PinnedLinkState::Attached { ifindex },
         _ => PinnedLinkState::Unreadable(libc::EINVAL),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A takeover of incompatible pins keeps the link and `LB_NEXT` (the running
+    /// program's chain to the host's firewall, emptied by the kernel with its last pin)
+    /// and removes every other map; removing everything removes both.
+    #[test]
+    fn a_takeover_keeps_the_link_and_the_next_program_slot() {
+        let dir = std::env::temp_dir().join(format!("lb-pins-takeover-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in [LINK_PIN, MAP_NEXT, MAP_VIPS, MAP_META, "LB_GONE_SINCE"] {
+            std::fs::write(dir.join(name), "").unwrap();
+        }
+        assert_eq!(remove_map_pins_for_takeover(&dir).unwrap(), 3);
+        assert!(dir.join(LINK_PIN).exists());
+        assert!(dir.join(MAP_NEXT).exists());
+        assert!(!dir.join(MAP_VIPS).exists());
+        let removed = remove_pins(&dir).unwrap();
+        assert_eq!(
+            removed,
+            RemovedPins {
+                link: true,
+                maps: 1
+            }
+        );
+        assert!(!dir.exists());
     }
 }

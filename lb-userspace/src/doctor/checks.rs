@@ -7,10 +7,13 @@ use serde::Serialize;
 
 use super::{
     dispatcher::Dispatcher,
-    facts::{Facts, Feature, Link, Peer, XdpFeatures},
+    facts::{Facts, Feature, Link, NextProgramFact, Peer, XdpFeatures},
 };
 use crate::config::XdpModeSetting;
-use crate::dataplane::next::{LB_XDP, LB_XDP_1BUF};
+use crate::dataplane::{
+    foreign_program_fix,
+    next::{LB_XDP, LB_XDP_1BUF},
+};
 
 /// The oldest kernel the program loads on: multi-buffer XDP (`xdp.frags`,
 /// `BPF_F_XDP_HAS_FRAGS`) and `bpf_xdp_load_bytes` are 5.18's; BPF links for XDP 5.9's.
@@ -85,6 +88,7 @@ pub fn check(facts: &Facts) -> Vec<Finding> {
         interface(facts),
     ];
     out.extend(facts.dispatcher.as_ref().map(dispatcher));
+    out.extend(facts.next_program.as_ref().map(next_program));
     let Some(link) = &facts.link else {
         return out;
     };
@@ -859,11 +863,8 @@ fn xdp_attached(facts: &Facts, link: &Link) -> Finding {
             Level::Fail,
             format!(
                 "{whose} is attached to {iface}: {other}; lb replaces nothing and cannot \
-                 attach beside it: detach it first (its owner; `xdp-loader unload {iface} \
-                 --all` for one loaded with libxdp, as xdp-filter does; `ip link set dev \
-                 {iface} xdp off` for one attached through netlink), or run it behind lb: \
-                 pin it and name the pin in dataplane.next_program (lb passes it every frame \
-                 that is not for a VIP)"
+                 attach beside it: {}",
+                foreign_program_fix(iface)
             ),
         );
     }
@@ -907,6 +908,22 @@ fn dispatcher(probe: &Dispatcher) -> Finding {
             Level::Ok,
             format!("not checked: {why}; lb does not need it"),
         ),
+    }
+}
+
+/// `dataplane.next_program`, as `preflight` (`lb check`, `lb run`) judged it.
+fn next_program(fact: &NextProgramFact) -> Finding {
+    const NAME: &str = "next-program";
+    match fact {
+        NextProgramFact::Usable(next) => finding(
+            NAME,
+            Level::Ok,
+            format!(
+                "{} (id {}) pinned at {}: lb's {} tail-calls it with every frame it passes",
+                next.name, next.id, next.path, next.caller
+            ),
+        ),
+        NextProgramFact::Refused { why } => finding(NAME, Level::Fail, why.clone()),
     }
 }
 

@@ -25,6 +25,32 @@ pub struct Facts {
     /// Whether libxdp's dispatcher loads here (`lb doctor` only: `dispatcher::probe`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatcher: Option<super::dispatcher::Dispatcher>,
+    /// `dataplane.next_program` as `preflight` opens it (`lb doctor` only: `lb run`
+    /// refuses through `preflight` itself); None when not configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_program: Option<NextProgramFact>,
+}
+
+/// What `preflight`'s check made of `dataplane.next_program`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NextProgramFact {
+    /// lb can tail-call it.
+    Usable(crate::status::NextProgramStatus),
+    /// Refused: the field and why, as `lb check` and `lb run` say it.
+    Refused { why: String },
+}
+
+impl NextProgramFact {
+    /// `preflight`'s check of `config`'s `dataplane.next_program` (None: not configured).
+    pub fn of(config: &crate::config::Config) -> Option<Self> {
+        match crate::preflight::next_program(config) {
+            Ok(next) => next.as_ref().map(|n| Self::Usable(n.into())),
+            Err(error) => Some(Self::Refused {
+                why: error.to_string(),
+            }),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -11,8 +11,8 @@ use super::{
     Report,
     checks::{Finding, Level},
     facts::{
-        Attached, Bpffs, BpffsState, Channels, Driver, Facts, Feature, Kernel, Link, Peer,
-        PinnedLink, Privileges, XdpFeatures,
+        Attached, Bpffs, BpffsState, Channels, Driver, Facts, Feature, Kernel, Link,
+        NextProgramFact, Peer, PinnedLink, Privileges, XdpFeatures,
     },
 };
 use crate::config::XdpModeSetting;
@@ -40,6 +40,7 @@ fn facts(text: &str, mode: XdpModeSetting) -> Facts {
         cpus: 2,
         link: None,
         dispatcher: None,
+        next_program: None,
     };
     let mut section = "";
     let mut driver = Driver::default();
@@ -603,4 +604,48 @@ fn several_interfaces_are_checked_each_and_the_host_once() {
     let lro: Vec<&Finding> = merged.checks.iter().filter(|f| f.name == "lro").collect();
     assert_eq!(lro[1].level, Level::Warn, "{}", lro[1]);
     assert!(lro[1].detail.starts_with("eth1: "), "{}", lro[1]);
+}
+
+/// `lb doctor` shows `dataplane.next_program` as `preflight` judged it: the program
+/// chained, or the refusal `lb run` would give, naming the field (issue 37).
+#[test]
+fn the_next_program_is_checked_as_lb_run_checks_it() {
+    let mut chained = facts(VETH, Auto);
+    chained.next_program = Some(NextProgramFact::Usable(crate::status::NextProgramStatus {
+        path: "/sys/fs/bpf/host-fw".into(),
+        name: "xdpfilt_alw_all".into(),
+        id: 77,
+        caller: "lb_xdp_1buf".into(),
+    }));
+    assert_level(
+        &Report::of(chained),
+        "next-program",
+        Level::Ok,
+        &[
+            "xdpfilt_alw_all (id 77)",
+            "/sys/fs/bpf/host-fw",
+            "lb_xdp_1buf",
+        ],
+    );
+    let missing = crate::config::Config::from_toml(
+        "[dataplane]\ninterface = \"eth0\"\nnext_program = \"/sys/fs/bpf/lb-doctor-no-such\"\n\
+         [[vip]]\nname = \"web\"\naddress = \"10.0.0.100\"\nport = 80\nprotocol = \"tcp\"\n\
+         [[vip.backend]]\naddress = \"10.0.0.11\"\n",
+    )
+    .unwrap();
+    let mut refused = facts(VETH, Auto);
+    refused.next_program = NextProgramFact::of(&missing);
+    assert_level(
+        &Report::of(refused),
+        "next-program",
+        Level::Fail,
+        &["dataplane.next_program"],
+    );
+    // Without one configured, no such check.
+    assert!(
+        checked(VETH, Auto)
+            .checks
+            .iter()
+            .all(|c| c.name != "next-program")
+    );
 }

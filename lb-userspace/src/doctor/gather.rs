@@ -43,6 +43,7 @@ pub async fn gather(config: &Config) -> Facts {
             .unwrap_or(1),
         link: None,
         dispatcher: None,
+        next_program: None,
     };
     let Ok((connection, handle, _)) = rtnetlink::new_connection() else {
         return facts;

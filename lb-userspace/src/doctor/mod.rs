@@ -24,7 +24,7 @@ use serde::Serialize;
 pub use checks::{
     Finding, Level, MIN_KERNEL, SINGLE_BUFFER_MTU, check, driver_note, native_known, native_refusal,
 };
-pub use facts::Facts;
+pub use facts::{Facts, NextProgramFact};
 pub use gather::gather;
 pub use netlink::EthtoolError;
 
@@ -56,10 +56,12 @@ impl Report {
         Report::of(gather(config).await)
     }
 
-    /// `lb doctor`'s report: `run`'s, and whether libxdp's dispatcher loads here.
+    /// `lb doctor`'s report: `run`'s, whether libxdp's dispatcher loads here, and
+    /// whether lb can chain `dataplane.next_program`.
     pub async fn run_with_dispatcher(config: &Config) -> Report {
         let mut facts = gather(config).await;
         facts.dispatcher = Some(tokio::task::block_in_place(dispatcher::probe));
+        facts.next_program = NextProgramFact::of(config);
         Report::of(facts)
     }
 
@@ -143,7 +145,7 @@ impl Report {
 
 /// The checks of the host itself, made once however many interfaces there are; every
 /// other check looks at one interface.
-const HOST_CHECKS: [&str; 7] = [
+const HOST_CHECKS: [&str; 8] = [
     "privileges",
     "bpffs",
     "pins",
@@ -151,6 +153,7 @@ const HOST_CHECKS: [&str; 7] = [
     "btf",
     "jit",
     "libxdp-dispatcher",
+    "next-program",
 ];
 
 /// `config` as the checks of its `index`th interface see it: that interface as
@@ -178,6 +181,7 @@ pub async fn fix(config: &Config, report: Report) -> Result<Report, EthtoolError
     ethtool.turn_off(&report.interface, &wanted).await?;
     let mut after = Report::run(config).await;
     after.facts.dispatcher = report.facts.dispatcher.clone();
+    after.facts.next_program = report.facts.next_program.clone();
     after.checks = check(&after.facts);
     let features = after.facts.link.as_ref().and_then(|l| l.features.as_ref());
     for name in &wanted {
