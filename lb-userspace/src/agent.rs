@@ -547,7 +547,7 @@ impl Services {
         let control = control::serve(listeners.control, state.clone(), health_tasks.clone());
         state::spawn_checks(state, &health_tasks);
         let metrics = listeners.metrics.map(|listener| {
-            metrics::serve(listener, metrics::scraper(state.clone()), shutdown.clone())
+            metrics::serve(listener, state::scraper(state.clone()), shutdown.clone())
         });
         let announcer = match (announcer, &config.announce) {
             (Some(announcer), Some(announce)) => {

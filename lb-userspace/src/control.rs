@@ -489,7 +489,7 @@ async fn metrics(
     Extract(Api { shared, .. }): Extract<Api>,
     headers: axum::http::HeaderMap,
 ) -> Response {
-    crate::metrics::metrics(Extract(crate::metrics::scraper(shared)), headers)
+    crate::metrics::metrics(Extract(crate::state::scraper(shared)), headers)
         .await
         .into_response()
 }

@@ -692,15 +692,6 @@ pub fn serve(
     ))
 }
 
-/// The scraper of the running agent's state (what `GET /metrics` renders).
-pub fn scraper(state: Arc<std::sync::Mutex<crate::state::State>>) -> Scraper {
-    Arc::new(move || {
-        // Copied under the lock; the counters are read after it.
-        let source = state.lock().expect("agent state poisoned").status_source();
-        source.scrape()
-    })
-}
-
 /// `GET /metrics`: Prometheus text, or OpenMetrics when the scraper's Accept asks for it.
 /// Also answered on the control and operators' sockets.
 pub async fn metrics(

@@ -1476,6 +1476,17 @@ fn find_backend<'a>(
         .ok_or(ControlError::UnknownBackend(*target, backend))
 }
 
+/// The scraper of the running agent's state (what `GET /metrics` renders, on the metrics
+/// endpoint and the control and operators' sockets). Here rather than in `metrics`, which
+/// knows scrapes, not the agent's state.
+pub fn scraper(state: Arc<Mutex<State>>) -> crate::metrics::Scraper {
+    Arc::new(move || {
+        // Copied under the lock; the counters are read after it.
+        let source = state.lock().expect("agent state poisoned").status_source();
+        source.scrape()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
