@@ -37,10 +37,14 @@ const OBJECT_DIRS: [&str; 5] = [
     "/usr/local/lib/bpf",
 ];
 
-/// Runs in the private namespaces: a bpffs for libxdp, a veth to load on, the load
-/// (verbose: libxdp says why it falls back), then what is attached.
+/// Runs in the private namespaces: a bpffs for libxdp, a /run of its own (xdp-tools
+/// takes a program lock file there, which another xdp-loader or xdp-filter of the host
+/// may hold at the same moment: the probe then failed with "Unable to read PID from
+/// lockfile"), a veth to load on, the load (verbose: libxdp says why it falls back),
+/// then what is attached.
 const SCRIPT: &str = r#"set -e
 mount -t bpf bpf /sys/fs/bpf
+mount -t tmpfs tmpfs /run
 ip link add lbprobe0 type veth peer name lbprobe1
 ip link set lbprobe0 up
 "$XDP_LOADER" load -v -m skb lbprobe0 "$XDP_OBJECT" 2>&1
