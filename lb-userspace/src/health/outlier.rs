@@ -27,7 +27,7 @@ use lb_common::handshake::{self, COUNT, Judged};
 use crate::config::OutlierConfig;
 use crate::dataplane::CounterReader;
 use crate::model::{
-    BackendState, Health, Model,
+    BackendState, Model,
     outlier::{Ejection, Outlier},
 };
 use crate::status::{Handshakes, OutlierStatus};
@@ -65,11 +65,6 @@ fn success(judged: Judged) -> f64 {
         return 1.0;
     }
     judged.completed as f64 / judged.started as f64
-}
-
-/// Its active checks (and its agent) let it take flows.
-fn checks_pass(b: &BackendState) -> bool {
-    b.health != Health::Down && !b.agent.down
 }
 
 /// One sample of a VIP's backends: takes `readings` (cumulative handshake counters by
@@ -140,7 +135,7 @@ fn give_back(
     now: Instant,
     events: &mut Vec<Event>,
 ) {
-    let pass = checks_pass(b);
+    let pass = b.alive();
     let o = &mut b.outlier;
     match &o.ejected {
         Some(ejection) if ejection.until <= now && pass => {
@@ -310,6 +305,7 @@ fn log(vip: &str, event: &Event) {
 mod tests {
     use super::*;
     use crate::config::{Config, ConfigError, MacAddr};
+    use crate::model::Health;
     use lb_common::handshake::{COMPLETED, RETRIED, STARTED};
 
     const VIP: &str = "[dataplane]\ninterface = \"eth0\"\nmaglev_table_size = 7\n\

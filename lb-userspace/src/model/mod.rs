@@ -190,7 +190,7 @@ impl BackendState {
     }
 
     /// Not failed: by its health checks, or by its agent saying `down`.
-    fn alive(&self) -> bool {
+    pub(crate) fn alive(&self) -> bool {
         self.health != Health::Down && !self.agent.down
     }
 

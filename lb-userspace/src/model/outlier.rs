@@ -13,9 +13,6 @@ pub struct Outlier {
     pub samples: VecDeque<(Instant, [u64; COUNT])>,
     /// Handshakes judged over the last window.
     pub window: Judged,
-    /// Its handshake counters as last read (`handshake::STARTED` ...), since the data
-    /// path counted them.
-    pub totals: [u64; COUNT],
     /// Out of the table, until when, and why.
     pub ejected: Option<Ejection>,
     /// Ejections in a row: each lasts one `eject` longer; one is forgiven for each
@@ -51,7 +48,6 @@ impl Outlier {
         {
             self.samples.clear();
         }
-        self.totals = reading;
         self.samples.push_back((now, reading));
         let start = now.checked_sub(window);
         while self.samples.len() > 2 && start.is_some_and(|start| self.samples[1].0 <= start) {
