@@ -2,16 +2,13 @@
 //! because aya 0.14 has no call for them, and `FlowReader`, the connection-table scan
 //! that uses them where the kernel can.
 
-use std::{
-    os::fd::{AsFd, AsRawFd},
-    path::PathBuf,
-};
+use std::os::fd::{AsFd, AsRawFd};
 
 use aya::maps::{HashMap as BpfHashMap, MapData};
 use bytemuck::Zeroable;
 use lb_common::{FlowEntry, FlowKey, MAP_CONNTRACK};
 
-use super::{DataplaneError, in_map, syscall_error};
+use super::{DataplaneError, dup_map, in_map, syscall_error};
 
 /// The `batch` member of `union bpf_attr` (BPF_MAP_*_BATCH, Linux 5.6).
 #[repr(C)]
@@ -172,15 +169,7 @@ impl FlowReader {
 fn own_handle(
     conntrack: &BpfHashMap<MapData, FlowKey, FlowEntry>,
 ) -> Result<BpfHashMap<MapData, FlowKey, FlowEntry>, DataplaneError> {
-    let fd = aya::maps::IterableMap::map(conntrack)
-        .fd()
-        .as_fd()
-        .try_clone_to_owned()
-        .map_err(|source| DataplaneError::Pin {
-            path: PathBuf::from(MAP_CONNTRACK),
-            source,
-        })?;
-    let data = MapData::from_fd(fd).map_err(in_map(MAP_CONNTRACK))?;
+    let data = dup_map(aya::maps::IterableMap::map(conntrack), MAP_CONNTRACK)?;
     BpfHashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(in_map(MAP_CONNTRACK))
 }
 

@@ -3,8 +3,6 @@
 //! writes (the read side split from the write side, as Cilium splits its LBMaps).
 //! The kernel's `Dataplane::counters` reads through the same functions.
 
-use std::os::fd::AsFd;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use aya::maps::{IterableMap, Map, MapData, PerCpuArray, PerCpuHashMap};
@@ -13,7 +11,7 @@ use lb_common::{
     Outcomes, SourceKey, TrafficCounters, quic::QuicCounters, stat,
 };
 
-use super::{Counters, Dataplane, DataplaneError, in_map};
+use super::{Counters, Dataplane, DataplaneError, dup_map, in_map};
 
 /// The counter maps, as the kernel's data path holds them (borrowed).
 pub(super) struct CounterMaps<'a> {
@@ -57,37 +55,17 @@ impl CounterMaps<'_> {
     /// Handles of their own on the same maps.
     fn own_handles(&self) -> Result<OwnedCounterMaps, DataplaneError> {
         Ok(OwnedCounterMaps {
-            stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
-                IterableMap::map(self.stats),
-                MAP_STATS,
-            )?))
-            .map_err(in_map(MAP_STATS))?,
-            vip_stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
-                IterableMap::map(self.vip_stats),
-                MAP_VIP_STATS,
-            )?))
-            .map_err(in_map(MAP_VIP_STATS))?,
-            backend_stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
-                IterableMap::map(self.backend_stats),
-                MAP_BACKEND_STATS,
-            )?))
-            .map_err(in_map(MAP_BACKEND_STATS))?,
+            stats: own_array(self.stats, MAP_STATS)?,
+            vip_stats: own_array(self.vip_stats, MAP_VIP_STATS)?,
+            backend_stats: own_array(self.backend_stats, MAP_BACKEND_STATS)?,
             // LB_SOURCES is an LRU per-CPU hash map.
-            sources: PerCpuHashMap::try_from(Map::PerCpuLruHashMap(dup(
+            sources: PerCpuHashMap::try_from(Map::PerCpuLruHashMap(dup_map(
                 IterableMap::map(self.sources),
                 MAP_SOURCES,
             )?))
             .map_err(in_map(MAP_SOURCES))?,
-            quic_stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
-                IterableMap::map(self.quic_stats),
-                MAP_QUIC_STATS,
-            )?))
-            .map_err(in_map(MAP_QUIC_STATS))?,
-            egress_stats: PerCpuArray::try_from(Map::PerCpuArray(dup(
-                IterableMap::map(self.egress_stats),
-                MAP_EGRESS_STATS,
-            )?))
-            .map_err(in_map(MAP_EGRESS_STATS))?,
+            quic_stats: own_array(self.quic_stats, MAP_QUIC_STATS)?,
+            egress_stats: own_array(self.egress_stats, MAP_EGRESS_STATS)?,
             egress_count: self.egress_count,
         })
     }
@@ -155,17 +133,13 @@ impl CounterMaps<'_> {
     }
 }
 
-/// Another file descriptor on the map of `map`.
-fn dup(map: &MapData, name: &'static str) -> Result<MapData, DataplaneError> {
-    let fd = map
-        .fd()
-        .as_fd()
-        .try_clone_to_owned()
-        .map_err(|source| DataplaneError::Pin {
-            path: PathBuf::from(name),
-            source,
-        })?;
-    MapData::from_fd(fd).map_err(in_map(name))
+/// A handle of its own on per-CPU array `name`.
+fn own_array<V: aya::Pod>(
+    map: &PerCpuArray<MapData, V>,
+    name: &'static str,
+) -> Result<PerCpuArray<MapData, V>, DataplaneError> {
+    PerCpuArray::try_from(Map::PerCpuArray(dup_map(IterableMap::map(map), name)?))
+        .map_err(in_map(name))
 }
 
 fn sum_per_cpu(

@@ -30,7 +30,7 @@ use super::{
     Dataplane, DataplaneError, EgressPort, FlowReader, FlowWriter, Found, LoadOptions, attach,
     batch::update_batch,
     counters::CounterMaps,
-    in_map,
+    dup_map, in_map,
     next::{self, NextProgram},
     pins::{self, LINK_PIN, PINNED_MAPS},
     remove_pins,
@@ -705,12 +705,7 @@ fn take_ring(
 ) -> Result<(Option<MapData>, aya::maps::RingBuf<MapData>), DataplaneError> {
     let mut kept = None;
     if let Some(aya::maps::Map::RingBuf(ring)) = ebpf.map(name) {
-        let fd = ring
-            .fd()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|e| syscall_error(name, "dup", e))?;
-        kept = Some(MapData::from_fd(fd).map_err(in_map(name))?);
+        kept = Some(dup_map(ring, name)?);
     }
     Ok((kept, take_map(ebpf, name)?))
 }

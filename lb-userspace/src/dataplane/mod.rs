@@ -367,6 +367,21 @@ fn syscall_error(
     }))
 }
 
+/// Another handle on the map `map` (`name`): a duplicated descriptor, for a reader or
+/// writer apart from the data path's own handle.
+fn dup_map(
+    map: &aya::maps::MapData,
+    name: &'static str,
+) -> Result<aya::maps::MapData, DataplaneError> {
+    use std::os::fd::AsFd;
+    let fd = map
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| syscall_error(name, "dup", e))?;
+    aya::maps::MapData::from_fd(fd).map_err(in_map(name))
+}
+
 /// Names the map a map operation failed on.
 fn in_map(map: &'static str) -> impl Fn(aya::maps::MapError) -> DataplaneError {
     move |source| DataplaneError::Map { map, source }
