@@ -255,7 +255,7 @@ fn pass_program(frags: bool) -> io::Result<OwnedFd> {
 }
 
 /// The object pinned at `path`.
-fn obj_get(path: &Path) -> io::Result<OwnedFd> {
+pub(super) fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     let c_path = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     // pathname u64; bpf_fd u32, file_flags u32.
@@ -267,11 +267,7 @@ fn obj_get(path: &Path) -> io::Result<OwnedFd> {
 fn program_info(fd: BorrowedFd<'_>) -> io::Result<(u32, u32, String)> {
     // `struct bpf_prog_info`: type u32, id u32, ... name[16] at byte 64.
     let mut info = [0u64; 32];
-    let mut attr = [
-        fd.as_raw_fd() as u32 as u64 | ((size_of_val(&info) as u64) << 32),
-        info.as_mut_ptr() as u64,
-    ];
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    obj_info(fd, &mut info)?;
     let name: Vec<u8> = info[8..10]
         .iter()
         .flat_map(|word| word.to_le_bytes())
@@ -282,6 +278,17 @@ fn program_info(fd: BorrowedFd<'_>) -> io::Result<(u32, u32, String)> {
         (info[0] >> 32) as u32,
         String::from_utf8_lossy(&name).into_owned(),
     ))
+}
+
+/// Fills `info` with what the kernel tells of object `fd` (its `struct bpf_prog_info`,
+/// `bpf_map_info` or `bpf_link_info`, as much as `info` holds).
+pub(super) fn obj_info(fd: BorrowedFd<'_>, info: &mut [u64]) -> io::Result<()> {
+    // `union bpf_attr` for BPF_OBJ_GET_INFO_BY_FD: bpf_fd u32, info_len u32, info u64.
+    let mut attr = [
+        fd.as_raw_fd() as u32 as u64 | ((size_of_val(info) as u64) << 32),
+        info.as_mut_ptr() as u64,
+    ];
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(drop)
 }
 
 fn bpf(command: libc::c_long, attr: &mut [u64]) -> io::Result<i64> {

@@ -345,47 +345,19 @@ pub fn pinned_link_state(dir: &Path) -> PinnedLinkState {
 
 /// What the link pinned at `path` is attached to.
 pub(super) fn link_state_at(path: &Path) -> PinnedLinkState {
-    use std::os::fd::{FromRawFd, OwnedFd};
-    use std::os::unix::ffi::OsStrExt;
-    const BPF_OBJ_GET: libc::c_long = 7;
-    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    use std::os::fd::AsFd;
     const BPF_LINK_TYPE_XDP: u32 = 6;
-    let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
-        return PinnedLinkState::Absent;
+    let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(0);
+    let fd = match super::next::obj_get(path) {
+        Ok(fd) => fd,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return PinnedLinkState::Absent,
+        Err(e) => return PinnedLinkState::Unreadable(errno(e)),
     };
-    let errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-    // `union bpf_attr` for BPF_OBJ_GET: pathname u64, bpf_fd u32, file_flags u32.
-    let mut get = [0u64; 2];
-    get[0] = c_path.as_ptr() as u64;
-    // SAFETY: `get` is a valid attr of the size passed; `c_path` outlives the call.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, get.as_mut_ptr(), 16u32) };
-    if fd < 0 {
-        return match errno() {
-            libc::ENOENT => PinnedLinkState::Absent,
-            e => PinnedLinkState::Unreadable(e),
-        };
-    }
-    // SAFETY: the kernel just gave us this descriptor.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     // `struct bpf_link_info`: type u32, id u32, prog_id u32, then (8-aligned) a union
     // whose `xdp` member starts with the interface index. 0 once the device is gone.
     let mut info = [0u64; 32];
-    // `union bpf_attr` for BPF_OBJ_GET_INFO_BY_FD: bpf_fd u32, info_len u32, info u64.
-    let mut attr = [0u64; 2];
-    attr[0] = (std::os::fd::AsRawFd::as_raw_fd(&fd) as u32 as u64)
-        | ((std::mem::size_of_val(&info) as u64) << 32);
-    attr[1] = info.as_mut_ptr() as u64;
-    // SAFETY: `attr` is a valid attr of the size passed, `info` is as long as it says.
-    let done = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            attr.as_mut_ptr(),
-            16u32,
-        )
-    };
-    if done != 0 {
-        return PinnedLinkState::Unreadable(errno());
+    if let Err(e) = super::next::obj_info(fd.as_fd(), &mut info) {
+        return PinnedLinkState::Unreadable(errno(e));
     }
     let link_type = info[0] as u32;
     let ifindex = info[2] as u32;
