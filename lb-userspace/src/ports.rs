@@ -120,22 +120,32 @@ pub fn attach_all(
 /// The first interface was attached again (`agent::follow_interface`): its entry in the
 /// egress maps follows.
 pub fn first_followed(state: &Arc<Mutex<State>>, interface: &Interface, mode: AttachedMode) {
-    let (dataplane, port) = {
+    if state
+        .lock()
+        .expect("agent state poisoned")
+        .ports()
+        .is_empty()
+    {
+        return;
+    }
+    let port = EgressPort {
+        mode: Some(mode),
+        ..port_of(interface)
+    };
+    record(state, 0, port);
+}
+
+/// The `index`th interface changed to `port`: in the agent's state and the egress maps.
+fn record(state: &Arc<Mutex<State>>, index: u32, port: EgressPort) {
+    let dataplane = {
         let mut state = state.lock().expect("agent state poisoned");
-        if state.ports().is_empty() {
-            return;
-        }
-        let port = EgressPort {
-            mode: Some(mode),
-            ..port_of(interface)
-        };
         state.port_changed(port.clone());
-        (state.shared_dataplane(), port)
+        state.shared_dataplane()
     };
     let written = dataplane
         .lock()
         .expect("data path poisoned")
-        .set_egress(0, &port);
+        .set_egress(index, &port);
     if let Err(error) = written {
         tracing::error!("recording interface {}: {error}", port.name);
     }
@@ -169,18 +179,7 @@ pub async fn follow(state: &Arc<Mutex<State>>, neighbors: &mut Neighbors) -> boo
                 None => continue,
             },
         };
-        let dataplane = {
-            let mut state = state.lock().expect("agent state poisoned");
-            state.port_changed(now.clone());
-            state.shared_dataplane()
-        };
-        let written = dataplane
-            .lock()
-            .expect("data path poisoned")
-            .set_egress(index as u32, &now);
-        if let Err(error) = written {
-            tracing::error!("recording interface {}: {error}", now.name);
-        }
+        record(state, index as u32, now);
         changed = true;
     }
     if changed {
