@@ -179,6 +179,25 @@ impl Agent {
         run_lb(&self.lb_bin, &all)
     }
 
+    /// `GET /metrics` through the control socket: the Prometheus text exposition.
+    pub fn metrics(&self) -> Result<String> {
+        use std::io::Write as _;
+        let mut stream = std::os::unix::net::UnixStream::connect(&self.socket)
+            .with_context(|| format!("connect to {}", self.socket.display()))?;
+        stream.set_read_timeout(Some(CLI_TIMEOUT))?;
+        stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: lb\r\n\r\n")?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| anyhow!("GET /metrics: not an HTTP response: {response:?}"))?;
+        anyhow::ensure!(
+            head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+            "GET /metrics: {head}"
+        );
+        Ok(body.to_string())
+    }
+
     /// SIGTERM, up to [`STOP_TIMEOUT`], then SIGKILL. Returns how it exited; the caller
     /// can check that it was cleanly.
     pub fn stop(mut self) -> Result<ExitStatus> {
@@ -228,6 +247,16 @@ pub struct CliOutput {
 impl CliOutput {
     pub fn success(&self) -> bool {
         self.status.success()
+    }
+}
+
+impl From<&std::process::Output> for CliOutput {
+    fn from(out: &std::process::Output) -> Self {
+        Self {
+            status: out.status,
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use lb_tests::{find_lb_bin, host, skip};
+use lb_tests::{agent::CliOutput, find_lb_bin, host, skip};
 
 /// `bin` copied where an unprivileged user can run it (the checkout may be under a 0700
 /// home), and a function running it as that user with `setpriv`.
@@ -29,13 +29,9 @@ fn as_unprivileged(bin: &Path, dir: &Path) -> (PathBuf, impl Fn(&Path, &[&str]) 
     (bin, run)
 }
 
+/// The command's exit status, stdout and stderr, for assertion messages.
 fn text(out: &Output) -> String {
-    format!(
-        "{}\n--- stdout ---\n{}--- stderr ---\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    CliOutput::from(out).to_string()
 }
 
 fn config(dir: &Path, socket: &Path) -> PathBuf {

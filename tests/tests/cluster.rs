@@ -256,17 +256,25 @@ fn start_router(lab: &EcmpLab, nodes: usize) -> Bird {
     Bird::start(lab.router(), lab.dir(), "bird-router", &config).expect("start the router's bird")
 }
 
+/// The `lb` binary when `test` can run here: root and the rest `require_e2e` checks,
+/// and bird for the router; otherwise `None` after a loud skip.
+fn require_e2e_and_bird(test: &str) -> Option<PathBuf> {
+    let bin = require_e2e(test)?;
+    if let Err(why) = router::bird_version() {
+        skip(test, &why);
+        return None;
+    }
+    Some(bin)
+}
+
 const VIPS4: &str = "[ 10.99.0.0/24{32,32} ]";
 
 #[test]
 fn flows_survive_a_node_loss_after_a_backend_change() {
     const TEST: &str = "flows_survive_a_node_loss_after_a_backend_change";
-    let Some(bin) = require_e2e(TEST) else {
+    let Some(bin) = require_e2e_and_bird(TEST) else {
         return;
     };
-    if let Err(why) = router::bird_version() {
-        return skip(TEST, &why);
-    }
     let mut lab = EcmpLab::new(4).expect("build the topology");
     lab.serve_tcp(80).expect("backend servers");
     let _router_bird = start_router(&lab, 2);
@@ -531,12 +539,9 @@ fn watch_learning(joiner: &Node, during: &mut Crowd) -> Watched {
 #[test]
 fn a_node_joins_a_loaded_cluster_knowing_every_flow() {
     const TEST: &str = "a_node_joins_a_loaded_cluster_knowing_every_flow";
-    let Some(bin) = require_e2e(TEST) else {
+    let Some(bin) = require_e2e_and_bird(TEST) else {
         return;
     };
-    if let Err(why) = router::bird_version() {
-        return skip(TEST, &why);
-    }
     let flows = join_flows();
     let mut lab = EcmpLab::with_nodes(3, 5).expect("build the topology");
     lab.hold_tcp(80).expect("backend listeners");

@@ -865,6 +865,21 @@ fn differential_the_program_and_lb_common_decide_agree_on_random_frames() {
         differences.len(),
         differences[..differences.len().min(5)].join("\n")
     );
+    // Agreement proves little about a path no frame took (the model and the program
+    // share lb-common's code): the QUIC VIP's frames must have been routed by their
+    // connection IDs, by the program, and balanced when the ID names no backend.
+    for counter in ["quic_routed_by_cid", "quic_cid_unknown"] {
+        assert!(
+            figures.counters.get(counter).is_some_and(|&n| n > 0),
+            "the program never counted {counter}:\n{}",
+            figures.report()
+        );
+    }
+    assert!(
+        figures.decided_by.contains_key("ConnectionId"),
+        "no backend decided by a QUIC connection ID:\n{}",
+        figures.report()
+    );
 }
 
 /// What the run did, for the report.

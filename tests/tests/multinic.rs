@@ -480,10 +480,11 @@ fn an_interface_that_goes_and_returns_is_attached_again_alone() {
     all_up(&agent, Duration::from_secs(15));
     let back = spread(&bed.client, bed.vip(), 60).expect("spread");
     assert_eq!(back.failures, 0, "{:?}\nlog:\n{}", back.errors, agent.log());
-    assert!(
-        back.counts.contains_key("backend-1") || back.counts.contains_key("backend-2"),
-        "{back:?}"
-    );
+    // Both backends behind the new eth1 take flows again (60 flows over three backends
+    // miss one with odds of about 1e-10).
+    for name in ["backend-1", "backend-2"] {
+        assert!(back.counts.contains_key(name), "{name} not back: {back:?}");
+    }
     assert_eq!(interfaces(&agent)[1].1, "generic");
     assert!(
         agent.log().contains("interface eth1 is back"),

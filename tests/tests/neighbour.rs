@@ -81,7 +81,13 @@ impl Firewall {
         )?;
         ns.exec("ip", &["link", "set", &iface, "up"])?;
         let firewall = Firewall { ns, iface };
-        firewall.xdp_filter(&[
+        firewall.load_filter()?;
+        Ok(firewall)
+    }
+
+    /// xdp-filter in skb mode, allowing by default, filtering IPv4.
+    fn load_filter(&self) -> Result<()> {
+        self.xdp_filter(&[
             "load",
             "-m",
             "skb",
@@ -89,9 +95,9 @@ impl Firewall {
             "allow",
             "-f",
             "ipv4",
-            &firewall.iface,
-        ])?;
-        Ok(firewall)
+            &self.iface,
+        ])
+        .map(drop)
     }
 
     fn xdp_filter(&self, args: &[&str]) -> Result<String> {
@@ -115,17 +121,7 @@ impl Firewall {
     /// same path.
     fn load_again(&self) -> Result<()> {
         self.xdp_filter(&["unload", &self.iface])?;
-        self.xdp_filter(&[
-            "load",
-            "-m",
-            "skb",
-            "-p",
-            "allow",
-            "-f",
-            "ipv4",
-            &self.iface,
-        ])
-        .map(drop)
+        self.load_filter()
     }
 
     /// The hit counter `xdp-filter status` shows for `address`.
@@ -352,7 +348,8 @@ fn xdp_filter_behind_lb_guards_the_host_and_a_new_pin_is_taken_up_on_reload() {
 }
 
 /// `lb status --json` names the program chained: `dataplane.next_program`, its pin, name,
-/// id and the build of lb that calls it (xdp-filter's is not multi-buffer aware).
+/// id and the build of lb that calls it (xdp-filter's is not multi-buffer aware); the
+/// metrics too (`lb_next_program_info`, which tests/observe.rs leaves to this test).
 fn assert_next_program(agent: &Agent, pin: &Path, id: u32) {
     let status = agent.status_json().expect("status");
     assert_eq!(
@@ -364,6 +361,18 @@ fn assert_next_program(agent: &Agent, pin: &Path, id: u32) {
             "caller": "lb_xdp_1buf",
         }),
         "{status:#}"
+    );
+    let metrics = agent.metrics().expect("GET /metrics");
+    let info: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("lb_next_program_info{"))
+        .collect();
+    assert_eq!(
+        info,
+        [format!(
+            "lb_next_program_info{{name=\"xdpfilt_alw_ip\",id=\"{id}\",caller=\"lb_xdp_1buf\"}} 1"
+        )],
+        "the metrics do not name the next program"
     );
 }
 

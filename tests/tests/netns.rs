@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use lb_tests::netns::Netns;
-use lb_tests::{require_e2e, skip};
+use lb_tests::{agent::CliOutput, require_e2e, skip};
 
 /// A namespace with a veth pair `lbn0`/`lbn1` up, `lbn0` addressed.
 fn namespace(role: &str) -> Netns {
@@ -40,13 +40,9 @@ fn netns_exec(ns: &Netns, lb: &Path, args: &[&str]) -> Output {
         .expect("run ip netns exec")
 }
 
+/// The command's exit status, stdout and stderr, for assertion messages.
 fn text(out: &Output) -> String {
-    format!(
-        "{}\n--- stdout ---\n{}--- stderr ---\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    CliOutput::from(out).to_string()
 }
 
 /// An agent config on `lbn0` with the default pin path, one VIP, no metrics port.

@@ -42,11 +42,7 @@ fn lb_as(bin: &Path, uid: u32, gid: u32, args: &[&str]) -> CliOutput {
         .args(args)
         .output()
         .expect("run setpriv");
-    CliOutput {
-        status: out.status,
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    CliOutput::from(&out)
 }
 
 fn start(lab: &Lab, bin: &Path, config: &Path) -> Agent {
@@ -83,6 +79,58 @@ fn operators_config(lab: &Lab, group: &str, operators: &Path) -> PathBuf {
     config_path
 }
 
+/// What both tests stand on: an unprivileged user and its group, a lab with backends
+/// on port 80, and a directory that user may reach (the checkout may be under a 0700
+/// home) holding its copy of `lb` and the operators' socket the configuration names.
+struct OperatorsLab {
+    bin: PathBuf,
+    user: host::User,
+    group: String,
+    lab: Lab,
+    open: tempfile::TempDir,
+    user_bin: PathBuf,
+    operators: PathBuf,
+    config_path: PathBuf,
+}
+
+impl OperatorsLab {
+    /// `None` (after a loud skip) when `test` cannot run here.
+    fn new(test: &str) -> Option<Self> {
+        let bin = require_e2e(test)?;
+        if !host::require_tool(test, host::SETPRIV) {
+            return None;
+        }
+        let user = match host::unprivileged_user() {
+            Ok(user) => user,
+            Err(why) => {
+                skip(test, &why);
+                return None;
+            }
+        };
+        let group = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(user.gid))
+            .ok()
+            .flatten()
+            .expect("the unprivileged user's group")
+            .name;
+        let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
+        lab.serve_tcp(80, false).expect("backend servers");
+        let open = host::open_dir().expect("an open directory");
+        let user_bin = host::copy_out(&bin, open.path()).expect("copy lb out");
+        let operators = open.path().join("lb-operators.sock");
+        let config_path = operators_config(&lab, &group, &operators);
+        Some(Self {
+            bin,
+            user,
+            group,
+            lab,
+            open,
+            user_bin,
+            operators,
+            config_path,
+        })
+    }
+}
+
 fn backend_state(agent: &Agent, address: std::net::IpAddr) -> String {
     let view = VipView::fetch(agent, "web").expect("status");
     view.backend(address).expect("the backend").state.clone()
@@ -91,27 +139,20 @@ fn backend_state(agent: &Agent, address: std::net::IpAddr) -> String {
 #[test]
 fn operators_read_through_their_socket_and_runtime_changes_survive_a_restart() {
     let test = "operators_read_through_their_socket_and_runtime_changes_survive_a_restart";
-    let Some(bin) = require_e2e(test) else {
+    let Some(OperatorsLab {
+        bin,
+        user,
+        lab,
+        user_bin,
+        operators,
+        config_path,
+        // Holds the user's copy of lb and the socket: kept to the test's end.
+        open: _open,
+        group: _,
+    }) = OperatorsLab::new(test)
+    else {
         return;
     };
-    if !host::require_tool(test, host::SETPRIV) {
-        return;
-    }
-    let user = match host::unprivileged_user() {
-        Ok(user) => user,
-        Err(why) => return skip(test, &why),
-    };
-    let group = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(user.gid))
-        .ok()
-        .flatten()
-        .expect("the unprivileged user's group");
-    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
-    lab.serve_tcp(80, false).expect("backend servers");
-    // Where the user may reach it and run lb (the checkout may be under a 0700 home).
-    let open = host::open_dir().expect("an open directory");
-    let user_bin = host::copy_out(&bin, open.path()).expect("copy lb out");
-    let operators: PathBuf = open.path().join("lb-operators.sock");
-    let config_path = operators_config(&lab, &group.name, &operators);
     let agent = start(&lab, &bin, &config_path);
     lb_tests::wait_backends_up(&agent, "web", WAIT, &|| false).expect("backends up");
 
@@ -243,26 +284,19 @@ fn lb_without_chown(bin: &Path, dir: &Path, groups: Option<u32>) -> PathBuf {
 #[test]
 fn without_cap_chown_the_operators_socket_goes_to_a_supplementary_group_or_not_at_all() {
     let test = "without_cap_chown_the_operators_socket_goes_to_a_supplementary_group_or_not_at_all";
-    let Some(bin) = require_e2e(test) else {
+    let Some(OperatorsLab {
+        bin,
+        user,
+        group,
+        lab,
+        open,
+        user_bin,
+        operators,
+        config_path,
+    }) = OperatorsLab::new(test)
+    else {
         return;
     };
-    if !host::require_tool(test, host::SETPRIV) {
-        return;
-    }
-    let user = match host::unprivileged_user() {
-        Ok(user) => user,
-        Err(why) => return skip(test, &why),
-    };
-    let group = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(user.gid))
-        .ok()
-        .flatten()
-        .expect("the unprivileged user's group");
-    let mut lab = Lab::new(LabOptions::default()).expect("build the lab");
-    lab.serve_tcp(80, false).expect("backend servers");
-    let open = host::open_dir().expect("an open directory");
-    let user_bin = host::copy_out(&bin, open.path()).expect("copy lb out");
-    let operators = open.path().join("lb-operators.sock");
-    let config_path = operators_config(&lab, &group.name, &operators);
 
     // Not a member of the group: the agent refuses to start, says why, and leaves no
     // socket behind (it used to open it 0666 instead).
@@ -273,7 +307,7 @@ fn without_cap_chown_the_operators_socket_goes_to_a_supplementary_group_or_not_a
     let refused = format!("{refused:#}");
     assert!(
         refused.contains("`control.operators_group`: cannot give the operators' socket")
-            && refused.contains(&group.name),
+            && refused.contains(&group),
         "{refused}"
     );
     assert!(!operators.exists(), "the operators' socket is left behind");

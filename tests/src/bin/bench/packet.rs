@@ -315,6 +315,24 @@ struct Case {
 }
 
 impl Case {
+    /// A case whose `frame` alone is sent, from one source, by the instance of one
+    /// interface and no `[cluster]`, and leaves by XDP_TX.
+    fn new(name: &'static str, what: &'static str, frame: Vec<u8>) -> Self {
+        Self {
+            name,
+            what,
+            frame,
+            then: vec![],
+            prime: None,
+            cluster: false,
+            nics: Nics::One,
+            new_source_per_call: false,
+            flows: 1,
+            action: XDP_TX,
+            once_per_call: false,
+        }
+    }
+
     /// Every frame of one call of the loop.
     fn frames(&self) -> Vec<Vec<u8>> {
         std::iter::once(&self.frame)
@@ -367,103 +385,69 @@ fn cases() -> Vec<Case> {
     let ack = L4::Tcp { flags: TCP_ACK };
     vec![
         Case {
-            name: "tcp_syn",
-            what: "spoofed TCP SYN: a new tuple every call (Maglev, remembered, no entry)",
-            frame: frame(c4, v4, 40000, 80, syn),
-            then: vec![],
-            prime: None,
-            cluster: false,
-            nics: Nics::One,
             new_source_per_call: true,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
+            ..Case::new(
+                "tcp_syn",
+                "spoofed TCP SYN: a new tuple every call (Maglev, remembered, no entry)",
+                frame(c4, v4, 40000, 80, syn),
+            )
         },
         Case {
-            name: "tcp_handshake_cluster",
-            what: "tcp_handshake with [cluster]: the ACK's new entry is also exported",
-            frame: frame(c4, v4, 40008, 80, syn),
             then: vec![frame(c4, v4, 40008, 80, ack)],
-            prime: None,
             cluster: true,
-            nics: Nics::One,
             new_source_per_call: true,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
+            ..Case::new(
+                "tcp_handshake_cluster",
+                "tcp_handshake with [cluster]: the ACK's new entry is also exported",
+                frame(c4, v4, 40008, 80, syn),
+            )
         },
         Case {
-            name: "tcp_handshake",
-            what: "a handshake's SYN and ACK, a new tuple every call (the ACK makes the entry)",
-            frame: frame(c4, v4, 40007, 80, syn),
             then: vec![frame(c4, v4, 40007, 80, ack)],
-            prime: None,
             new_source_per_call: true,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
-            cluster: false,
-            nics: Nics::One,
+            ..Case::new(
+                "tcp_handshake",
+                "a handshake's SYN and ACK, a new tuple every call (the ACK makes the entry)",
+                frame(c4, v4, 40007, 80, syn),
+            )
         },
         Case {
-            name: "tcp_short_connection",
-            what: "a short connection's client packets: SYN, ACK, request, FIN, last ACK",
-            frame: frame(c4, v4, 40006, 80, syn),
             then: [TCP_ACK, TCP_ACK | TCP_PSH, TCP_ACK | TCP_FIN, TCP_ACK]
                 .map(|flags| frame(c4, v4, 40006, 80, L4::Tcp { flags }))
                 .into(),
-            prime: None,
             new_source_per_call: true,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
-            cluster: false,
-            nics: Nics::One,
+            ..Case::new(
+                "tcp_short_connection",
+                "a short connection's client packets: SYN, ACK, request, FIN, last ACK",
+                frame(c4, v4, 40006, 80, syn),
+            )
         },
         Case {
-            name: "tcp_established",
-            what: "TCP ACK of an established flow (connection-table hit)",
-            frame: frame(c4, v4, 40001, 80, ack),
-            then: vec![],
             prime: Some(frame(c4, v4, 40001, 80, syn)),
-            cluster: false,
-            nics: Nics::One,
-            new_source_per_call: false,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
+            ..Case::new(
+                "tcp_established",
+                "TCP ACK of an established flow (connection-table hit)",
+                frame(c4, v4, 40001, 80, ack),
+            )
         },
         Case {
-            name: "tcp_established_16k_flows",
-            what: "TCP ACKs cycling over 16384 established flows (table hits, colder cache)",
-            frame: frame(c4, v4, FLOWS_BASE_PORT, 80, ack),
-            then: vec![],
             prime: Some(frame(c4, v4, FLOWS_BASE_PORT, 80, syn)),
-            cluster: false,
-            nics: Nics::One,
-            new_source_per_call: false,
             flows: MANY_FLOWS,
-            action: XDP_TX,
-            once_per_call: false,
+            ..Case::new(
+                "tcp_established_16k_flows",
+                "TCP ACKs cycling over 16384 established flows (table hits, colder cache)",
+                frame(c4, v4, FLOWS_BASE_PORT, 80, ack),
+            )
         },
         Case {
-            name: "udp",
-            what: "UDP to the VIP, flow known (connection-table hit)",
-            frame: frame(c4, v4, 40002, 53, L4::Udp),
-            then: vec![],
             prime: Some(frame(c4, v4, 40002, 53, L4::Udp)),
-            cluster: false,
-            nics: Nics::One,
-            new_source_per_call: false,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
+            ..Case::new(
+                "udp",
+                "UDP to the VIP, flow known (connection-table hit)",
+                frame(c4, v4, 40002, 53, L4::Udp),
+            )
         },
         Case {
-            name: "quic_short_header",
-            what: "QUIC short header to a quic VIP, routed by its connection ID (entry fresh)",
-            frame: frame(c4, v4, 40009, QUIC_PORT, L4::QuicShort { server_id: 1 }),
-            then: vec![],
             prime: Some(frame(
                 c4,
                 v4,
@@ -471,105 +455,74 @@ fn cases() -> Vec<Case> {
                 QUIC_PORT,
                 L4::QuicShort { server_id: 1 },
             )),
-            cluster: false,
-            nics: Nics::One,
-            new_source_per_call: false,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
+            ..Case::new(
+                "quic_short_header",
+                "QUIC short header to a quic VIP, routed by its connection ID (entry fresh)",
+                frame(c4, v4, 40009, QUIC_PORT, L4::QuicShort { server_id: 1 }),
+            )
         },
         Case {
-            name: "quic_moved",
-            what: "QUIC short header from a new source every call: routed by ID, entry made",
-            frame: frame(c4, v4, 40010, QUIC_PORT, L4::QuicShort { server_id: 1 }),
-            then: vec![],
-            prime: None,
-            cluster: false,
-            nics: Nics::One,
             new_source_per_call: true,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
+            ..Case::new(
+                "quic_moved",
+                "QUIC short header from a new source every call: routed by ID, entry made",
+                frame(c4, v4, 40010, QUIC_PORT, L4::QuicShort { server_id: 1 }),
+            )
         },
         Case {
-            name: "ipv6_tcp_established",
-            what: "IPv6 TCP ACK of an established flow",
-            frame: frame(c6, v6, 40003, 80, ack),
-            then: vec![],
             prime: Some(frame(c6, v6, 40003, 80, syn)),
-            cluster: false,
-            nics: Nics::One,
-            new_source_per_call: false,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
+            ..Case::new(
+                "ipv6_tcp_established",
+                "IPv6 TCP ACK of an established flow",
+                frame(c6, v6, 40003, 80, ack),
+            )
         },
         Case {
-            name: "tcp_established_ipip",
-            what: "TCP ACK of an established flow to an ipip VIP (IPv4 in IPv4)",
-            frame: frame(c4, v4, 40005, IPIP_PORT, ack),
-            then: vec![],
             prime: Some(frame(c4, v4, 40005, IPIP_PORT, syn)),
-            new_source_per_call: false,
-            flows: 1,
-            action: XDP_TX,
             once_per_call: true,
-            cluster: false,
-            nics: Nics::One,
+            ..Case::new(
+                "tcp_established_ipip",
+                "TCP ACK of an established flow to an ipip VIP (IPv4 in IPv4)",
+                frame(c4, v4, 40005, IPIP_PORT, ack),
+            )
         },
         Case {
-            name: "tcp_established_gue",
-            what: "TCP ACK of an established flow to a gue VIP (IPv4 + UDP + IPv4)",
-            frame: frame(c4, v4, 40006, GUE_PORT_VIP, ack),
-            then: vec![],
             prime: Some(frame(c4, v4, 40006, GUE_PORT_VIP, syn)),
-            new_source_per_call: false,
-            flows: 1,
-            action: XDP_TX,
             once_per_call: true,
-            cluster: false,
-            nics: Nics::One,
+            ..Case::new(
+                "tcp_established_gue",
+                "TCP ACK of an established flow to a gue VIP (IPv4 + UDP + IPv4)",
+                frame(c4, v4, 40006, GUE_PORT_VIP, ack),
+            )
         },
         Case {
-            name: "tcp_established_2nic_tx",
-            what: "tcp_established with two interfaces, the backend behind the one the \
-                   frame came in by (XDP_TX)",
-            frame: frame(c4, v4, 40001, 80, ack),
-            then: vec![],
             prime: Some(frame(c4, v4, 40001, 80, syn)),
-            cluster: false,
             nics: Nics::TwoSame,
-            new_source_per_call: false,
-            flows: 1,
-            action: XDP_TX,
-            once_per_call: false,
+            ..Case::new(
+                "tcp_established_2nic_tx",
+                "tcp_established with two interfaces, the backend behind the one the \
+                 frame came in by (XDP_TX)",
+                frame(c4, v4, 40001, 80, ack),
+            )
         },
         Case {
-            name: "tcp_established_redirect",
-            what: "tcp_established with two interfaces, the backend behind the other one \
-                   (XDP_REDIRECT through the DEVMAP)",
-            frame: frame(c4, v4, 40001, 80, ack),
-            then: vec![],
             prime: Some(frame(c4, v4, 40001, 80, syn)),
-            cluster: false,
             nics: Nics::TwoOther,
-            new_source_per_call: false,
-            flows: 1,
             action: XDP_REDIRECT,
-            once_per_call: false,
+            ..Case::new(
+                "tcp_established_redirect",
+                "tcp_established with two interfaces, the backend behind the other one \
+                 (XDP_REDIRECT through the DEVMAP)",
+                frame(c4, v4, 40001, 80, ack),
+            )
         },
         Case {
-            name: "pass_not_vip",
-            what: "TCP to a non-VIP address (XDP_PASS)",
-            frame: frame(c4, IpAddr::from(Ipv4Addr::new(10, 0, 0, 2)), 40004, 80, ack),
-            then: vec![],
-            prime: None,
-            cluster: false,
-            nics: Nics::One,
-            new_source_per_call: false,
-            flows: 1,
             action: XDP_PASS,
-            once_per_call: false,
+            ..Case::new(
+                "pass_not_vip",
+                "TCP to a non-VIP address (XDP_PASS)",
+                frame(c4, IpAddr::from(Ipv4Addr::new(10, 0, 0, 2)), 40004, 80, ack),
+            )
         },
     ]
 }
