@@ -6,11 +6,9 @@
 
 pub mod agent;
 pub mod announce;
-pub mod api;
 pub mod bpffs;
 pub mod capture;
 pub mod cli;
-pub mod client;
 pub mod cluster;
 pub mod config;
 pub mod control;
@@ -34,6 +32,9 @@ pub mod tables;
 pub mod telemetry;
 pub mod top;
 pub mod writer;
+
+// The control room's wire types and client, at their old paths until the callers move.
+pub use control::{api, client};
 
 #[cfg(test)]
 mod layout_tests;
