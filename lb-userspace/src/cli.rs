@@ -13,9 +13,8 @@ use clap::{Parser, Subcommand};
 
 use crate::{
     agent,
-    api::BackendRequest,
-    client,
     config::{AdminState, Config},
+    control::{api::BackendRequest, client},
     explain::{ExplainRequest, VipTarget},
     preflight, status,
 };

@@ -33,9 +33,6 @@ pub mod telemetry;
 pub mod top;
 pub mod writer;
 
-// The control room's wire types and client, at their old paths until the callers move.
-pub use control::{api, client};
-
 #[cfg(test)]
 mod layout_tests;
 

@@ -11,7 +11,7 @@
 use std::{collections::HashMap, fmt::Write, io::IsTerminal, path::Path, time::Duration};
 
 use crate::{
-    client,
+    control::client,
     status::{Status, VipStatus},
 };
 

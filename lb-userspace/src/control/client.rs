@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use tokio::net::UnixStream;
 
 use crate::{
-    api::{BackendRequest, ChangeAnswer, ErrorAnswer, ReloadAnswer},
+    control::api::{BackendRequest, ChangeAnswer, ErrorAnswer, ReloadAnswer},
     explain::{ExplainRequest, Explanation},
     status::Status,
 };

@@ -30,8 +30,8 @@ use serde::de::DeserializeOwned;
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::{
-    api::{BackendRequest, ChangeAnswer, ErrorAnswer, ReloadAnswer},
     config::ControlConfig,
+    control::api::{BackendRequest, ChangeAnswer, ErrorAnswer, ReloadAnswer},
     explain::{ExplainError, ExplainRequest, Explanation, monotonic_ns},
     health::HealthTasks,
     listen::{LIMITS, Peer},
@@ -658,7 +658,7 @@ mod tests {
             r#"{"vip": "10.0.0.100:81/tcp", "backend": "10.0.0.11", "state": "drain"}"#,
         )
         .unwrap();
-        let error = crate::client::change_backend(&socket, "/backend/state", &request)
+        let error = crate::control::client::change_backend(&socket, "/backend/state", &request)
             .await
             .unwrap_err();
         assert_eq!(
