@@ -667,6 +667,81 @@ pub mod stat {
         "quic_cid_unknown",
         "drop_no_egress",
     ];
+
+    /// What a counter counts. Readers group counters by it (every drop, every pass),
+    /// never by the words of their names.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub enum Kind {
+        /// An XDP action the program returned (`XDP_*`): every packet counts once here.
+        Action,
+        /// Passed to the kernel, and why (`PASS_*`).
+        Pass,
+        /// Dropped, and why (`DROP_*`).
+        Drop,
+        /// Sent in a tunnel, or answered to the client (`TX_*`).
+        Tx,
+        /// Forwarded, and noted (`SEEN_*`).
+        Seen,
+        /// What the connection and embryonic tables did (`CT_*`).
+        Conntrack,
+        /// The cluster's export ring (`CLUSTER_*`).
+        Cluster,
+        /// QUIC routing by connection ID (`QUIC_*`).
+        Quic,
+        /// The rest: the debug capture, hot sources spread.
+        Other,
+    }
+
+    impl Kind {
+        /// How the names of this kind's counters begin ("" for `Other`).
+        pub const fn prefix(self) -> &'static str {
+            match self {
+                Kind::Action => "xdp_",
+                Kind::Pass => "pass_",
+                Kind::Drop => "drop_",
+                Kind::Tx => "tx_",
+                Kind::Seen => "seen_",
+                Kind::Conntrack => "ct_",
+                Kind::Cluster => "cluster_",
+                Kind::Quic => "quic_",
+                Kind::Other => "",
+            }
+        }
+    }
+
+    /// The kind of the counter at `index`.
+    pub const fn kind(index: u32) -> Kind {
+        match index {
+            XDP_ABORTED..=XDP_REDIRECT => Kind::Action,
+            PASS_NOT_IP..=PASS_VLAN_STACKED => Kind::Pass,
+            DROP_TRUNCATED..=DROP_NO_BACKEND
+            | DROP_TOO_BIG..=DROP_ENCAP_FAILED
+            | DROP_NO_EGRESS => Kind::Drop,
+            TX_IPIP..=TX_ICMP_TOO_BIG => Kind::Tx,
+            SEEN_IPV4_OPTIONS | SEEN_VLAN | SEEN_ICMP_TOO_BIG => Kind::Seen,
+            CT_MISS_SYN..=CT_INSERT_SKIPPED | CT_EMBRYONIC | CT_PROMOTED | CT_REUSED => {
+                Kind::Conntrack
+            }
+            CLUSTER_EXPORTED | CLUSTER_EXPORT_DROPPED => Kind::Cluster,
+            QUIC_ROUTED_BY_CID | QUIC_CID_UNKNOWN => Kind::Quic,
+            _ => Kind::Other,
+        }
+    }
+
+    /// The index of the counter named `name` (status carries counters by name).
+    pub fn index(name: &str) -> Option<u32> {
+        (0u32..)
+            .zip(NAMES)
+            .find(|(_, n)| *n == name)
+            .map(|(i, _)| i)
+    }
+
+    /// The counter at `index` within its kind: its name without the kind's prefix
+    /// (`DROP_NO_BACKEND`: "no_backend"), the `reason` label of the metrics.
+    pub fn reason(index: u32) -> &'static str {
+        let name = NAMES[index as usize];
+        &name[kind(index).prefix().len()..]
+    }
 }
 
 /// The decapsulation program for backends (`lb decap`): object `lb-decap` (embedded in
@@ -794,6 +869,38 @@ pub const fn maglev_slot(hash: u32, table_size: u32) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_counter_is_named_as_its_kind_says() {
+        let kinds = [
+            stat::Kind::Action,
+            stat::Kind::Pass,
+            stat::Kind::Drop,
+            stat::Kind::Tx,
+            stat::Kind::Seen,
+            stat::Kind::Conntrack,
+            stat::Kind::Cluster,
+            stat::Kind::Quic,
+        ];
+        for (index, name) in (0u32..).zip(stat::NAMES) {
+            let kind = stat::kind(index);
+            // A counter left out of `kind` falls to `Other`: its name must then not
+            // look like one of the kinds'.
+            let by_name = kinds.iter().find(|k| name.starts_with(k.prefix()));
+            assert_eq!(
+                by_name.copied().unwrap_or(stat::Kind::Other),
+                kind,
+                "{name}"
+            );
+            assert_eq!(stat::index(name), Some(index));
+            assert_eq!(format!("{}{}", kind.prefix(), stat::reason(index)), name);
+        }
+        assert_eq!(stat::kind(stat::DROP_NO_EGRESS), stat::Kind::Drop);
+        assert_eq!(stat::reason(stat::DROP_NO_BACKEND), "no_backend");
+        assert_eq!(stat::kind(stat::XDP_DROP), stat::Kind::Action);
+        assert_eq!(stat::kind(stat::CAPTURED), stat::Kind::Other);
+        assert_eq!(stat::index("drop_nothing"), None);
+    }
 
     fn vip(addr: [u8; 16], port: u16, proto: u8, family: u8) -> VipKey {
         VipKey {

@@ -502,18 +502,15 @@ fn register_outcomes(registry: &mut Registry, outcomes: &[u64]) {
         "passes",
         "Packets passed to the kernel, by reason",
     );
-    // The reason label is the counter's name without its prefix.
-    for (index, name) in (0u32..).zip(stat::NAMES) {
-        let (family, reason) = if let Some(reason) = name.strip_prefix("drop_") {
-            (&drops, reason)
-        } else if let Some(reason) = name.strip_prefix("pass_") {
-            (&passes, reason)
-        } else {
-            continue;
+    for index in 0..stat::COUNT {
+        let family = match stat::kind(index) {
+            stat::Kind::Drop => &drops,
+            stat::Kind::Pass => &passes,
+            _ => continue,
         };
         family
             .get_or_create(&ReasonLabels {
-                reason: reason.into(),
+                reason: stat::reason(index).into(),
             })
             .inc_by(counter(index));
     }

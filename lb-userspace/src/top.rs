@@ -10,6 +10,8 @@
 
 use std::{collections::HashMap, fmt::Write, io::IsTerminal, path::Path, time::Duration};
 
+use lb_common::stat;
+
 use crate::{
     control::client,
     status::{Status, VipStatus},
@@ -122,7 +124,7 @@ pub fn render(status: &Status, rates: Option<(f64, &Previous)>, hot: f64, color:
     let drops: u64 = status
         .counters
         .iter()
-        .filter(|(k, _)| k.starts_with("drop_"))
+        .filter(|(name, _)| stat::index(name).map(stat::kind) == Some(stat::Kind::Drop))
         .map(|(_, v)| v)
         .sum();
     let header = format!(
