@@ -135,7 +135,7 @@ impl StatusSource {
                     .telemetry
                     .last_scan
                     .map(|at| now.saturating_duration_since(at).as_secs_f64()),
-                start: self.start.clone(),
+                start: self.start.to_string(),
                 backend_id_capacity: ids.capacity,
                 backend_ids_in_use: ids.in_use,
                 backend_ids_held: ids.held,

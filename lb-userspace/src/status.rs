@@ -167,8 +167,9 @@ pub struct DataplaneStatus {
     /// How long ago that scan was (the agent scans every 2 s); None before the first.
     #[serde(default)]
     pub conntrack_scan_age_seconds: Option<f64>,
-    /// How the agent found the data path at start.
-    pub start: Start,
+    /// How the agent found the data path at start: a [`Start`] in its words, shown as
+    /// they are.
+    pub start: String,
     /// Backend ids: how many the data path has room for (over all VIPs) ...
     #[serde(default)]
     pub backend_id_capacity: u32,
@@ -225,10 +226,10 @@ pub struct InterfaceStatus {
     pub forwarded_bytes: u64,
 }
 
-/// How the agent found the data path at start. In JSON, the words of its `Display`:
-/// `"fresh"`, `"adopted"`, `"replaced (WHY); connection table lost"`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(into = "String", from = "String")]
+/// How the agent found the data path at start. Status carries it as its words (its
+/// `Display`, in `DataplaneStatus::start`): `"fresh"`, `"adopted"`, `"replaced (WHY);
+/// connection table lost"`; nothing reads the words back into a `Start`.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Start {
     /// Nothing was pinned: a new program and empty maps.
     Fresh,
@@ -238,37 +239,12 @@ pub enum Start {
     Replaced { why: String },
 }
 
-const REPLACED_PREFIX: &str = "replaced (";
-const REPLACED_SUFFIX: &str = "); connection table lost";
-
 impl std::fmt::Display for Start {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Start::Fresh => f.write_str("fresh"),
             Start::Adopted => f.write_str("adopted"),
-            Start::Replaced { why } => write!(f, "{REPLACED_PREFIX}{why}{REPLACED_SUFFIX}"),
-        }
-    }
-}
-
-impl From<Start> for String {
-    fn from(start: Start) -> String {
-        start.to_string()
-    }
-}
-
-impl From<String> for Start {
-    fn from(text: String) -> Start {
-        match text.as_str() {
-            "fresh" => Start::Fresh,
-            "adopted" => Start::Adopted,
-            other => Start::Replaced {
-                why: other
-                    .strip_prefix(REPLACED_PREFIX)
-                    .and_then(|rest| rest.strip_suffix(REPLACED_SUFFIX))
-                    .unwrap_or(other)
-                    .to_string(),
-            },
+            Start::Replaced { why } => write!(f, "replaced ({why}); connection table lost"),
         }
     }
 }
@@ -856,7 +832,7 @@ pub mod tests {
                 conntrack_entries_in_use: 0,
                 conntrack_capacity: 4096,
                 conntrack_scan_age_seconds: None,
-                start: Start::Fresh,
+                start: Start::Fresh.to_string(),
                 backend_id_capacity: 4096,
                 backend_ids_in_use: 2,
                 backend_ids_held: 0,
@@ -1119,7 +1095,8 @@ pub mod tests {
         status.vips[0].backends[1].health = Health::Unknown;
         status.dataplane.start = Start::Replaced {
             why: "map layout 5, this program has 6".into(),
-        };
+        }
+        .to_string();
         let json = serde_json::to_value(&status).unwrap();
         assert_eq!(json["dataplane"]["xdp_mode"], "generic");
         assert_eq!(
