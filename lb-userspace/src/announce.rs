@@ -628,22 +628,41 @@ fn reasons(view: &View<'_>, now: Instant) -> BTreeMap<IpAddr, String> {
     reasons
 }
 
+/// Why `lb node drain` or `lb node ready` did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeChangeError {
+    #[error(
+        "this agent announces nothing (no [announce] section): there is no node state to \
+         change"
+    )]
+    NothingAnnounced,
+    /// The state is set, and the routes still have to follow: `error` is the last route
+    /// change's failure, if any.
+    #[error(
+        "the node state is set ({}), but the routes did not follow within {:?}{}",
+        if *.drained { "drained" } else { "ready" },
+        .timeout,
+        .error.as_ref().map(|e| format!(": {e}")).unwrap_or_default()
+    )]
+    RoutesLate {
+        drained: bool,
+        timeout: Duration,
+        error: Option<String>,
+    },
+}
+
 /// `lb node drain` (`drained = true`) and `lb node ready`: sets the node's state and
 /// waits (up to `timeout`) until the routes follow. Returns what it did.
 pub async fn set_drained<H: Host>(
     host: &Arc<Mutex<H>>,
     drained: bool,
     timeout: Duration,
-) -> Result<String, String> {
+) -> Result<String, NodeChangeError> {
     let (before, mut reconciled) = {
         let mut host = host.lock().expect("agent state poisoned");
         let view = host.announce_view();
         if view.config.is_none() || !view.state.enabled {
-            return Err(
-                "this agent announces nothing (no [announce] section): there is no node \
-                 state to change"
-                    .into(),
-            );
+            return Err(NodeChangeError::NothingAnnounced);
         }
         let state = host.announce_state();
         state.drained = drained;
@@ -668,12 +687,11 @@ pub async fn set_drained<H: Host>(
         }
         let waited = tokio::time::timeout_at(deadline, reconciled.changed()).await;
         if !matches!(waited, Ok(Ok(()))) {
-            return Err(format!(
-                "the node state is set ({}), but the routes did not follow within {:?}{}",
-                if drained { "drained" } else { "ready" },
+            return Err(NodeChangeError::RoutesLate {
+                drained,
                 timeout,
-                error.map(|e| format!(": {e}")).unwrap_or_default()
-            ));
+                error,
+            });
         }
     }
 }

@@ -94,24 +94,37 @@ impl From<VipTargetWire> for VipTarget {
     }
 }
 
-impl std::str::FromStr for VipTarget {
-    type Err = String;
+/// Why a text is not a VIP (`ADDRESS:PORT/PROTO`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VipTargetError {
+    #[error("{text:?}: expected VIP:PORT/PROTO, e.g. 10.0.0.100:80/tcp")]
+    Shape { text: String },
+    #[error("{text:?}: protocol {protocol:?} is neither tcp nor udp")]
+    Protocol { text: String, protocol: String },
+    #[error("{text:?}: {socket:?} is not ADDRESS:PORT (IPv6: [ADDRESS]:PORT)")]
+    Socket { text: String, socket: String },
+}
 
-    fn from_str(text: &str) -> Result<Self, String> {
+impl std::str::FromStr for VipTarget {
+    type Err = VipTargetError;
+
+    fn from_str(text: &str) -> Result<Self, VipTargetError> {
         let (socket, protocol) = text
             .rsplit_once('/')
-            .ok_or_else(|| format!("{text:?}: expected VIP:PORT/PROTO, e.g. 10.0.0.100:80/tcp"))?;
+            .ok_or_else(|| VipTargetError::Shape { text: text.into() })?;
         let protocol = match protocol {
             "tcp" => Protocol::Tcp,
             "udp" => Protocol::Udp,
             other => {
-                return Err(format!(
-                    "{text:?}: protocol {other:?} is neither tcp nor udp"
-                ));
+                return Err(VipTargetError::Protocol {
+                    text: text.into(),
+                    protocol: other.into(),
+                });
             }
         };
-        let socket: SocketAddr = socket.parse().map_err(|_| {
-            format!("{text:?}: {socket:?} is not ADDRESS:PORT (IPv6: [ADDRESS]:PORT)")
+        let socket: SocketAddr = socket.parse().map_err(|_| VipTargetError::Socket {
+            text: text.into(),
+            socket: socket.into(),
         })?;
         Ok(Self {
             address: socket.ip(),
@@ -497,13 +510,18 @@ mod tests {
         assert_eq!(v4.to_string(), "10.0.0.100:80/tcp");
         let v6: VipTarget = "[fd00::100]:53/udp".parse().unwrap();
         assert_eq!((v6.port, v6.protocol), (53, Protocol::Udp));
-        for bad in [
-            "10.0.0.100:80",
-            "10.0.0.100/tcp",
-            "10.0.0.100:80/sctp",
-            "fd00::1:80/tcp",
-        ] {
-            assert!(bad.parse::<VipTarget>().is_err(), "{bad}");
+        assert!(matches!(
+            "10.0.0.100:80".parse::<VipTarget>(),
+            Err(VipTargetError::Shape { .. })
+        ));
+        assert!(matches!(
+            "10.0.0.100:80/sctp".parse::<VipTarget>(),
+            Err(VipTargetError::Protocol { protocol, .. }) if protocol == "sctp"
+        ));
+        for bad in ["10.0.0.100/tcp", "fd00::1:80/tcp"] {
+            let error = bad.parse::<VipTarget>().unwrap_err();
+            assert!(matches!(error, VipTargetError::Socket { .. }), "{bad}");
+            assert!(error.to_string().contains("is not ADDRESS:PORT"), "{error}");
         }
         // JSON: the object (as sent), or the string form.
         let object = serde_json::to_value(v6).unwrap();

@@ -94,16 +94,26 @@ impl std::fmt::Display for Route {
 /// How a route is looked up: `route_to`, or a fake in unit tests.
 pub type RouteLookup = fn(IpAddr) -> Result<Route, NeighborError>;
 
+/// Why an address is not a neighbour out of the data-path interfaces.
+#[derive(Debug, thiserror::Error)]
+pub enum NotOnLink {
+    /// The route leaves by another interface, or through a gateway.
+    #[error("the route found is `{0}`")]
+    Elsewhere(Route),
+    #[error(transparent)]
+    Lookup(#[from] NeighborError),
+}
+
 /// Whether `address` is a neighbour out of one of the interfaces `ifindexes`.
 pub fn on_link_any(
     route_of: RouteLookup,
     ifindexes: &[u32],
     address: IpAddr,
-) -> Result<(), String> {
-    match route_of(address) {
-        Ok(route) if ifindexes.iter().any(|&i| route.on_link(i)) => Ok(()),
-        Ok(route) => Err(format!("the route found is `{route}`")),
-        Err(error) => Err(error.to_string()),
+) -> Result<(), NotOnLink> {
+    let route = route_of(address)?;
+    match ifindexes.iter().any(|&i| route.on_link(i)) {
+        true => Ok(()),
+        false => Err(NotOnLink::Elsewhere(route)),
     }
 }
 

@@ -187,7 +187,7 @@ fn run_one(
         (Check::OperatorsGroup, _, _) => match &config.control.operators_group {
             Some(group) => group_id(group)
                 .map(drop)
-                .map_err(|why| invalid("control.operators_group", why)),
+                .map_err(|why| invalid("control.operators_group", why.to_string())),
             None => Ok(()),
         },
         // Not applicable, or skipped by `run`.
@@ -213,14 +213,27 @@ pub fn next_program(config: &Config) -> Result<Option<NextProgram>, ConfigError>
 
 /// The field `next_program` refusals name.
 pub const NEXT_PROGRAM_FIELD: &str = "dataplane.next_program";
-/// The id of group `name` on this host. Err: why there is none.
-pub fn group_id(name: &str) -> Result<u32, String> {
+/// Why a group has no id on this host.
+#[derive(Debug, thiserror::Error)]
+pub enum GroupError {
+    #[error("no group {name:?} on this host (create it: groupadd --system {name})")]
+    Missing { name: String },
+    #[error("looking up group {name:?}: {errno}")]
+    Lookup {
+        name: String,
+        errno: nix::errno::Errno,
+    },
+}
+
+/// The id of group `name` on this host.
+pub fn group_id(name: &str) -> Result<u32, GroupError> {
     match nix::unistd::Group::from_name(name) {
         Ok(Some(group)) => Ok(group.gid.as_raw()),
-        Ok(None) => Err(format!(
-            "no group {name:?} on this host (create it: groupadd --system {name})"
-        )),
-        Err(errno) => Err(format!("looking up group {name:?}: {errno}")),
+        Ok(None) => Err(GroupError::Missing { name: name.into() }),
+        Err(errno) => Err(GroupError::Lookup {
+            name: name.into(),
+            errno,
+        }),
     }
 }
 

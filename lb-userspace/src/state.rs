@@ -1048,7 +1048,7 @@ impl AgentHost for State {
         &self.model
     }
 
-    fn record_agent(&mut self, id: u32, answer: Result<AgentReport, String>) {
+    fn record_agent(&mut self, id: u32, answer: Result<AgentReport, impl std::fmt::Display>) {
         let now = Instant::now();
         let Some((vip, b)) = self.model.vips.iter_mut().find_map(|v| {
             let name = v.config.name.clone();

@@ -149,17 +149,28 @@ pub enum HealthKind {
 display_as!(HealthKind { Tcp => "tcp", Http => "http", Https => "https", Udp => "udp", Dns => "dns", None => "none" });
 display_as!(HealthTarget { Backend => "backend", Vip => "vip" });
 
+/// Why a dns check's `query` or `query_type` cannot be sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DnsQueryError {
+    #[error("{text:?} is not a DNS name: {why}")]
+    Name { text: String, why: String },
+    #[error("{text:?} is not a DNS record type (A, AAAA, NS, SOA, TXT ...)")]
+    RecordType { text: String },
+}
+
 /// A name as `query` is written: absolute or relative, "." for the root.
-pub fn parse_name(text: &str) -> Result<hickory_proto::rr::Name, String> {
-    hickory_proto::rr::Name::from_ascii(text)
-        .map_err(|e| format!("{text:?} is not a DNS name: {e}"))
+pub fn parse_name(text: &str) -> Result<hickory_proto::rr::Name, DnsQueryError> {
+    hickory_proto::rr::Name::from_ascii(text).map_err(|e| DnsQueryError::Name {
+        text: text.into(),
+        why: e.to_string(),
+    })
 }
 
 /// A record type as `query_type` is written ("A", "AAAA", "NS", "SOA" ...).
-pub fn parse_record_type(text: &str) -> Result<hickory_proto::rr::RecordType, String> {
+pub fn parse_record_type(text: &str) -> Result<hickory_proto::rr::RecordType, DnsQueryError> {
     text.to_ascii_uppercase()
         .parse::<hickory_proto::rr::RecordType>()
-        .map_err(|_| format!("{text:?} is not a DNS record type (A, AAAA, NS, SOA, TXT ...)"))
+        .map_err(|_| DnsQueryError::RecordType { text: text.into() })
 }
 
 impl HealthConfig {
@@ -201,12 +212,12 @@ impl HealthConfig {
         if let Some(query) = &self.query
             && let Err(why) = parse_name(query)
         {
-            return Err(invalid(format!("{at}.query"), why));
+            return Err(invalid(format!("{at}.query"), why.to_string()));
         }
         if let Some(kind) = &self.query_type
             && let Err(why) = parse_record_type(kind)
         {
-            return Err(invalid(format!("{at}.query_type"), why));
+            return Err(invalid(format!("{at}.query_type"), why.to_string()));
         }
         Ok(())
     }

@@ -57,9 +57,9 @@ impl Config {
     /// An `l2` backend must be a neighbour on `interface` (its frames go to its own MAC):
     /// unless its MAC is configured, its route must be on-link there. `on_link` says
     /// whether an address is, or else the route found (or why there is none).
-    pub fn validate_routes(
+    pub fn validate_routes<E: std::fmt::Display>(
         &self,
-        on_link: impl Fn(IpAddr) -> Result<(), String>,
+        on_link: impl Fn(IpAddr) -> Result<(), E>,
     ) -> Result<(), ConfigError> {
         let interface = self.dataplane.interfaces.join(" or ");
         for (i, vip) in self.vips.iter().enumerate() {

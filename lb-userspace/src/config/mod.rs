@@ -52,7 +52,9 @@ pub use dataplane::{
     DataplaneConfig, MAX_MAGLEV_TABLE_SIZE, MIN_MAGLEV_TABLE_SIZE, XdpModeSetting,
 };
 pub use debug::DebugConfig;
-pub use health::{HealthConfig, HealthKind, HealthTarget, parse_name, parse_record_type};
+pub use health::{
+    DnsQueryError, HealthConfig, HealthKind, HealthTarget, parse_name, parse_record_type,
+};
 pub use outlier::{OUTLIER_SAMPLE, OutlierConfig};
 pub use values::{MAX_DURATION, MIN_DURATION, MacAddr, ParseMacError};
 pub use vip::{

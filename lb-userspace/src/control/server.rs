@@ -443,7 +443,7 @@ async fn node_drain(
     crate::announce::set_drained(&api.shared, true, NODE_CHANGE_WAIT)
         .await
         .map(|change| Json(ChangeAnswer { change }))
-        .map_err(|e| refusal(StatusCode::CONFLICT, e))
+        .map_err(|e| refusal(StatusCode::CONFLICT, e.to_string()))
 }
 
 /// `POST /node/ready`: undoes `/node/drain`.
@@ -455,7 +455,7 @@ async fn node_ready(
     crate::announce::set_drained(&api.shared, false, NODE_CHANGE_WAIT)
         .await
         .map(|change| Json(ChangeAnswer { change }))
-        .map_err(|e| refusal(StatusCode::CONFLICT, e))
+        .map_err(|e| refusal(StatusCode::CONFLICT, e.to_string()))
 }
 
 async fn explain(

@@ -18,7 +18,7 @@ use crate::{
     config::AgentCheckConfig,
     model::{
         Model,
-        weights::{AgentReport, parse_agent_reply},
+        weights::{AgentReplyError, AgentReport, parse_agent_reply},
     },
 };
 
@@ -30,7 +30,7 @@ pub trait AgentHost: Send + 'static {
     fn model(&self) -> &Model;
     /// Takes backend `id`'s answer (or why there was none usable); rewrites the tables
     /// when it changes what the backend gets.
-    fn record_agent(&mut self, id: u32, answer: Result<AgentReport, String>);
+    fn record_agent(&mut self, id: u32, answer: Result<AgentReport, impl std::fmt::Display>);
 }
 
 /// The backends whose agent-check task runs.
@@ -114,20 +114,41 @@ async fn agent_loop<H: AgentHost>(
     }
 }
 
+/// Why a backend's agent gave no usable answer.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentCheckError {
+    /// Connecting or reading failed (refused, reset ...).
+    #[error("agent {address}: {error}")]
+    Io {
+        address: SocketAddr,
+        error: std::io::Error,
+    },
+    #[error("agent {address} answered {line:?}: {why}")]
+    Malformed {
+        address: SocketAddr,
+        line: String,
+        why: AgentReplyError,
+    },
+    #[error("agent {address}: no answer within {}", humantime::format_duration(*.timeout))]
+    Silent {
+        address: SocketAddr,
+        timeout: Duration,
+    },
+}
+
 /// Connects to a backend's agent and reads its answer: up to the first newline, the end
 /// of the stream, or `ANSWER_CAP` bytes.
-pub async fn ask(address: SocketAddr, timeout: Duration) -> Result<AgentReport, String> {
+pub async fn ask(address: SocketAddr, timeout: Duration) -> Result<AgentReport, AgentCheckError> {
+    let io = |error| AgentCheckError::Io { address, error };
     let read = async {
-        let mut stream = TcpStream::connect(address)
-            .await
-            .map_err(|e| format!("agent {address}: {e}"))?;
+        let mut stream = TcpStream::connect(address).await.map_err(io)?;
         let mut answer = Vec::with_capacity(64);
         let mut buffer = [0u8; ANSWER_CAP];
         while answer.len() < ANSWER_CAP && !answer.contains(&b'\n') {
             let n = stream
                 .read(&mut buffer[..ANSWER_CAP - answer.len()])
                 .await
-                .map_err(|e| format!("agent {address}: {e}"))?;
+                .map_err(io)?;
             if n == 0 {
                 break;
             }
@@ -135,16 +156,15 @@ pub async fn ask(address: SocketAddr, timeout: Duration) -> Result<AgentReport, 
         }
         let text = String::from_utf8_lossy(&answer);
         let line = text.lines().next().unwrap_or("");
-        parse_agent_reply(line).map_err(|why| format!("agent {address} answered {line:?}: {why}"))
+        parse_agent_reply(line).map_err(|why| AgentCheckError::Malformed {
+            address,
+            line: line.into(),
+            why,
+        })
     };
     tokio::time::timeout(timeout, read)
         .await
-        .unwrap_or_else(|_| {
-            Err(format!(
-                "agent {address}: no answer within {}",
-                humantime::format_duration(timeout)
-            ))
-        })
+        .unwrap_or(Err(AgentCheckError::Silent { address, timeout }))
 }
 
 #[cfg(test)]
@@ -175,7 +195,21 @@ mod tests {
         let bad = ask(agent_saying("sideways\n").await, second)
             .await
             .unwrap_err();
-        assert!(bad.contains("unknown word"), "{bad}");
+        assert!(
+            matches!(
+                &bad,
+                AgentCheckError::Malformed {
+                    why: AgentReplyError::UnknownWord { .. },
+                    ..
+                }
+            ),
+            "{bad}"
+        );
+        assert!(
+            bad.to_string()
+                .contains("answered \"sideways\": unknown word"),
+            "{bad}"
+        );
     }
 
     #[tokio::test]
@@ -183,9 +217,14 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let silent = listener.local_addr().unwrap();
         let error = ask(silent, Duration::from_millis(100)).await.unwrap_err();
-        assert!(error.contains("no answer within"), "{error}");
+        assert!(matches!(error, AgentCheckError::Silent { .. }), "{error}");
+        assert_eq!(
+            error.to_string(),
+            format!("agent {silent}: no answer within 100ms")
+        );
         drop(listener);
         let error = ask(silent, Duration::from_secs(1)).await.unwrap_err();
-        assert!(error.contains("refused"), "{error}");
+        assert!(matches!(error, AgentCheckError::Io { .. }), "{error}");
+        assert!(error.to_string().contains("refused"), "{error}");
     }
 }

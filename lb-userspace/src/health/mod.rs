@@ -162,7 +162,7 @@ pub async fn check(
             })?;
             return crate::health::vipprobe::check_via_vip(config, path)
                 .await
-                .map_err(Failure::remote);
+                .map_err(|e| Failure::remote(e.to_string()));
         }
         match config.kind {
             HealthKind::Tcp => connect(target).await.map(drop),

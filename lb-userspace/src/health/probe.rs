@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use tokio::net::UdpSocket;
 
-use crate::config::{HealthConfig, parse_name, parse_record_type};
+use crate::config::{DnsQueryError, HealthConfig, parse_name, parse_record_type};
 
 /// Why a datagram check failed. The texts are what status shows as the check's error.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -24,8 +24,8 @@ pub enum ProbeError {
     #[error("reply {reply:?} does not contain {expect:?}")]
     Unexpected { reply: String, expect: String },
     /// `query` or `query_type` is not a DNS name or type.
-    #[error("{0}")]
-    Query(String),
+    #[error(transparent)]
+    Query(#[from] DnsQueryError),
     #[error("DNS query: {0}")]
     Encode(String),
     #[error("DNS: a malformed answer ({0})")]
@@ -92,9 +92,8 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 /// The query a dns check sends: `query` (default ".") of `query_type` (default NS), with
 /// recursion not desired (the backend answers from what it serves).
 pub fn dns_query(config: &HealthConfig, id: u16) -> Result<Message, ProbeError> {
-    let name = parse_name(config.query.as_deref().unwrap_or(".")).map_err(ProbeError::Query)?;
-    let kind = parse_record_type(config.query_type.as_deref().unwrap_or("NS"))
-        .map_err(ProbeError::Query)?;
+    let name = parse_name(config.query.as_deref().unwrap_or("."))?;
+    let kind = parse_record_type(config.query_type.as_deref().unwrap_or("NS"))?;
     let mut message = Message::new(id, MessageType::Query, OpCode::Query);
     message.add_query(Query::query(name, kind));
     Ok(message)
@@ -172,8 +171,16 @@ mod tests {
         assert_eq!(parsed.queries[0].query_type(), RecordType::NS);
         let query = dns_query(&dns_config(Some("example.com"), Some("aaaa")), 9).unwrap();
         assert_eq!(query.queries[0].query_type(), RecordType::AAAA);
-        assert!(parse_record_type("BOGUS").is_err());
-        assert!(parse_name("exa mple..com").is_err());
+        assert_eq!(
+            parse_record_type("BOGUS"),
+            Err(DnsQueryError::RecordType {
+                text: "BOGUS".into()
+            })
+        );
+        assert!(matches!(
+            parse_name("exa mple..com"),
+            Err(DnsQueryError::Name { .. })
+        ));
     }
 
     /// An answer to `query` with `code`, as a server would send it.

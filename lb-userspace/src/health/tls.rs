@@ -41,7 +41,7 @@ const CA_FILE_CAP: u64 = 4 << 20;
 pub enum TlsError {
     /// `ca_file` cannot be used (it went away or changed after `lb check`).
     #[error("ca_file {path}: {why}")]
-    CaFile { path: PathBuf, why: String },
+    CaFile { path: PathBuf, why: CaFileError },
     /// `verify` without `ca_file`, and this host has no trust store.
     #[error("no trusted CA certificates on this host ({0}); set ca_file")]
     NoRoots(String),
@@ -129,30 +129,45 @@ fn describe_certificate(why: &rustls::CertificateError) -> String {
     }
 }
 
+/// Why a `ca_file` cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CaFileError {
+    /// Opening or reading it failed.
+    #[error("{0}")]
+    Read(String),
+    #[error("larger than {} MiB: not a CA certificate file", CA_FILE_CAP >> 20)]
+    TooLarge,
+    #[error("not a PEM file ({0})")]
+    NotPem(String),
+    #[error("no PEM certificate (\"-----BEGIN CERTIFICATE-----\") in it")]
+    NoCertificate,
+    /// Certificate `number` (from 1) is not one rustls takes as a trust anchor.
+    #[error("certificate {number} of the file: {why}")]
+    Refused { number: usize, why: String },
+}
+
 /// The certificates of a PEM file, as trust anchors: `lb check` reads `ca_file` with
-/// this, and so does the check. Err: why the file cannot be used.
-pub fn read_ca_file(path: &Path) -> Result<RootCertStore, String> {
+/// this, and so does the check.
+pub fn read_ca_file(path: &Path) -> Result<RootCertStore, CaFileError> {
     let mut bytes = Vec::new();
     std::fs::File::open(path)
         .and_then(|file| file.take(CA_FILE_CAP + 1).read_to_end(&mut bytes))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| CaFileError::Read(e.to_string()))?;
     if bytes.len() as u64 > CA_FILE_CAP {
-        return Err(format!(
-            "larger than {} MiB: not a CA certificate file",
-            CA_FILE_CAP >> 20
-        ));
+        return Err(CaFileError::TooLarge);
     }
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&bytes)
         .collect::<Result<_, _>>()
-        .map_err(|e| format!("not a PEM file ({e})"))?;
+        .map_err(|e| CaFileError::NotPem(e.to_string()))?;
     if certs.is_empty() {
-        return Err("no PEM certificate (\"-----BEGIN CERTIFICATE-----\") in it".into());
+        return Err(CaFileError::NoCertificate);
     }
     let mut store = RootCertStore::empty();
     for (i, cert) in certs.into_iter().enumerate() {
-        store
-            .add(cert)
-            .map_err(|e| format!("certificate {} of the file: {e}", i + 1))?;
+        store.add(cert).map_err(|e| CaFileError::Refused {
+            number: i + 1,
+            why: e.to_string(),
+        })?;
     }
     Ok(store)
 }
@@ -433,11 +448,13 @@ mod tests {
         assert_eq!(read_ca_file(&testdata("ca.pem")).unwrap().len(), 1);
         // A key is PEM, but not a certificate.
         let why = read_ca_file(&testdata("backend.key")).unwrap_err();
-        assert!(why.contains("no PEM certificate"), "{why}");
-        assert!(
-            read_ca_file(Path::new("/dev/zero"))
-                .unwrap_err()
-                .contains("larger than")
+        assert_eq!(why, CaFileError::NoCertificate);
+        assert!(why.to_string().contains("no PEM certificate"), "{why}");
+        let why = read_ca_file(Path::new("/dev/zero")).unwrap_err();
+        assert_eq!(why, CaFileError::TooLarge);
+        assert_eq!(
+            why.to_string(),
+            "larger than 4 MiB: not a CA certificate file"
         );
     }
 }

@@ -37,7 +37,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::probe;
+use super::probe::{self, ProbeError};
 use crate::config::{HealthConfig, HealthKind};
 
 /// Where a check through the VIP goes: the VIP, the MAC its frames carry (the backend's,
@@ -352,24 +352,64 @@ fn reserve_port(source: IpAddr) -> io::Result<std::net::TcpListener> {
     Ok(listener)
 }
 
+/// Why a check through the VIP failed. The texts are what status shows as the check's
+/// error.
+#[derive(Debug, thiserror::Error)]
+pub enum VipProbeError {
+    /// A socket of ours could not be had: `what` is "raw socket", "source port" or "udp
+    /// socket".
+    #[error("{what}: {error}")]
+    Socket {
+        what: &'static str,
+        error: io::Error,
+    },
+    /// The probe could not be sent: `what` is "the SYN" or "the datagram".
+    #[error("sending {what}: {error}")]
+    Send {
+        what: &'static str,
+        error: io::Error,
+    },
+    /// Nothing came back in time: `missing` says what ("no SYN-ACK from the VIP").
+    #[error("{missing} within {}", humantime::format_duration(*.timeout))]
+    NoAnswer {
+        missing: &'static str,
+        timeout: Duration,
+    },
+    #[error("receiving the answer: {0}")]
+    Receive(io::Error),
+    /// A RST answered the SYN.
+    #[error("connection refused by the VIP")]
+    Refused,
+    /// The datagram check's own failure: the query, or a reply it refuses.
+    #[error(transparent)]
+    Probe(#[from] ProbeError),
+    #[error("{0} checks through the VIP are not supported")]
+    Unsupported(HealthKind),
+    #[error("check task: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
 /// The SYN probe, blocking: up to `timeout`.
-fn syn_probe(path: VipPath, timeout: Duration) -> Result<(), String> {
+fn syn_probe(path: VipPath, timeout: Duration) -> Result<(), VipProbeError> {
     let domain = if path.vip.is_ipv4() {
         libc::AF_INET
     } else {
         libc::AF_INET6
     };
+    let socket_error = |what| move |error| VipProbeError::Socket { what, error };
     // Opened before the SYN goes: its answer must not arrive before we listen.
-    let raw = socket(domain, libc::SOCK_RAW, i32::from(PROTO_TCP))
-        .map_err(|e| format!("raw socket: {e}"))?;
-    let reserved = reserve_port(path.source).map_err(|e| format!("source port: {e}"))?;
+    let raw =
+        socket(domain, libc::SOCK_RAW, i32::from(PROTO_TCP)).map_err(socket_error("raw socket"))?;
+    let reserved = reserve_port(path.source).map_err(socket_error("source port"))?;
     // Bound but not listening: the kernel sends RST to the SYN-ACK, and the port is ours.
-    let source = reserved
-        .local_addr()
-        .map_err(|e| format!("source port: {e}"))?;
+    let source = reserved.local_addr().map_err(socket_error("source port"))?;
     let seq = fastrand::u32(..);
-    send_to_backend(&path, &tcp_syn(source, path.vip, seq))
-        .map_err(|e| format!("sending the SYN: {e}"))?;
+    send_to_backend(&path, &tcp_syn(source, path.vip, seq)).map_err(|error| {
+        VipProbeError::Send {
+            what: "the SYN",
+            error,
+        }
+    })?;
     let mut buffer = [0u8; 2048];
     let answer = wait_for(timeout, "no SYN-ACK from the VIP", |left| {
         set_receive_timeout(&raw, left)?;
@@ -386,7 +426,7 @@ fn syn_probe(path: VipPath, timeout: Duration) -> Result<(), String> {
     })?;
     match answer {
         SynAnswer::SynAck => Ok(()),
-        SynAnswer::Reset => Err("connection refused by the VIP".into()),
+        SynAnswer::Reset => Err(VipProbeError::Refused),
     }
 }
 
@@ -394,17 +434,14 @@ fn syn_probe(path: VipPath, timeout: Duration) -> Result<(), String> {
 /// `timeout` passes; `read` is given the time left. Says `missing` when none came.
 fn wait_for<T>(
     timeout: Duration,
-    missing: &str,
+    missing: &'static str,
     mut read: impl FnMut(Duration) -> io::Result<Option<T>>,
-) -> Result<T, String> {
+) -> Result<T, VipProbeError> {
     let deadline = Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(format!(
-                "{missing} within {}",
-                humantime::format_duration(timeout)
-            ));
+            return Err(VipProbeError::NoAnswer { missing, timeout });
         }
         match read(left) {
             Ok(Some(found)) => return Ok(found),
@@ -414,21 +451,31 @@ fn wait_for<T>(
                     e.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) => {}
-            Err(e) => return Err(format!("receiving the answer: {e}")),
+            Err(e) => return Err(VipProbeError::Receive(e)),
         }
     }
 }
 
 /// A datagram to the VIP through the backend and its reply from the VIP, blocking: up to
 /// `timeout`. Returns the reply.
-fn datagram_probe(path: VipPath, payload: &[u8], timeout: Duration) -> Result<Vec<u8>, String> {
-    let socket = std::net::UdpSocket::bind(SocketAddr::new(path.source, 0))
-        .map_err(|e| format!("udp socket: {e}"))?;
-    let source = socket
-        .local_addr()
-        .map_err(|e| format!("udp socket: {e}"))?;
-    send_to_backend(&path, &udp_datagram(source, path.vip, payload))
-        .map_err(|e| format!("sending the datagram: {e}"))?;
+fn datagram_probe(
+    path: VipPath,
+    payload: &[u8],
+    timeout: Duration,
+) -> Result<Vec<u8>, VipProbeError> {
+    let socket_error = |error| VipProbeError::Socket {
+        what: "udp socket",
+        error,
+    };
+    let socket =
+        std::net::UdpSocket::bind(SocketAddr::new(path.source, 0)).map_err(socket_error)?;
+    let source = socket.local_addr().map_err(socket_error)?;
+    send_to_backend(&path, &udp_datagram(source, path.vip, payload)).map_err(|error| {
+        VipProbeError::Send {
+            what: "the datagram",
+            error,
+        }
+    })?;
     let mut buffer = vec![0u8; 4096];
     wait_for(timeout, "no reply from the VIP", |left| {
         socket.set_read_timeout(Some(left))?;
@@ -440,28 +487,26 @@ fn datagram_probe(path: VipPath, payload: &[u8], timeout: Duration) -> Result<Ve
 }
 
 /// One check of `config` through the VIP along `path`.
-pub async fn check_via_vip(config: &HealthConfig, path: VipPath) -> Result<(), String> {
+pub async fn check_via_vip(config: &HealthConfig, path: VipPath) -> Result<(), VipProbeError> {
     let (config, timeout) = (config.clone(), config.timeout);
     tokio::task::spawn_blocking(move || match config.kind {
         HealthKind::Tcp => syn_probe(path, timeout),
         HealthKind::Udp => {
             let payload = config.send.as_deref().unwrap_or("").as_bytes();
             let reply = datagram_probe(path, payload, timeout)?;
-            probe::check_udp_reply(&config, &reply).map_err(|e| e.to_string())
+            Ok(probe::check_udp_reply(&config, &reply)?)
         }
         HealthKind::Dns => {
-            let query = probe::dns_query(&config, fastrand::u16(..)).map_err(|e| e.to_string())?;
-            let bytes = probe::encode(&query).map_err(|e| e.to_string())?;
+            let query = probe::dns_query(&config, fastrand::u16(..))?;
+            let bytes = probe::encode(&query)?;
             let reply = datagram_probe(path, &bytes, timeout)?;
-            probe::check_dns_reply(&query, &reply).map_err(|e| e.to_string())
+            Ok(probe::check_dns_reply(&query, &reply)?)
         }
-        HealthKind::Http | HealthKind::Https | HealthKind::None => Err(format!(
-            "{} checks through the VIP are not supported",
-            config.kind
-        )),
+        kind @ (HealthKind::Http | HealthKind::Https | HealthKind::None) => {
+            Err(VipProbeError::Unsupported(kind))
+        }
     })
-    .await
-    .map_err(|e| format!("check task: {e}"))?
+    .await?
 }
 
 /// The interface's own address of `family`'s kind (the first global one), to send

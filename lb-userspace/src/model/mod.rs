@@ -263,17 +263,17 @@ impl BackendState {
         )
     }
 
-    /// Takes an agent's answer (or why there was none usable). Returns whether the
-    /// tables may change.
+    /// Takes an agent's answer (or why there was none usable, kept in its words for
+    /// status). Returns whether the tables may change.
     pub fn record_agent(
         &mut self,
-        answer: Result<weights::AgentReport, String>,
+        answer: Result<weights::AgentReport, impl std::fmt::Display>,
         now: Instant,
     ) -> bool {
         let report = match answer {
             Ok(report) => report,
             Err(error) => {
-                self.agent.error = Some(error);
+                self.agent.error = Some(error.to_string());
                 return false;
             }
         };

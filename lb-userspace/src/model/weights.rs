@@ -95,10 +95,23 @@ pub enum AgentHealth {
 /// The largest weight share an agent may ask for (HAProxy caps weights at 256).
 pub const AGENT_MAX_PERCENT: u32 = 1000;
 
+/// Why an agent's answer changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AgentReplyError {
+    #[error("{word:?} is not a weight like \"75%\"")]
+    NotAWeight { word: String },
+    #[error("{word:?} is above {AGENT_MAX_PERCENT}% of the configured weight")]
+    AboveMax { word: String },
+    #[error("unknown word {word:?}")]
+    UnknownWord { word: String },
+    #[error("an empty answer")]
+    Empty,
+}
+
 /// Parses one line of an agent's answer: words separated by spaces, tabs or commas, in
 /// any order; everything after `#` is a description and ignored. A word lb does not know
 /// makes the whole answer malformed: it then changes nothing.
-pub fn parse_agent_reply(line: &str) -> Result<AgentReport, String> {
+pub fn parse_agent_reply(line: &str) -> Result<AgentReport, AgentReplyError> {
     let words = line.split('#').next().unwrap_or("");
     let mut report = AgentReport::default();
     let mut any = false;
@@ -111,11 +124,9 @@ pub fn parse_agent_reply(line: &str) -> Result<AgentReport, String> {
         if let Some(number) = lower.strip_suffix('%') {
             let percent: u32 = number
                 .parse()
-                .map_err(|_| format!("{word:?} is not a weight like \"75%\""))?;
+                .map_err(|_| AgentReplyError::NotAWeight { word: word.into() })?;
             if percent > AGENT_MAX_PERCENT {
-                return Err(format!(
-                    "{word:?} is above {AGENT_MAX_PERCENT}% of the configured weight"
-                ));
+                return Err(AgentReplyError::AboveMax { word: word.into() });
             }
             report.weight_percent = Some(percent);
             continue;
@@ -126,11 +137,11 @@ pub fn parse_agent_reply(line: &str) -> Result<AgentReport, String> {
             "maint" => report.admin = Some(AdminState::Maint),
             "up" => report.health = Some(AgentHealth::Up),
             "down" | "fail" | "failed" | "stopped" => report.health = Some(AgentHealth::Down),
-            _ => return Err(format!("unknown word {word:?}")),
+            _ => return Err(AgentReplyError::UnknownWord { word: word.into() }),
         }
     }
     if !any {
-        return Err("an empty answer".into());
+        return Err(AgentReplyError::Empty);
     }
     Ok(report)
 }
@@ -331,18 +342,40 @@ mod tests {
         assert_eq!(parse("ready up").admin, Some(AdminState::Ready));
         assert_eq!(parse("up\t100%").health, Some(AgentHealth::Up));
         assert_eq!(parse("stopped # deploying").health, Some(AgentHealth::Down));
-        for bad in [
-            "",
-            "   ",
-            "# only a comment",
-            "75",
-            "x%",
-            "-5%",
-            "2000%",
-            "ready sideways",
+        let word = |w: &str| w.to_string();
+        for (bad, why) in [
+            ("", AgentReplyError::Empty),
+            ("   ", AgentReplyError::Empty),
+            ("# only a comment", AgentReplyError::Empty),
+            ("75", AgentReplyError::UnknownWord { word: word("75") }),
+            ("x%", AgentReplyError::NotAWeight { word: word("x%") }),
+            ("-5%", AgentReplyError::NotAWeight { word: word("-5%") }),
+            (
+                "2000%",
+                AgentReplyError::AboveMax {
+                    word: word("2000%"),
+                },
+            ),
+            (
+                "ready sideways",
+                AgentReplyError::UnknownWord {
+                    word: word("sideways"),
+                },
+            ),
         ] {
-            assert!(parse_agent_reply(bad).is_err(), "{bad:?} must be malformed");
+            assert_eq!(
+                parse_agent_reply(bad),
+                Err(why),
+                "{bad:?} must be malformed"
+            );
         }
+        assert_eq!(
+            AgentReplyError::AboveMax {
+                word: word("2000%")
+            }
+            .to_string(),
+            "\"2000%\" is above 1000% of the configured weight"
+        );
     }
 
     /// Status JSON keeps the words it had as a string: "configured", or the rules.

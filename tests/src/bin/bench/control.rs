@@ -192,9 +192,7 @@ pub fn scan(entries: u32, rounds: usize) -> Result<(Table, Value)> {
         &format!("conntrack_entries = {entries}"),
     );
     let mut inst = Instance::load(&config)?;
-    let vip: lb_userspace::explain::VipTarget = "10.0.0.100:80/tcp"
-        .parse()
-        .map_err(|e: String| anyhow!(e))?;
+    let vip: lb_userspace::explain::VipTarget = "10.0.0.100:80/tcp".parse()?;
     // The LRU keeps per-CPU lists (BPF_F_NO_COMMON_LRU): an insert takes room from its
     // own CPU's share, so the table is filled from every CPU in turn, as traffic would.
     let me = nix::unistd::Pid::from_raw(0);
