@@ -17,20 +17,7 @@ const VIP: &str = "10.92.0.100:80/tcp";
 
 /// A namespace with a veth pair `lbc0`/`lbc1` up, `lbc0` addressed.
 fn namespace() -> Netns {
-    let ns = Netns::new("cap").expect("create a namespace");
-    for args in [
-        &[
-            "link", "add", "lbc0", "type", "veth", "peer", "name", "lbc1",
-        ][..],
-        &["link", "set", "lbc0", "up"],
-        &["link", "set", "lbc1", "up"],
-        &["addr", "add", "10.92.0.2/24", "dev", "lbc0"],
-    ] {
-        let mut full = vec!["-n", ns.name()];
-        full.extend_from_slice(args);
-        lb_tests::netns::ip(&full).expect("set up the veth pair");
-    }
-    ns
+    Netns::with_veth("cap", ["lbc0", "lbc1"], "10.92.0.2/24").expect("create a namespace")
 }
 
 /// Writes the agent's config: `max_backends`, pins in `pins`, one unchecked VIP with the

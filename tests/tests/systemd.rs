@@ -151,7 +151,7 @@ impl Container {
                 self.systemd = child_of(self.unshare.id()).unwrap_or(0);
             } else {
                 let out = self.run(&["systemctl", "is-system-running"]);
-                last = text(&out);
+                last = String::from_utf8_lossy(&out.stdout).into_owned();
                 if matches!(last.trim(), "running" | "degraded") {
                     return Ok(());
                 }
@@ -388,6 +388,14 @@ fn the_packaged_unit_starts_the_agent_under_a_real_systemd() {
     assert_eq!(result.trim(), "success", "{}", container.journal());
     let link = container.ok(&["ip", "-d", "link", "show", "lbs0"]);
     assert!(link.contains("xdpgeneric"), "stopping detached: {link}");
+    // The unit's own mount namespace (ProtectSystem=) still pins on the host's bpffs,
+    // and the agent knows it.
+    let journal = container.journal();
+    assert!(
+        journal.contains("the program stays attached to lbs0")
+            && !journal.contains("only this process's mount namespace"),
+        "{journal}"
+    );
 
     // A purge takes the data path off.
     container.ok(&["dpkg", "--purge", "lb"]);
