@@ -1,7 +1,8 @@
 //! The package's hardened unit under a real systemd. PID 1 here is not systemd, so the
 //! test boots one: systemd as PID 1 of new PID, mount, cgroup and network namespaces,
 //! on an overlay of the host's root (what it writes goes to a tmpfs), with a cgroup2
-//! hierarchy of its own subtree, booting a target that starts nothing. The package is
+//! hierarchy of its own subtree, a /dev of its own and the kernel's variables read-only
+//! (some are global), booting a target that starts nothing. The package is
 //! installed there with `dpkg -i` (its maintainer scripts run against that systemd), the
 //! agent started by `systemctl start lb` on a veth of the container's own namespace, and
 //! the unit's bounds read from the running agent. Killing that PID 1 ends everything it
@@ -33,7 +34,21 @@ mount -t proc proc "$R/proc"
 mount -t sysfs sysfs "$R/sys"
 mount -t cgroup2 cgroup2 "$R/sys/fs/cgroup"
 mount -t bpf bpf "$R/sys/fs/bpf"
-mount --rbind /dev "$R/dev"
+# A /dev of its own (systemd makes its static nodes there, not in the host's), with the
+# host's few character devices a system needs.
+mount -t tmpfs -o mode=755 tmpfs "$R/dev"
+for node in null zero full random urandom tty; do
+    touch "$R/dev/$node"
+    mount --bind "/dev/$node" "$R/dev/$node"
+done
+mkdir "$R/dev/pts" "$R/dev/shm"
+mount -t devpts -o newinstance,ptmxmode=0666 devpts "$R/dev/pts"
+ln -s pts/ptmx "$R/dev/ptmx"
+mount -t tmpfs tmpfs "$R/dev/shm"
+# Read-only kernel variables: some are the host's, not the namespaces' (systemd-sysctl
+# then skips itself).
+mount --bind "$R/proc/sys" "$R/proc/sys"
+mount -o remount,bind,ro "$R/proc/sys"
 mount -t tmpfs tmpfs "$R/run"
 mount -t tmpfs tmpfs "$R/tmp"
 cp "$DEB" "$R/var/tmp/lb.deb"
@@ -41,7 +56,7 @@ mkdir -p "$R/etc/systemd/system"
 printf '[Unit]\nDescription=lb test boot\nDefaultDependencies=no\n' \
     > "$R/etc/systemd/system/lb-test.target"
 exec chroot "$R" /usr/bin/env container=lb-test \
-    /lib/systemd/systemd --unit=lb-test.target --log-target=null
+    /lib/systemd/systemd --unit=lb-test.target --log-target=null --show-status=false
 "#;
 
 /// The agent's configuration in the container: one VIP on the container's veth.
