@@ -24,7 +24,8 @@ use core::mem::size_of;
 
 /// Most VIPs one data path serves; sizes `LB_VIPS` and the per-VIP stats.
 pub const MAX_VIPS: u32 = 256;
-/// Most backends over all VIPs; sizes `LB_BACKENDS` and the per-backend stats.
+/// Default of `dataplane.max_backends` (backend ids over all VIPs): the compiled size of
+/// `LB_BACKENDS` and the other maps indexed by backend id, which the agent sets at load.
 pub const MAX_BACKENDS: u32 = 4096;
 /// Default Maglev table size (a prime), per VIP.
 pub const DEFAULT_MAGLEV_SIZE: u32 = 65537;

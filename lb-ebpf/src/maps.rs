@@ -42,7 +42,10 @@ pub static LB_VIP_SLOTS: Array<VipSlot> = Array::with_max_entries(lb_common::VIP
 #[map(name = "LB_MAGLEV")]
 pub static LB_MAGLEV: Array<u32> = Array::with_max_entries(1, 0);
 
-/// backend id -> BackendInfo (its MAC, and how it is reached: L2 or a tunnel). Written by the agent; MAX_BACKENDS entries.
+/// backend id -> BackendInfo (its MAC, and how it is reached: L2 or a tunnel). Written by
+/// the agent. Every map indexed or keyed by backend id is resized at load time to
+/// `dataplane.max_backends` (MAX_BACKENDS is its default); the program only looks ids up,
+/// so the kernel's bounds check against the loaded size is the only one.
 #[map(name = "LB_BACKENDS")]
 pub static LB_BACKENDS: Array<BackendInfo> = Array::with_max_entries(MAX_BACKENDS, 0);
 
@@ -58,6 +61,7 @@ pub static LB_TX_PORTS: DevMap = DevMap::with_max_entries(MAX_EGRESS, 0);
 
 /// backend id -> egress index (u32): the interface that reaches the backend or its next
 /// hop. Written by the agent with every backend; read only with several interfaces.
+/// Resized at load, as LB_BACKENDS.
 #[map(name = "LB_BE_EGRESS")]
 pub static LB_BACKEND_EGRESS: Array<u32> = Array::with_max_entries(MAX_BACKENDS, 0);
 
@@ -81,7 +85,8 @@ pub static LB_STATS: PerCpuArray<Outcomes> = PerCpuArray::with_max_entries(1, 0)
 #[map(name = "LB_VIP_STATS")]
 pub static LB_VIP_STATS: PerCpuArray<TrafficCounters> = PerCpuArray::with_max_entries(MAX_VIPS, 0);
 
-/// backend id -> traffic counters, per CPU. Read by the agent.
+/// backend id -> traffic counters, per CPU. Read by the agent. Resized at load, as
+/// LB_BACKENDS.
 #[map(name = "LB_BE_STATS")]
 pub static LB_BACKEND_STATS: PerCpuArray<TrafficCounters> =
     PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
@@ -151,7 +156,7 @@ pub fn hot_source(vip_id: u32, addr: [u8; 16], family: u8) -> bool {
 
 /// `quic::ServerKey` (VIP, server ID) -> backend id: where a QUIC short header whose
 /// connection ID carries the ID goes. Written by the agent for VIPs with `quic`;
-/// QUIC_ID_ENTRIES entries.
+/// resized at load to `dataplane.max_backends` (one server ID per backend at most).
 #[map(name = "LB_QUIC_IDS")]
 pub static LB_QUIC_IDS: HashMap<ServerKey, u32> = HashMap::with_max_entries(QUIC_ID_ENTRIES, 0);
 
@@ -238,7 +243,7 @@ pub static LB_NEXT: ProgramArray = ProgramArray::with_max_entries(1, 0);
 pub static LB_META: Array<u64> = Array::with_max_entries(lb_common::meta::COUNT, 0);
 
 /// backend id -> BackendIdentity (address, VIP). Written and read by the agent only
-/// (restart adoption); MAX_BACKENDS entries.
+/// (restart adoption). Resized at load, as LB_BACKENDS.
 #[map(name = "LB_BACKEND_IDS")]
 pub static LB_BACKEND_IDS: Array<BackendIdentity> = Array::with_max_entries(MAX_BACKENDS, 0);
 

@@ -316,7 +316,8 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         }
     };
     // The pinned maps' VIP capacity, which may exceed what this config needs.
-    let mut model = new_model(dataplane.options().vip_capacity);
+    let mut model = new_model(dataplane.options().vip_capacity)
+        .with_backend_capacity(dataplane.options().max_backends);
     if let Some(adopted) = &start_from {
         model.adopt(adopted);
     }

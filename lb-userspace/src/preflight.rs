@@ -159,6 +159,7 @@ fn run_one(
             vip_capacity(config.vips.len()),
             config.dataplane.flow_idle_timeout,
         )
+        .with_backend_capacity(config.dataplane.max_backends)
         .update(config)
         .map_err(|error| invalid("vip", error.to_string())),
         (Check::InterfaceAddresses, Some(interface), _) => {

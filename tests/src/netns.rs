@@ -38,6 +38,24 @@ impl Netns {
         Ok(ns)
     }
 
+    /// A namespace with a veth pair `ends` up and `address` (with its prefix) on the
+    /// first: a data-path interface for tests that need no peers behind it.
+    pub fn with_veth(role: &str, ends: [&str; 2], address: &str) -> Result<Netns> {
+        let ns = Netns::new(role)?;
+        let [first, second] = ends;
+        for args in [
+            &["link", "add", first, "type", "veth", "peer", "name", second][..],
+            &["link", "set", first, "up"],
+            &["link", "set", second, "up"],
+            &["addr", "add", address, "dev", first],
+        ] {
+            let mut full = vec!["-n", ns.name()];
+            full.extend_from_slice(args);
+            ip(&full)?;
+        }
+        Ok(ns)
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

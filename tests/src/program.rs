@@ -39,7 +39,8 @@ impl Instance {
             config.dataplane.maglev_table_size,
             vip_capacity(config.vips.len()),
             config.dataplane.flow_idle_timeout,
-        );
+        )
+        .with_backend_capacity(dataplane.options().max_backends);
         let writer = TableWriter::new(config.dataplane.maglev_table_size);
         let mut instance = Instance {
             dataplane,

@@ -132,6 +132,24 @@ fn lb_check_and_run_refuse_bad_files_with_exit_2_naming_the_field() {
             good.replacen("maglev_table_size = 251", "maglev_table_size = 250", 1),
             "maglev_table_size",
         ),
+        (
+            "backend capacity",
+            good.replacen(
+                "maglev_table_size = 251",
+                "maglev_table_size = 251\nmax_backends = 0",
+                1,
+            ),
+            "dataplane.max_backends",
+        ),
+        (
+            "more backends than max_backends",
+            good.replacen(
+                "maglev_table_size = 251",
+                "maglev_table_size = 251\nmax_backends = 1",
+                1,
+            ),
+            "raise dataplane.max_backends",
+        ),
         ("syntax", format!("{good}\n[[vip]\n"), "TOML"),
         (
             "backend at the VIP",

@@ -960,7 +960,7 @@ fn reload_refuses_a_broken_file_and_applies_a_good_one() {
 }
 
 /// Every setting fixed at start, changed in the file: `lb reload` refuses it naming the
-/// field, and nothing changes (status, traffic, the agent's own config). Twelve fields,
+/// field, and nothing changes (status, traffic, the agent's own config). Thirteen fields,
 /// one agent: each variant is the running file plus one change.
 #[test]
 fn reload_refuses_each_setting_fixed_at_start_and_changes_nothing() {
@@ -1001,6 +1001,7 @@ fn reload_refuses_each_setting_fixed_at_start_and_changes_nothing() {
             "dataplane.conntrack_entries",
             dataplane("conntrack_entries = 4096"),
         ),
+        ("dataplane.max_backends", dataplane("max_backends = 8192")),
         (
             "dataplane.flow_idle_timeout",
             dataplane("flow_idle_timeout = \"17s\""),

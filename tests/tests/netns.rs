@@ -13,20 +13,7 @@ use lb_tests::{agent::CliOutput, require_e2e, skip};
 
 /// A namespace with a veth pair `lbn0`/`lbn1` up, `lbn0` addressed.
 fn namespace(role: &str) -> Netns {
-    let ns = Netns::new(role).expect("create a namespace");
-    for args in [
-        &[
-            "link", "add", "lbn0", "type", "veth", "peer", "name", "lbn1",
-        ][..],
-        &["link", "set", "lbn0", "up"],
-        &["link", "set", "lbn1", "up"],
-        &["addr", "add", "10.91.0.2/24", "dev", "lbn0"],
-    ] {
-        let mut full = vec!["-n", ns.name()];
-        full.extend_from_slice(args);
-        lb_tests::netns::ip(&full).expect("set up the veth pair");
-    }
-    ns
+    Netns::with_veth(role, ["lbn0", "lbn1"], "10.91.0.2/24").expect("create a namespace")
 }
 
 /// `ip netns exec NS lb ARGS...`, to completion.

@@ -201,7 +201,18 @@ fn doctor_checks_the_lab_and_fixes_its_offloads() {
     }
     assert_line(&out, "driver", "ok", &["veth"]);
     assert_line(&out, "veth-peer", "ok", &["p-lb", "xdp_pass"]);
-    assert_line(&out, "veth-checksum", "warn", &["tx off"]);
+    // The peer is in the switch's namespace, read there: a bridge port with tx checksum
+    // offload on (veth's default).
+    assert_line(
+        &out,
+        "veth-checksum",
+        "warn",
+        &[
+            "peer p-lb (netns id",
+            "offload on",
+            "`ethtool -K p-lb tx off` in its namespace",
+        ],
+    );
     assert_line(&out, "vlan-offload", "warn", &["rx-vlan-hw-parse", "--fix"]);
 
     let json = doctor(&lab, &bin, &path, &["--json"]);
@@ -233,6 +244,18 @@ fn doctor_checks_the_lab_and_fixes_its_offloads() {
     assert!(
         features.contains("rx-vlan-offload: off"),
         "ethtool still shows:\n{features}"
+    );
+
+    // Turned off there, as the warning says: the warning clears.
+    lab.switch()
+        .exec("ethtool", &["-K", "p-lb", "tx", "off"])
+        .expect("ethtool -K p-lb tx off in the switch");
+    let cleared = doctor(&lab, &bin, &path, &[]);
+    assert_line(
+        &cleared,
+        "veth-checksum",
+        "ok",
+        &["peer p-lb (netns id", "the bridge port", "offload off"],
     );
 }
 

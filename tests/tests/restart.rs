@@ -338,7 +338,7 @@ fn every_incompatible_pin_is_refused_with_its_reason_and_replaced() {
     // (what differs, how the pins are changed after the first agent, the second agent's
     // options, the reason expected at its start)
     type Tamper = fn(&Path);
-    let cases: [(&str, Tamper, LoadOptions, String); 5] = [
+    let cases: [(&str, Tamper, LoadOptions, String); 6] = [
         (
             "layout version",
             |dir| {
@@ -359,6 +359,17 @@ fn every_incompatible_pin_is_refused_with_its_reason_and_replaced() {
                 ..base
             },
             "pinned conntrack_entries is 1024, this agent needs 2048".into(),
+        ),
+        (
+            "max_backends",
+            |_| {},
+            LoadOptions {
+                max_backends: 8,
+                ..base
+            },
+            "pinned backend capacity is 4096, this configuration asks for \
+             dataplane.max_backends = 8"
+                .into(),
         ),
         (
             "interface index",
@@ -443,6 +454,7 @@ fn small_load_options() -> lb_userspace::dataplane::LoadOptions {
         vip_capacity: 16,
         iface_mac: [2, 0, 0, 0, 0, 1],
         conntrack_entries: 1024,
+        max_backends: 4096,
         flow_idle: Duration::from_secs(30),
         conntrack_insert_limit: 0,
         capture_rate: 0,

@@ -14,9 +14,13 @@ use super::{ConfigError, invalid};
 /// Smallest accepted `dataplane.maglev_table_size`.
 pub const MIN_MAGLEV_TABLE_SIZE: u32 = 7;
 /// Largest accepted `dataplane.maglev_table_size`: the smallest prime above 2^22
-/// (16 MiB per table of u32 slots). Far more slots than [`MAX_BACKENDS`] already
+/// (16 MiB per table of u32 slots). Far more slots than backends (`max_backends`) already
 /// balance evenly; larger tables would only cost map memory and rebuild time.
 pub const MAX_MAGLEV_TABLE_SIZE: u32 = 4_194_319;
+
+/// Largest accepted `dataplane.max_backends`: the embryonic table (`lb_common::Embryo`)
+/// keeps a backend id in 16 bits.
+pub const MAX_MAX_BACKENDS: u32 = 1 << 16;
 
 /// Linux interface names are at most IFNAMSIZ - 1 bytes.
 const MAX_INTERFACE_NAME: usize = 15;
@@ -40,6 +44,12 @@ pub struct DataplaneConfig {
     pub maglev_table_size: u32,
     #[serde(default = "default_conntrack_entries")]
     pub conntrack_entries: u32,
+    /// Backend ids over all VIPs: sizes the backend maps when the program is loaded, and
+    /// the ids the agent hands out (removed backends' ids are held for
+    /// `flow_idle_timeout` before reuse, so a blue/green swap of a pool needs room for
+    /// both pools for that long).
+    #[serde(default = "default_max_backends")]
+    pub max_backends: u32,
     /// A UDP flow not seen for this long is balanced afresh; a flow (TCP or UDP) not seen
     /// for this long no longer counts as active (draining completes without it).
     #[serde(default = "default_flow_idle_timeout", with = "duration")]
@@ -151,6 +161,10 @@ fn default_maglev_table_size() -> u32 {
     lb_common::DEFAULT_MAGLEV_SIZE
 }
 
+fn default_max_backends() -> u32 {
+    lb_common::MAX_BACKENDS
+}
+
 fn default_conntrack_entries() -> u32 {
     lb_common::DEFAULT_CONNTRACK_ENTRIES
 }
@@ -256,6 +270,16 @@ impl DataplaneConfig {
         }
         if self.conntrack_entries == 0 {
             return Err(invalid("dataplane.conntrack_entries", "must be at least 1"));
+        }
+        if !(1..=MAX_MAX_BACKENDS).contains(&self.max_backends) {
+            return Err(invalid(
+                "dataplane.max_backends",
+                format!(
+                    "{} is outside 1..={MAX_MAX_BACKENDS} (the data path keeps a backend id \
+                     in 16 bits)",
+                    self.max_backends
+                ),
+            ));
         }
         Ok(())
     }
@@ -403,6 +427,23 @@ mod tests {
             rejected_field(|c| c.dataplane.conntrack_entries = 0),
             "dataplane.conntrack_entries"
         );
+    }
+
+    #[test]
+    fn max_backends_within_bounds() {
+        assert_eq!(minimal().dataplane.max_backends, lb_common::MAX_BACKENDS);
+        for max in [1, 8, MAX_MAX_BACKENDS] {
+            let mut config = minimal();
+            config.dataplane.max_backends = max;
+            config.validate().unwrap();
+        }
+        for max in [0, MAX_MAX_BACKENDS + 1] {
+            assert_eq!(
+                rejected_field(|c| c.dataplane.max_backends = max),
+                "dataplane.max_backends",
+                "{max}"
+            );
+        }
     }
 
     #[test]

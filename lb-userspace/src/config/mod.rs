@@ -64,7 +64,7 @@ pub use vip::{
 
 /// Most VIPs one agent serves; the data path's maps are sized for this.
 pub const MAX_VIPS: usize = lb_common::MAX_VIPS as usize;
-/// Most backends over all VIPs together; the data path's maps are sized for this.
+/// Most backends over all VIPs together by default (`dataplane.max_backends`).
 pub const MAX_BACKENDS: usize = lb_common::MAX_BACKENDS as usize;
 
 /// Largest configuration file read: a real one is a few KiB (a thousand backends are
@@ -182,6 +182,7 @@ impl Config {
                 "dataplane.conntrack_entries",
                 d.conntrack_entries != n.conntrack_entries,
             ),
+            ("dataplane.max_backends", d.max_backends != n.max_backends),
             (
                 "dataplane.flow_idle_timeout",
                 d.flow_idle_timeout != n.flow_idle_timeout,
@@ -288,12 +289,13 @@ impl Config {
                 ));
             }
             total_backends += vip.backends.len();
-            if total_backends > MAX_BACKENDS {
+            let max = self.dataplane.max_backends as usize;
+            if total_backends > max {
                 return Err(invalid(
                     format!("{at}.backend"),
                     format!(
-                        "more than {MAX_BACKENDS} backends in total over all VIPs \
-                         ({total_backends} up to this VIP)"
+                        "more than {max} backends in total over all VIPs \
+                         ({total_backends} up to this VIP): raise dataplane.max_backends"
                     ),
                 ));
             }
@@ -323,6 +325,7 @@ mod tests {
                 xdp_mode: XdpModeSetting::Auto,
                 maglev_table_size: 65537,
                 conntrack_entries: 1_048_576,
+                max_backends: 4096,
                 flow_idle_timeout: Duration::from_secs(30),
                 conntrack_insert_limit: 100_000,
                 pin_path: None,
@@ -771,5 +774,20 @@ state = "drain"
             config.validate(),
             Err(ConfigError::Invalid { field, .. }) if field == "vip[1].backend"
         ));
+
+        // A smaller data path holds fewer; a larger one more.
+        config.dataplane.max_backends = 8;
+        config.vips[0].backends = backends(4);
+        config.vips[1].backends = backends(4);
+        config.validate().unwrap();
+        config.vips[1].backends = backends(5);
+        assert!(matches!(
+            config.validate(),
+            Err(ConfigError::Invalid { field, reason })
+                if field == "vip[1].backend" && reason.contains("dataplane.max_backends")
+        ));
+        config.dataplane.max_backends = 10_000;
+        config.vips[1].backends = backends(MAX_BACKENDS);
+        config.validate().unwrap();
     }
 }

@@ -19,8 +19,8 @@ use lb_common::{
     MAP_BACKEND_EGRESS, MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE,
     MAP_CONNTRACK, MAP_EGRESS, MAP_EGRESS_STATS, MAP_EMBRYONIC, MAP_EXPORT, MAP_HOT_SOURCES,
     MAP_MAGLEV, MAP_META, MAP_NEXT, MAP_QUIC_IDS, MAP_QUIC_STATS, MAP_SOURCES, MAP_STATS,
-    MAP_TUNNEL, MAP_TX_PORTS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, MAX_BACKENDS, Outcomes,
-    SourceKey, TABLE_GENERATIONS, TrafficCounters, TunnelConfig, VipInfo, VipKey,
+    MAP_TUNNEL, MAP_TX_PORTS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, Outcomes, SourceKey,
+    TABLE_GENERATIONS, TrafficCounters, TunnelConfig, VipInfo, VipKey,
     quic::{QuicCounters, ServerKey},
     stat,
 };
@@ -40,6 +40,15 @@ use super::{
 use crate::config::XdpModeSetting;
 
 mod ports;
+
+/// The maps sized by `dataplane.max_backends` (one entry per backend id at most).
+const BACKEND_MAPS: [&str; 5] = [
+    MAP_BACKENDS,
+    MAP_BACKEND_IDS,
+    MAP_BACKEND_STATS,
+    MAP_BACKEND_EGRESS,
+    MAP_QUIC_IDS,
+];
 
 /// How long a link whose pin was removed may take to leave its interface before an
 /// attach in its place gives up (the kernel frees a released link deferred).
@@ -131,7 +140,13 @@ impl AyaDataplane {
                 // through the old maps while they are still pinned, so the new tables are
                 // not empty while health checks start again. Unreadable (another layout):
                 // backends start as a fresh agent's do.
-                previous = Self::load_with(object, options, Some(dir))
+                // Loaded at the pinned maps' backend capacity, so every old id is read.
+                let pinned = LoadOptions {
+                    max_backends: pins::pinned_backend_capacity(dir)
+                        .unwrap_or(options.max_backends),
+                    ..options
+                };
+                previous = Self::load_with(object, pinned, Some(dir))
                     .and_then(|old| old.adopted(0))
                     .ok()
                     .map(|adopted| Adopted {
@@ -238,6 +253,11 @@ impl AyaDataplane {
             .override_global(lb_common::GLOBAL_EGRESS_COUNT, &options.egress_count, true)
             .map_max_entries(MAP_MAGLEV, maglev_entries)
             .map_max_entries(MAP_CONNTRACK, options.conntrack_entries);
+        // Every map indexed or keyed by backend id; the program only looks them up, so
+        // the kernel's bounds check against the loaded size is the only one.
+        for name in BACKEND_MAPS {
+            loader.map_max_entries(name, options.max_backends);
+        }
         if let Some(dir) = pins {
             for name in PINNED_MAPS {
                 loader.map_pin_path(name, dir.join(name));
@@ -274,7 +294,7 @@ impl AyaDataplane {
             vips: self.vips.read()?,
             ..Adopted::default()
         };
-        for id in 0..MAX_BACKENDS {
+        for id in 0..self.options.max_backends {
             let identity = self
                 .identities
                 .get(&id, 0)
@@ -836,7 +856,7 @@ impl Dataplane for AyaDataplane {
         info: &BackendInfo,
         identity: &BackendIdentity,
     ) -> Result<(), DataplaneError> {
-        debug_assert!(id < MAX_BACKENDS);
+        debug_assert!(id < self.options.max_backends);
         self.identities
             .set(id, identity, 0)
             .map_err(in_map(MAP_BACKEND_IDS))?;

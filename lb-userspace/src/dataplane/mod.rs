@@ -281,6 +281,8 @@ pub struct LoadOptions {
     pub vip_capacity: u32,
     pub iface_mac: [u8; 6],
     pub conntrack_entries: u32,
+    /// Backend ids over all VIPs (`dataplane.max_backends`): the size of the backend maps.
+    pub max_backends: u32,
     /// UDP entries idle this long are re-balanced.
     pub flow_idle: Duration,
     /// Connection-table inserts per second per CPU; 0: unlimited.
@@ -310,6 +312,7 @@ impl LoadOptions {
             vip_capacity: vip_capacity(config.vips.len()),
             iface_mac,
             conntrack_entries: config.dataplane.conntrack_entries,
+            max_backends: config.dataplane.max_backends,
             flow_idle: config.dataplane.flow_idle_timeout,
             conntrack_insert_limit: config.dataplane.conntrack_insert_limit,
             capture_rate: config.debug.program_rate(),

@@ -111,6 +111,14 @@ fn read_meta(dir: &Path) -> Result<Vec<u64>, String> {
         .collect()
 }
 
+/// How many backend ids the maps pinned in `dir` were sized for (`LB_BACKENDS`'s
+/// entries, as the kernel holds it: `LB_META` predates the setting).
+pub(super) fn pinned_backend_capacity(dir: &Path) -> Result<u32, String> {
+    let map = MapData::from_pin(dir.join(MAP_BACKENDS)).map_err(|e| e.to_string())?;
+    let info = map.info().map_err(|e| e.to_string())?;
+    Ok(info.max_entries())
+}
+
 /// Whether pins recorded for interface index `pinned` are for the interface `options`
 /// name (an unknown index, 0, on either side matches).
 fn same_interface(pinned: u64, options: &LoadOptions) -> bool {
@@ -151,6 +159,20 @@ pub(super) fn inspect_pins(dir: &Path, options: &mut LoadOptions, interface_gone
             return Found::Incompatible(format!(
                 "pinned {what} is {have}, this agent needs {want}"
             ));
+        }
+    }
+    match pinned_backend_capacity(dir) {
+        Ok(have) if have == options.max_backends => {}
+        Ok(have) => {
+            return Found::Incompatible(format!(
+                "pinned backend capacity is {have}, this configuration asks for \
+                 dataplane.max_backends = {}",
+                options.max_backends
+            ));
+        }
+        Err(error) => {
+            let path = dir.join(MAP_BACKENDS);
+            return Found::Incompatible(format!("unreadable {}: {error}", path.display()));
         }
     }
     let pinned_capacity = values[meta::VIP_CAPACITY as usize];

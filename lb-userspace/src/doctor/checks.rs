@@ -988,38 +988,74 @@ fn veth_checksum(link: &Link) -> Finding {
     const NAME: &str = "veth-checksum";
     let note = "native XDP_TX on a veth forwards a frame without the checksum a sender with \
                 tx checksum offload left to the hardware (CHECKSUM_PARTIAL): backends drop such \
-                TCP segments (TcpInCsumErrors). Senders on veths must turn it off: \
-                ethtool -K DEV tx off";
+                TCP segments (TcpInCsumErrors)";
     // Every frame that reaches this veth is sent by its peer, and a device without tx
     // checksum offload gets complete checksums: the kernel computes a CHECKSUM_PARTIAL
     // frame's before it transmits it (validate_xmit_skb). So the peer's offload is the
     // one that counts, also when it is a bridge port that forwards other senders' frames.
-    match &link.peer {
-        Some(peer) if peer.name.is_some() && peer.tx_checksum == Some(false) => {
-            let detail = if peer.enslaved {
+    let (peer, name) = match &link.peer {
+        Some(peer) if peer.name.is_some() => (peer, peer_name(peer)),
+        // Not known: saying so is all that is honest (a warning would never clear).
+        Some(peer) => {
+            return finding(
+                NAME,
+                Level::Ok,
                 format!(
-                    "peer {}, the bridge port every frame to {} leaves by, has tx checksum \
-                     offload off: the kernel completes other senders' checksums before it",
-                    peer_name(peer),
-                    link.name
-                )
-            } else {
-                format!(
-                    "the only sender, peer {}, has tx checksum offload off",
-                    peer_name(peer)
-                )
-            };
-            finding(NAME, Level::Ok, detail)
+                    "not checked: the peer (index {}) is in a network namespace this one has \
+                     no id for; {note}: senders on veths need `ethtool -K DEV tx off`",
+                    peer.index
+                ),
+            );
         }
-        Some(peer) if peer.name.is_some() && peer.tx_checksum.is_none() => finding(
+        None => {
+            return finding(
+                NAME,
+                Level::Ok,
+                format!("not checked: the veth's peer is unknown; {note}"),
+            );
+        }
+    };
+    let role = if peer.enslaved {
+        format!("the bridge port every frame to {} leaves by", link.name)
+    } else {
+        "the only sender".to_string()
+    };
+    match (peer.tx_checksum, &peer.tx_checksum_unread) {
+        (Some(false), _) if peer.enslaved => finding(
+            NAME,
+            Level::Ok,
+            format!(
+                "peer {name}, {role}, has tx checksum offload off: the kernel completes other \
+                 senders' checksums before it"
+            ),
+        ),
+        (Some(false), _) => finding(
+            NAME,
+            Level::Ok,
+            format!("{role}, peer {name}, has tx checksum offload off"),
+        ),
+        (Some(true), _) => finding(
             NAME,
             Level::Warn,
             format!(
-                "cannot read the tx checksum offload of peer {} (another network namespace): \
-                 {note}",
-                peer_name(peer)
+                "peer {name}, {role}, has tx checksum offload on; {note}: `ethtool -K {} tx \
+                 off`{}",
+                peer.name.as_deref().unwrap_or("DEV"),
+                if peer.netns_id.is_some() {
+                    " in its namespace"
+                } else {
+                    ""
+                }
             ),
         ),
-        _ => finding(NAME, Level::Warn, note),
+        (None, why) => finding(
+            NAME,
+            Level::Ok,
+            format!(
+                "not checked: the tx checksum offload of peer {name} could not be read ({}); \
+                 {note}: where it is on, turn it off on the peer (`ethtool -K DEV tx off`)",
+                why.as_deref().unwrap_or("no reason recorded")
+            ),
+        ),
     }
 }

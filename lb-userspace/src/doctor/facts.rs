@@ -270,6 +270,9 @@ pub struct Peer {
     pub attached: Vec<Attached>,
     /// It is a port of a bridge (or bond): frames reach it from other senders.
     pub enslaved: bool,
-    /// Its tx checksum offload, when readable (same namespace only).
+    /// Its tx checksum offload, when readable (in another namespace: read there).
     pub tx_checksum: Option<bool>,
+    /// Why `tx_checksum` could not be read, when it could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tx_checksum_unread: Option<String>,
 }

@@ -17,6 +17,7 @@ use super::{
         PinnedLink, Privileges,
     },
     netlink::Ethtool,
+    peerns,
 };
 use crate::config::Config;
 
@@ -301,11 +302,20 @@ async fn peer(
     peer.name = link_name(&message);
     peer.attached = attached(&message);
     peer.enslaved = enslaved(&message);
-    if netns_id.is_none()
-        && let (Some(ethtool), Some(name)) = (ethtool, &peer.name)
-        && let Some(features) = ethtool.features(name).await
-    {
-        peer.tx_checksum = Some(tx_checksum(&features));
+    let Some(name) = &peer.name else {
+        return peer;
+    };
+    let features = match (netns_id, ethtool) {
+        (Some(id), _) => peerns::features(handle, id, name).await,
+        (None, Some(ethtool)) => ethtool
+            .features(name)
+            .await
+            .ok_or_else(|| format!("ethtool netlink has no features of {name}")),
+        (None, None) => Err("no ethtool netlink socket".into()),
+    };
+    match features {
+        Ok(features) => peer.tx_checksum = Some(tx_checksum(&features)),
+        Err(why) => peer.tx_checksum_unread = Some(why),
     }
     peer
 }

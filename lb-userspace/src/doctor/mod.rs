@@ -8,6 +8,7 @@
 //!   `ethtool` answers in `fixtures/`);
 //! - `gather.rs`: reads the host into facts;
 //! - `netlink.rs`: ethtool's and the netdev family's netlink messages (`--fix` too);
+//! - `peerns.rs`: a veth peer's offloads, read in the peer's own network namespace;
 //! - `dispatcher.rs`: whether the kernel accepts libxdp's dispatcher (`lb doctor` only:
 //!   `lb run` does not need to know).
 
@@ -18,6 +19,7 @@ mod facts;
 mod fixtures;
 mod gather;
 mod netlink;
+mod peerns;
 
 use serde::Serialize;
 

@@ -352,6 +352,8 @@ pub struct IdPool {
     free: VecDeque<(u32, Option<Instant>)>,
     quarantine: Duration,
     capacity: u32,
+    /// The configuration key that sets `capacity`, named in refusals (None: fixed).
+    raised_by: Option<&'static str>,
 }
 
 /// How a pool's ids are used at one instant (status `dataplane.backend_ids_*`).
@@ -369,6 +371,15 @@ impl IdPool {
             free: (0..capacity).map(|id| (id, None)).collect(),
             quarantine,
             capacity,
+            raised_by: None,
+        }
+    }
+
+    /// The pool, with refusals naming `key` as the way to more ids.
+    pub fn raised_by(self, key: &'static str) -> Self {
+        Self {
+            raised_by: Some(key),
+            ..self
         }
     }
 
@@ -421,11 +432,31 @@ impl IdPool {
                 what,
                 held: held.len(),
                 free_in: first.as_secs().max(1),
+                quarantine: self.quarantine.as_secs(),
+                raise: Raise(self.raised_by, self.capacity),
             },
             None => ModelError::Exhausted {
                 what,
                 capacity: self.capacity,
+                raise: Raise(self.raised_by, self.capacity),
             },
+        }
+    }
+}
+
+/// How a refused pool gets more ids: the key that sizes it (and its value), if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Raise(Option<&'static str>, u32);
+
+impl std::fmt::Display for Raise {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(key) => write!(
+                f,
+                "raise {key} (now {}; the data path is sized at start, so a restart)",
+                self.1
+            ),
+            None => f.write_str("the data path was sized for this many when it was built"),
         }
     }
 }
@@ -433,24 +464,34 @@ impl IdPool {
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error(
-        "more {what}s than the data path holds: every {what} id is in use ({capacity}, fixed \
-         when the data path was built)"
+        "more {what}s than the data path holds: every {what} id is in use ({capacity}); \
+         {raise}"
     )]
-    Exhausted { what: &'static str, capacity: u32 },
+    Exhausted {
+        what: &'static str,
+        capacity: u32,
+        raise: Raise,
+    },
     /// Ids of removed backends wait out the flow idle time before reuse, so that an old
     /// flow's entry cannot reach a new backend; a restart keeps them held (the pinned
     /// connection table still names them).
     #[error(
-        "no free {what} id now: {held} ids of {what}s removed within the flow idle time are \
-         held so that their flows' entries cannot reach a new {what}; the first is free in \
-         {free_in}s: retry then (a restart does not free them)"
+        "no free {what} id now: {held} ids of {what}s removed within the flow idle time \
+         ({quarantine}s) are held, so that their flows' entries cannot reach a new {what}; \
+         the first is free in {free_in}s: retry then (a restart does not free them), or \
+         {raise}"
     )]
     Held {
         what: &'static str,
         held: usize,
         free_in: u64,
+        quarantine: u64,
+        raise: Raise,
     },
 }
+
+/// The configuration key that sizes the backend ids.
+const BACKENDS_KEY: &str = "dataplane.max_backends";
 
 /// Every VIP and backend the agent serves, with ids stable across updates.
 #[derive(Clone, Debug)]
@@ -473,9 +514,20 @@ impl Model {
             table_size,
             vips: Vec::new(),
             vip_ids: IdPool::new(vip_capacity.min(MAX_VIPS), Duration::ZERO),
-            backend_ids: IdPool::new(MAX_BACKENDS, flow_idle),
+            backend_ids: IdPool::new(MAX_BACKENDS, flow_idle).raised_by(BACKENDS_KEY),
             reserved_vips: HashMap::new(),
             reserved_backends: HashMap::new(),
+        }
+    }
+
+    /// The model with room for `capacity` backend ids (`dataplane.max_backends`, the size
+    /// the data path's backend maps were loaded with) instead of the default. Before
+    /// `adopt` and `update`: the ids handed out so far are forgotten.
+    pub fn with_backend_capacity(self, capacity: u32) -> Self {
+        let quarantine = self.backend_ids.quarantine;
+        Self {
+            backend_ids: IdPool::new(capacity, quarantine).raised_by(BACKENDS_KEY),
+            ..self
         }
     }
 
@@ -1067,13 +1119,23 @@ mod tests {
     #[test]
     fn a_refusal_says_whether_ids_are_held_or_all_in_use() {
         let start = Instant::now();
-        let mut pool = IdPool::new(2, Duration::from_secs(30));
+        let mut pool = IdPool::new(2, Duration::from_secs(30)).raised_by("dataplane.max_backends");
         let a = pool.take(start).unwrap();
         let b = pool.take(start).unwrap();
         let all_in_use = pool.refusal("backend", start).to_string();
         assert!(
-            all_in_use.contains("every backend id is in use (2, fixed"),
+            all_in_use.contains(
+                "every backend id is in use (2); raise dataplane.max_backends (now 2; the data \
+                 path is sized at start, so a restart)"
+            ),
             "{all_in_use}"
+        );
+        let fixed = IdPool::new(0, Duration::ZERO)
+            .refusal("VIP", start)
+            .to_string();
+        assert!(
+            fixed.contains("every VIP id is in use (0); the data path was sized"),
+            "{fixed}"
         );
         let at = |seconds| start + Duration::from_secs(seconds);
         assert_eq!(
@@ -1107,9 +1169,53 @@ mod tests {
             "{held:?}"
         );
         assert!(
-            text.contains("free in 20s") && !text.contains("restart the agent"),
+            text.contains("2 ids of backends removed within the flow idle time (30s) are held")
+                && text.contains("free in 20s")
+                && text.contains("or raise dataplane.max_backends (now 2;")
+                && !text.contains("restart the agent"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_backend_capacity_is_the_configured_one_and_held_ids_count_against_it() {
+        let first = [
+            ("10.0.0.11", ""),
+            ("10.0.0.12", ""),
+            ("10.0.0.13", ""),
+            ("10.0.0.14", ""),
+        ];
+        let second = [
+            ("10.0.1.11", ""),
+            ("10.0.1.12", ""),
+            ("10.0.1.13", ""),
+            ("10.0.1.14", ""),
+        ];
+        // The first pool, then all but one of it removed, then the second pool added.
+        let swap = |capacity| {
+            let mut model =
+                Model::new(7, 16, Duration::from_secs(30)).with_backend_capacity(capacity);
+            model.update(&config(&first, "none")).unwrap();
+            let usage = model.backend_id_usage(Instant::now());
+            assert_eq!((usage.capacity, usage.in_use), (capacity, 4));
+            model.update(&config(&first[..1], "none")).unwrap();
+            let usage = model.backend_id_usage(Instant::now());
+            assert_eq!((usage.in_use, usage.held), (1, 3));
+            let mut both = first[..1].to_vec();
+            both.extend_from_slice(&second);
+            model.update(&config(&both, "none"))
+        };
+        // 3 ids are held for the idle time: the 2 free are too few for 4.
+        match swap(6) {
+            Err(error @ ModelError::Held { held: 3, .. }) => assert!(
+                error
+                    .to_string()
+                    .contains("raise dataplane.max_backends (now 6;"),
+                "{error}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        swap(8).expect("room for both pools");
     }
 
     #[test]
