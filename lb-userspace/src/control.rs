@@ -35,6 +35,7 @@ use crate::{
     explain::{ExplainError, ExplainRequest, Explanation, monotonic_ns},
     health::HealthTasks,
     listen::{LIMITS, Peer},
+    snapshot::Published,
     state::{self, ControlError, State},
     status::Status,
     writer::Requested,
@@ -173,8 +174,10 @@ pub fn serve(
         operators,
     } = socket;
     let shutdown = health_tasks.shutdown.clone();
+    let published = shared.lock().expect("agent state poisoned").published();
     let api = Api {
         shared,
+        published,
         health_tasks,
     };
     let app = changes()
@@ -270,10 +273,12 @@ async fn bind(path: &Path, parent_mode: u32, mode: u32) -> anyhow::Result<UnixLi
     Ok(listener)
 }
 
-/// What the handlers share.
+/// What the handlers share: the agent's state, which changes take the lock of, and its
+/// published snapshot, which reads load without it.
 #[derive(Clone)]
 struct Api {
     shared: Arc<Mutex<State>>,
+    published: Published,
     health_tasks: HealthTasks,
 }
 
@@ -459,11 +464,11 @@ async fn node_ready(
 }
 
 async fn explain(
-    Extract(Api { shared, .. }): Extract<Api>,
+    Extract(Api { published, .. }): Extract<Api>,
     Body(request): Body<ExplainRequest>,
 ) -> Result<Json<Explanation>, Refusal> {
-    let shared = shared.lock().expect("agent state poisoned");
-    shared
+    published
+        .load()
         .explain(&request, monotonic_ns())
         .map(Json)
         .map_err(|e| {
@@ -486,29 +491,27 @@ const STATUS_WAITS: usize = 10;
 /// `GET /metrics`, as the metrics endpoint answers it: for the operators' group where
 /// `control.metrics` is off or its port is out of their reach.
 async fn metrics(
-    Extract(Api { shared, .. }): Extract<Api>,
+    Extract(Api { published, .. }): Extract<Api>,
     headers: axum::http::HeaderMap,
 ) -> Response {
-    crate::metrics::metrics(Extract(crate::state::scraper(shared)), headers)
+    crate::metrics::metrics(Extract(crate::snapshot::scraper(published)), headers)
         .await
         .into_response()
 }
 
-async fn status(Extract(Api { shared, .. }): Extract<Api>) -> Result<Json<Status>, Refusal> {
+async fn status(Extract(Api { published, .. }): Extract<Api>) -> Result<Json<Status>, Refusal> {
     for _ in 0..STATUS_WAITS {
-        let pending = {
-            let shared = shared.lock().expect("agent state poisoned");
-            if shared.tables_are_current() {
-                break;
-            }
-            shared.requested()
-        };
+        let snapshot = published.load();
+        if snapshot.tables_are_current() {
+            break;
+        }
         // A failed write is reported where it was asked for; status shows what is.
-        let _ = pending.done().await;
+        let _ = snapshot.tables_written().done().await;
     }
-    // Copied under the lock; the counters are read after it.
-    let source = shared.lock().expect("agent state poisoned").status_source();
-    source
+    // The published snapshot, loaded without the agent's lock; the counters are read
+    // through the writer's read side.
+    published
+        .load()
         .status()
         .map(Json)
         .map_err(|e| refusal(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")))
