@@ -599,6 +599,54 @@ mod tests {
 
     const DRAIN: &str = r#"{"vip": "10.0.0.100:80/tcp", "backend": "10.0.0.11", "state": "drain"}"#;
 
+    /// Issue 34: the reads (status, explain, metrics) load the published snapshot, so
+    /// they answer while a writer holds the agent's lock (a reload, a health result).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_answer_while_the_agents_lock_is_held() {
+        let dir = std::env::temp_dir().join(format!("lb-control-held-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let socket = dir.join("lb.sock");
+        let state = Arc::new(Mutex::new(shared(config("eth0", &["10.0.0.11"]))));
+        let tasks = HealthTasks::new(tokio_util::sync::CancellationToken::new());
+        let config = ControlConfig {
+            socket: socket.clone(),
+            ..ControlConfig::default()
+        };
+        serve(
+            ControlSocket::bind(&config).await.unwrap(),
+            state.clone(),
+            tasks.clone(),
+        );
+        let _agent = CancellationGuard(tasks.shutdown, dir);
+        let held = state.lock().unwrap();
+        let explain = r#"{"vip": "10.0.0.100:80/tcp", "source": "10.0.0.1:1234"}"#;
+        // The client on a thread of its own: the server's workers stay free to answer.
+        let (answer, answered) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let client = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let _ = answer.send(client.block_on(async {
+                let status = send(&socket, "GET", "/status", None, "").await;
+                let explained = send(&socket, "POST", "/explain", None, explain).await;
+                let metrics = send_raw(&socket, "GET", "/metrics", None, "").await;
+                (status, explained, metrics)
+            }));
+        });
+        // Not a timing assertion: a read that waited for the lock would not answer at
+        // all while it is held; the bound only keeps a failure from hanging.
+        let answered = answered.recv_timeout(std::time::Duration::from_secs(60));
+        drop(held);
+        let ((code, status), (explained, why), (scraped, text)) =
+            answered.expect("a read waited for the agent's lock");
+        assert_eq!(code, 200, "{status}");
+        assert_eq!(status["vips"][0]["backends"][0]["address"], "10.0.0.11");
+        assert_eq!(explained, 200, "{why}");
+        assert_eq!(scraped, 200, "{text}");
+        assert!(text.contains("lb_build_info"), "{text}");
+    }
+
     #[tokio::test]
     async fn json_bodies_need_no_content_type_and_errors_are_json() {
         let (socket, _agent) = agent("json").await;
