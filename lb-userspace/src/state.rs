@@ -405,7 +405,9 @@ impl State {
     pub fn follow_routes(&mut self) -> bool {
         let ifindexes = self.ifindexes();
         let changed = follow_routes(&mut self.model, &ifindexes, self.route_of);
-        self.publish();
+        if changed {
+            self.publish();
+        }
         changed
     }
 
@@ -483,6 +485,9 @@ impl State {
                 b.mac = Some(*mac);
                 changed = true;
             }
+        }
+        if changed {
+            self.publish();
         }
         changed
     }
