@@ -187,6 +187,20 @@ struct Started {
     cluster: Option<(cluster::Opened, cluster::Maps)>,
 }
 
+/// What the cluster task reads and writes through: its export ring, the table writer's
+/// handle for the peers' entries, the flow reader.
+fn cluster_maps(
+    export: aya::maps::RingBuf<aya::maps::MapData>,
+    tables: &Writer,
+    reader: &Arc<FlowReader>,
+) -> cluster::Maps {
+    cluster::Maps {
+        export,
+        imports: tables.imports(),
+        reader: reader.clone(),
+    }
+}
+
 /// What the host checks found and opened before anything is loaded.
 struct HostReady {
     neighbors: Neighbors,
@@ -278,17 +292,14 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         Some(path) => Some((dataplane.take_capture()?, path.clone())),
         None => None,
     };
-    let cluster = match opened {
+    // `[cluster]`: the export ring for the cluster task; the connection table's write
+    // handle for the table writer, which makes the peers' imports (`cluster_maps`).
+    let (cluster, flow_writer) = match opened {
         Some(opened) => {
             let (export, writer) = dataplane.take_export()?;
-            let maps = cluster::Maps {
-                export,
-                writer,
-                reader: flow_reader.clone(),
-            };
-            Some((opened, maps))
+            (Some((opened, export)), Some(writer))
         }
-        None => None,
+        None => (None, None),
     };
     let mut writer = TableWriter::new(config.dataplane.maglev_table_size);
     // What the model starts from: the adopted maps' backends and ids, or, after replacing
@@ -335,8 +346,10 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     );
     let next_program = next.as_ref().map(crate::status::NextProgramStatus::from);
     let attached = attach_chained(&mut dataplane, config, &interface, &hints, &mut ports, next)?;
-    let tables =
-        Writer::spawn(Box::new(dataplane), writer, desired).context("starting the table writer")?;
+    let tables = Writer::spawn(Box::new(dataplane), writer, desired, flow_writer)
+        .context("starting the table writer")?;
+    let cluster =
+        cluster.map(|(opened, export)| (opened, cluster_maps(export, &tables, &flow_reader)));
     Ok(Started {
         neighbors,
         ports,
@@ -548,7 +561,12 @@ impl Services {
         let control = control::serve(listeners.control, state.clone(), health_tasks.clone());
         state::spawn_checks(state, &health_tasks);
         let metrics = listeners.metrics.map(|listener| {
-            metrics::serve(listener, state::scraper(state.clone()), shutdown.clone())
+            let published = state.lock().expect("agent state poisoned").published();
+            metrics::serve(
+                listener,
+                crate::snapshot::scraper(published),
+                shutdown.clone(),
+            )
         });
         let announcer = match (announcer, &config.announce) {
             (Some(announcer), Some(announce)) => {
@@ -759,6 +777,15 @@ async fn scan_and_sample(
     } else {
         None
     };
+    // The counters are read before the lock is taken (their read side takes no lock the
+    // writer holds): the agent's state is held for no syscall here.
+    let (reader, ids) = state
+        .lock()
+        .expect("agent state poisoned")
+        .counters_to_sample();
+    let sample = reader
+        .counters(&[], &ids)
+        .and_then(|counters| Ok((counters, reader.sources()?)));
     let mut state = state.lock().expect("agent state poisoned");
     match scanned {
         Some((Ok(Ok(flows)), started, started_ns)) => {
@@ -768,8 +795,9 @@ async fn scan_and_sample(
         Some((Err(error), ..)) => tracing::warn!("connection-table scan: {error}"),
         None => {}
     }
-    if let Err(error) = state.sample_rates(Instant::now()) {
-        tracing::warn!("sampling counters: {error:#}");
+    match sample {
+        Ok((counters, sources)) => state.record_sample(Instant::now(), counters, sources),
+        Err(error) => tracing::warn!("sampling counters: {error:#}"),
     }
     if let Err(error) = state.advance_drains(Instant::now()) {
         tracing::warn!("draining: {error:#}");

@@ -173,6 +173,9 @@ pub struct View<'a> {
 pub trait Host: Send + 'static {
     fn announce_view(&self) -> View<'_>;
     fn announce_state(&mut self) -> &mut State;
+    /// The announcement state changed (through `announce_state`): the host publishes it
+    /// for its readers (status).
+    fn announce_changed(&mut self) {}
 }
 
 /// The addresses `view` should announce now.
@@ -510,7 +513,9 @@ pub fn start<H: Host>(
         let state = host.announce_state();
         state.enabled = true;
         state.serving_since = Some(Instant::now());
-        state.wake.clone()
+        let wake = state.wake.clone();
+        host.announce_changed();
+        wake
     };
     let stop = CancellationToken::new();
     let task = tokio::spawn(run(announcer, host, wake, stop.clone()));
@@ -590,6 +595,7 @@ async fn run<H: Host>(
         }
         state.error = error;
         state.reconciled.send_modify(|n| *n += 1);
+        host.announce_changed();
     }
     // Stopping: withdraw everything before the agent goes.
     match announcer.apply(&BTreeSet::new()).await {
@@ -609,6 +615,7 @@ async fn run<H: Host>(
     let state = host.announce_state();
     state.installed.clear();
     state.enabled = false;
+    host.announce_changed();
 }
 
 /// Per address, why it would be withdrawn (for the log): `": vip web: ..."`.
@@ -667,7 +674,9 @@ pub async fn set_drained<H: Host>(
         let state = host.announce_state();
         state.drained = drained;
         state.changed();
-        (state.installed.clone(), state.reconciled.subscribe())
+        let answer = (state.installed.clone(), state.reconciled.subscribe());
+        host.announce_changed();
+        answer
     };
     let deadline = tokio::time::Instant::now() + timeout;
     loop {

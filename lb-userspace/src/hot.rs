@@ -4,7 +4,8 @@
 //! established connections follow the connection table and keep their backend.
 //!
 //! Pure: the agent feeds it, every sample (2 s), each source's new flows over the
-//! sample; it keeps the set the agent writes into `LB_HOT_SRC`.
+//! sample; it keeps the set the controller hands the table writer (`TableInputs`), which
+//! writes it into `LB_HOT_SRC` as it writes every map.
 //!
 //! The rule, per VIP with `hot_source_share = S`:
 //! - a source's share is its new flows over the VIP's new flows (both as sampled by the

@@ -1,24 +1,35 @@
-//! What readers read: a copy of the agent's state (`StatusSource`), taken under its lock
-//! without a syscall, turned into a status or a metrics scrape after the lock is let go,
-//! with the data path's counters read through the writer's read side (which takes no
-//! lock the writer holds). So a scrape does not wait for a table write, and a health
-//! result does not wait for a scrape.
+//! What readers read: a snapshot of the agent's state (`StatusSource`) that the agent
+//! publishes after each change (a reload, a runtime command, a health result, a scan's
+//! telemetry, an interface change, the announcer's reconcile), into an `ArcSwap`
+//! (`Published`), as pingora publishes its load-balancer state. Status, metrics, explain
+//! and the API load it without taking the agent's lock: a scrape does not wait for a
+//! reload or a health result, and none of those waits for a scrape.
+//!
+//! Staleness: a change publishes before its lock is let go, so a command's reply, and any
+//! read that starts after it, sees the change. The tables the data path holds are not in
+//! the copy: they are read from the writer's reports (`Written`) when the status is made,
+//! and `tables_written` waits for the write the snapshot asked for. Counters are read
+//! through the writer's read side (handles of their own, no lock the writer holds).
+//! Explain's connection-table lookups still take the data path's lock (not the agent's)
+//! for as long as a lookup lasts.
 //!
 //! Owns nothing that lives on; may call `model`, `status`, `telemetry`, `announce`,
 //! `metrics` (its `Observed` and `Scrape`), `health` (a check's description), `cluster`
-//! (its counters) and `dataplane` (the counter reader).
+//! (its counters), `explain` and `dataplane` (the counter reader).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use arc_swap::ArcSwapOption;
 use lb_common::stat;
+use tokio::sync::watch;
 
 use crate::{
     announce, cluster,
     config::{AdminState, Config, Forward, MacAddr},
     dataplane::{AttachedMode, CounterReader, Counters, EgressPort},
-    explain::NextHop,
+    explain::{self, ExplainError, ExplainRequest, Explanation, NextHop},
     health,
     metrics::{Observed, Scrape},
     model::{BackendState, Health, Model, VipState},
@@ -29,13 +40,42 @@ use crate::{
     },
     tables::Desired,
     telemetry::{Telemetry, source_address},
+    writer::{Requested, SharedDataplane, Written},
 };
+
+/// The agent's last published snapshot: loaded by readers without a lock, replaced by the
+/// agent after each change (`State::publish`).
+#[derive(Clone, Default)]
+pub struct Published(Arc<ArcSwapOption<StatusSource>>);
+
+impl Published {
+    /// The newest snapshot.
+    pub fn load(&self) -> Arc<StatusSource> {
+        self.0
+            .load_full()
+            .expect("the agent publishes its first snapshot when it is made")
+    }
+
+    pub(crate) fn store(&self, source: StatusSource) {
+        self.0.store(Some(Arc::new(source)));
+    }
+}
+
+/// The scraper of the published snapshot (what `GET /metrics` renders, on the metrics
+/// endpoint and the control and operators' sockets).
+pub fn scraper(published: Published) -> crate::metrics::Scraper {
+    Arc::new(move || published.load().scrape())
+}
 
 /// A copy of what a status is made of (`State::status_source`).
 pub struct StatusSource {
     pub(crate) model: Model,
-    /// The tables the data path holds.
-    pub(crate) desired: Arc<Desired>,
+    /// The writer's reports: the tables the data path holds, read when a status is made.
+    pub(crate) written: watch::Receiver<Written>,
+    /// The newest table request when this was published (`tables_written` waits for it).
+    pub(crate) requested: u64,
+    /// The data path, for explain's lookups of its connection and hot-source tables.
+    pub(crate) dataplane: SharedDataplane,
     pub(crate) counters: Arc<CounterReader>,
     pub(crate) telemetry: Telemetry,
     pub(crate) interface: Interface,
@@ -51,7 +91,9 @@ pub struct StatusSource {
     pub(crate) announce: announce::State,
     pub(crate) cluster: Option<cluster::Shared>,
     pub(crate) observed: Observed,
+    /// The agent's own status; its uptime counts from `started`, when it is read.
     pub(crate) agent: AgentStatus,
+    pub(crate) started: Instant,
 }
 
 /// Why a backend's state or health differs from what the file and runtime commands
@@ -73,6 +115,39 @@ fn agent_reason(b: &BackendState) -> Option<String> {
 }
 
 impl StatusSource {
+    /// The tables the data path holds (the last write's).
+    pub fn desired(&self) -> Arc<Desired> {
+        self.written.borrow().desired.clone()
+    }
+
+    /// Whether the tables this snapshot asked for are written (or their write failed).
+    pub fn tables_are_current(&self) -> bool {
+        self.written.borrow().ticket >= self.requested
+    }
+
+    /// The write this snapshot asked for, to wait for.
+    pub fn tables_written(&self) -> Requested {
+        Requested::of(self.requested, self.written.clone())
+    }
+
+    /// `lb explain`: over the tables the data path holds and its connection table.
+    pub fn explain(
+        &self,
+        request: &ExplainRequest,
+        now_ns: u64,
+    ) -> Result<Explanation, ExplainError> {
+        let desired = self.desired();
+        let dataplane = self.dataplane.lock().expect("data path poisoned");
+        let view = explain::View {
+            model: &self.model,
+            desired: &desired,
+            dataplane: dataplane.as_ref(),
+            flow_idle: self.config.dataplane.flow_idle_timeout,
+            interfaces: &self.config.dataplane.interfaces,
+        };
+        explain::explain(&view, request, now_ns)
+    }
+
     /// What `lb status` shows.
     pub fn status(&self) -> anyhow::Result<Status> {
         Ok(self.status_and_outcomes()?.0)
@@ -92,7 +167,7 @@ impl StatusSource {
     fn status_and_outcomes(&self) -> anyhow::Result<(Status, Vec<u64>)> {
         let vip_ids: Vec<u32> = self.model.vips.iter().map(|v| v.id).collect();
         let counters = self.counters.counters(&vip_ids, &self.backend_ids())?;
-        let slots = Model::slot_counts(&self.desired);
+        let slots = Model::slot_counts(&self.desired());
         let now = Instant::now();
         let ids = self.model.backend_id_usage(now);
         let vips = self
@@ -155,7 +230,10 @@ impl StatusSource {
                     .expect("cluster stats poisoned")
                     .status(&counters.outcomes, now)
             }),
-            agent: self.agent.clone(),
+            agent: AgentStatus {
+                uptime_seconds: self.started.elapsed().as_secs(),
+                ..self.agent.clone()
+            },
         };
         Ok((status, counters.outcomes))
     }

@@ -1,12 +1,25 @@
-//! The agent's state, shared by its tasks behind one mutex, and every operation that
-//! changes it: reload, runtime commands, drains, learnt MACs, health results. Operations
-//! are short: they change the model and hand the table writer (`writer`) its new
-//! inputs; Maglev builds and bpf(2) writes happen there, off this lock.
+//! The controller: the agent's state, shared by its tasks behind one mutex, and every
+//! event that changes it: reload, runtime commands, drains, learnt MACs, health results,
+//! the scans' telemetry, the interface. An event changes the configuration and the model
+//! and computes what the tables should be (`TableInputs`); it hands them to the table
+//! writer (`writer`), which owns every data-path write (Maglev builds and bpf(2) writes
+//! happen there, off this lock), and publishes what readers read (`snapshot`): status,
+//! metrics, explain and the API load that snapshot and never take this lock.
 //!
 //! Who may change what: the config and the model change only here (through `reload`,
 //! `change` and the drain and MAC steps) and through health results (`CheckHost`);
 //! telemetry is written by the agent's scan loop; the announcement state by the
-//! announcer task (`announce::Host`).
+//! announcer task (`announce::Host`, which says when it changed). Every method that
+//! changes what a reader could see ends by publishing (`publish`), before the lock is
+//! let go: a command's reply, and any read after it, sees the change.
+//!
+//! No I/O of the data path here: routes go through an injectable `route_of`, table writes
+//! and the next program's slot through the writer (`Writer::request`, `Writer::exec`).
+//! What remains: the state file is written here (`save_runtime_changes`), a reload opens
+//! the next program's pin (`preflight::next_program`), `vip_path` reads the interface's
+//! addresses, and the outlier sample (`judge_outliers`) reads the counters under this
+//! lock (through the writer's read side, which takes no lock the writer holds; the rate
+//! sample reads them before it takes the lock, `counters_to_sample`).
 
 use std::{
     collections::HashSet,
@@ -22,7 +35,7 @@ use crate::{
     announce, cluster,
     config::{AdminState, BackendConfig, Config, ConfigError, MAX_WEIGHT, MacAddr, VipConfig},
     dataplane::{AttachedMode, EgressPort},
-    explain::{self, ExplainError, ExplainRequest, Explanation, VipTarget},
+    explain::{ExplainError, ExplainRequest, Explanation, VipTarget},
     health::{
         self, CheckHost, HealthTasks,
         agentcheck::{self, AgentHost},
@@ -30,7 +43,7 @@ use crate::{
     metrics::{Observed, Scrape},
     model::{CheckRecord, Model, ModelError, weights::AgentReport},
     neighbor::{self, Interface, RouteLookup},
-    snapshot::StatusSource,
+    snapshot::{Published, StatusSource},
     statefile,
     status::{AgentStatus, LastReload, NextProgramStatus, Start, Status},
     tables::TableInputs,
@@ -74,8 +87,11 @@ pub struct State {
     announce: announce::State,
     /// `[cluster]`: the cluster task's counters.
     cluster: Option<cluster::Shared>,
-    /// What the table writer was last asked for.
+    /// What the table writer was last asked for, and the request's ticket.
     last_inputs: TableInputs,
+    requested: u64,
+    /// What readers read: a snapshot published after each change (`publish`).
+    published: Published,
     /// How routes are looked up (`neighbor::route_to`; a fake in unit tests).
     route_of: RouteLookup,
     /// Since when this agent runs, and its reloads (status `agent`, the reload metrics).
@@ -147,7 +163,7 @@ impl State {
     ) -> Self {
         // What serves already was not just added: no slow start for it.
         model.settle_usable();
-        Self {
+        let state = Self {
             config_path,
             state_file: Some(config.state_file()),
             saved: Vec::new(),
@@ -168,6 +184,8 @@ impl State {
             announce: Default::default(),
             cluster: None,
             last_inputs: TableInputs::default(),
+            requested: 0,
+            published: Published::default(),
             route_of: neighbor::route_to,
             started: Instant::now(),
             reloads: Reloads {
@@ -176,7 +194,20 @@ impl State {
                 last_load: std::time::SystemTime::now(),
                 last: None,
             },
-        }
+        };
+        state.publish();
+        state
+    }
+
+    /// Publishes what readers read (status, metrics, explain, the API): called at the end
+    /// of every change, under the lock, so a reply or a read that follows sees it.
+    fn publish(&self) {
+        self.published.store(self.status_source());
+    }
+
+    /// The published snapshot's handle, for readers: they load it without this lock.
+    pub fn published(&self) -> Published {
+        self.published.clone()
     }
 
     /// The configuration as read from the file, when the running one has the state file's
@@ -185,6 +216,7 @@ impl State {
     pub fn set_file_config(&mut self, file: Config) {
         self.file = file;
         self.save_runtime_changes();
+        self.publish();
     }
 
     /// Keeps the runtime changes in the state file, when they changed since it was last
@@ -266,6 +298,7 @@ impl State {
         self.native_refused = native_refused;
         self.cluster = cluster;
         self.announce.learning = learning;
+        self.publish();
     }
 
     /// Whether the program is attached (the interface is there).
@@ -308,6 +341,7 @@ impl State {
         let idle = self.config.dataplane.flow_idle_timeout;
         self.telemetry
             .record_flows(flows, started, started_ns, idle);
+        self.publish();
     }
 
     /// The next hops of backends without a configured MAC that `table` (the neighbour
@@ -333,11 +367,13 @@ impl State {
     /// The interfaces (`dataplane.interfaces`) as attached: several, or none.
     pub fn set_ports(&mut self, ports: Vec<EgressPort>) {
         self.ports = ports;
+        self.publish();
     }
 
     /// `dataplane.next_program` as the start chained it (reloads keep it up to date).
     pub fn set_next_program(&mut self, next: Option<NextProgramStatus>) {
         self.next_program = next;
+        self.publish();
     }
 
     /// The interfaces attached, in order (several; empty with one).
@@ -350,6 +386,7 @@ impl State {
         if let Some(known) = self.ports.iter_mut().find(|p| p.name == port.name) {
             *known = port;
         }
+        self.publish();
     }
 
     /// The interface indexes frames may leave by, in `dataplane.interfaces` order (0 for
@@ -367,17 +404,23 @@ impl State {
     /// whether any changed.
     pub fn follow_routes(&mut self) -> bool {
         let ifindexes = self.ifindexes();
-        follow_routes(&mut self.model, &ifindexes, self.route_of)
+        let changed = follow_routes(&mut self.model, &ifindexes, self.route_of);
+        if changed {
+            self.publish();
+        }
+        changed
     }
 
-    /// Hands the table writer what the model asks for now (it coalesces bursts), and
-    /// tells the announcer to look again. Returns at once; `tables.requested()` waits.
+    /// Hands the table writer what the model asks for now (it coalesces bursts), tells
+    /// the announcer to look again, and publishes. Returns at once; `tables.requested()`
+    /// waits.
     pub fn sync(&mut self) {
         let now = Instant::now();
         self.model.note_usable(now);
         self.last_inputs = self.inputs_at(now);
-        self.tables.request(self.last_inputs.clone());
+        self.requested = self.tables.request(self.last_inputs.clone());
         self.announce.changed();
+        self.publish();
     }
 
     /// What the tables are built from at `now`: the model's, and the tunnel settings.
@@ -397,6 +440,7 @@ impl State {
             return;
         }
         self.request_if_changed(now);
+        self.publish();
     }
 
     /// Asks the writer for the tables of `now` when they differ from the last request.
@@ -405,7 +449,7 @@ impl State {
         let inputs = self.inputs_at(now);
         if inputs != self.last_inputs {
             self.last_inputs = inputs.clone();
-            self.tables.request(inputs);
+            self.requested = self.tables.request(inputs);
         }
     }
 
@@ -442,6 +486,9 @@ impl State {
                 changed = true;
             }
         }
+        if changed {
+            self.publish();
+        }
         changed
     }
 
@@ -474,6 +521,7 @@ impl State {
         self.config = new;
         self.sync();
         self.save_runtime_changes();
+        self.publish();
         Ok(changes)
     }
 
@@ -482,14 +530,18 @@ impl State {
     /// program there changes.
     fn chain_next_program(&mut self, new: &Config) -> Result<Option<String>, ReloadError> {
         let next = crate::preflight::next_program(new)?;
-        let before = self
+        // Written by the writer, as every data-path write; its answer decides the reload.
+        let (before, next) = self
             .tables
-            .dataplane()
-            .set_next_program(next.as_ref())
-            .map_err(|error| ConfigError::Invalid {
+            .exec(move |writes| (writes.set_next_program(next.as_ref()), next))
+            .map_err(|stopped| ConfigError::Invalid {
                 field: crate::preflight::NEXT_PROGRAM_FIELD.into(),
-                reason: error.to_string(),
+                reason: stopped.to_string(),
             })?;
+        let before = before.map_err(|error| ConfigError::Invalid {
+            field: crate::preflight::NEXT_PROGRAM_FIELD.into(),
+            reason: error.to_string(),
+        })?;
         let now = next.as_ref().map(|n| n.id);
         self.next_program = next.as_ref().map(NextProgramStatus::from);
         Ok((before != now).then(|| {
@@ -605,6 +657,7 @@ impl State {
         self.config = config;
         self.sync();
         self.save_runtime_changes();
+        self.publish();
         // Logged by the control socket, with who asked.
         Ok(what)
     }
@@ -693,6 +746,7 @@ impl State {
             Ok(())
         })?;
         self.remove_when_drained.insert((name, backend));
+        self.publish();
         Ok(what)
     }
 
@@ -775,12 +829,20 @@ impl State {
         changed
     }
 
-    /// Samples the data path's counters into the telemetry (rates, hot spots, heavy
-    /// hitters).
-    pub fn sample_rates(&mut self, now: Instant) -> anyhow::Result<()> {
-        let ids: Vec<u32> = self.backend_ids();
-        let reader = self.tables.counters();
-        let (counters, sources) = (reader.counters(&[], &ids)?, reader.sources()?);
+    /// What a counter sample reads, to read outside this lock: the counters' read side
+    /// and the backends to read.
+    pub fn counters_to_sample(&self) -> (Arc<crate::dataplane::CounterReader>, Vec<u32>) {
+        (self.tables.counters(), self.backend_ids())
+    }
+
+    /// Takes a sample of the data path's counters (read outside the lock, through
+    /// `counters_to_sample`) into the telemetry: rates, hot spots, heavy hitters.
+    pub fn record_sample(
+        &mut self,
+        now: Instant,
+        counters: crate::dataplane::Counters,
+        sources: Vec<(SourceKey, u64)>,
+    ) {
         let new_flows = counters
             .backends
             .iter()
@@ -788,7 +850,7 @@ impl State {
             .collect();
         self.telemetry.sample(now, &self.model, new_flows, sources);
         self.follow_hot_sources(now);
-        Ok(())
+        self.publish();
     }
 
     /// Passive health (`[vip.outlier]`): judges the backends by their handshakes; new
@@ -797,6 +859,8 @@ impl State {
         let reader = self.tables.counters();
         if health::outlier::sample(&mut self.model, &reader, now)? {
             self.sync();
+        } else {
+            self.publish();
         }
         Ok(())
     }
@@ -863,7 +927,9 @@ impl State {
     pub fn status_source(&self) -> StatusSource {
         StatusSource {
             model: self.model.clone(),
-            desired: self.tables.desired(),
+            written: self.tables.reports(),
+            requested: self.requested,
+            dataplane: self.tables.shared_dataplane(),
             counters: self.tables.counters(),
             telemetry: self.telemetry.clone(),
             interface: self.interface.clone(),
@@ -878,6 +944,7 @@ impl State {
             cluster: self.cluster.clone(),
             observed: self.observed.clone(),
             agent: self.agent_status(),
+            started: self.started,
         }
     }
 
@@ -887,16 +954,7 @@ impl State {
         request: &ExplainRequest,
         now_ns: u64,
     ) -> Result<Explanation, ExplainError> {
-        let desired = self.tables.desired();
-        let dataplane = self.tables.dataplane();
-        let view = explain::View {
-            model: &self.model,
-            desired: &desired,
-            dataplane: dataplane.as_ref(),
-            flow_idle: self.config.dataplane.flow_idle_timeout,
-            interfaces: &self.config.dataplane.interfaces,
-        };
-        explain::explain(&view, request, now_ns)
+        self.status_source().explain(request, now_ns)
     }
 }
 
@@ -933,6 +991,8 @@ impl State {
             // tunnelled packets.
             if tunnel_config(&self.config, &self.interface) != self.last_inputs.tunnel {
                 self.sync();
+            } else {
+                self.publish();
             }
             return InterfaceChange::None;
         }
@@ -949,6 +1009,7 @@ impl State {
         );
         self.interface_gone = Some(Instant::now());
         self.mode = None;
+        self.publish();
     }
 
     /// The program was attached to `interface` (`Attach`) in `mode`: the data path serves
@@ -1039,6 +1100,9 @@ impl CheckHost for State {
     fn record_check(&mut self, id: u32, record: CheckRecord, rise: u32, fall: u32) {
         if health::record(&mut self.model, &self.observed, id, record, rise, fall).is_some() {
             self.sync();
+        } else {
+            // Its last check and streak, which status shows.
+            self.publish();
         }
     }
 }
@@ -1078,6 +1142,8 @@ impl AgentHost for State {
                 if agent.down { " down" } else { "" }
             );
             self.sync();
+        } else {
+            self.publish();
         }
     }
 }
@@ -1100,6 +1166,10 @@ impl announce::Host for State {
 
     fn announce_state(&mut self) -> &mut announce::State {
         &mut self.announce
+    }
+
+    fn announce_changed(&mut self) {
+        self.publish();
     }
 }
 
@@ -1124,6 +1194,7 @@ impl cluster::Host for State {
     fn learned(&mut self) {
         self.announce.learning = false;
         self.announce.changed();
+        self.publish();
     }
 }
 
@@ -1141,6 +1212,7 @@ pub fn reload(
             .and_then(|new| guard.reload(new))
             .map(|changes| (changes, guard.tables.requested()));
         guard.record_reload(result.as_ref().err().map(|error| with_sources(error)));
+        guard.publish();
         result
     };
     let (changes, written) = match result {
@@ -1474,17 +1546,6 @@ fn find_backend<'a>(
         .iter_mut()
         .find(|b| b.address == backend)
         .ok_or(ControlError::UnknownBackend(*target, backend))
-}
-
-/// The scraper of the running agent's state (what `GET /metrics` renders, on the metrics
-/// endpoint and the control and operators' sockets). Here rather than in `metrics`, which
-/// knows scrapes, not the agent's state.
-pub fn scraper(state: Arc<Mutex<State>>) -> crate::metrics::Scraper {
-    Arc::new(move || {
-        // Copied under the lock; the counters are read after it.
-        let source = state.lock().expect("agent state poisoned").status_source();
-        source.scrape()
-    })
 }
 
 #[cfg(test)]
@@ -2274,7 +2335,8 @@ mod tests {
         assert_eq!(last.result, "refused");
         assert!(last.error.is_some_and(|e| e.contains("lb.toml")));
         reload(&state, &tasks).unwrap();
-        let source = state.lock().unwrap().status_source();
+        // What readers load: the reload published it.
+        let source = state.lock().unwrap().published().load();
         let agent = source.status().unwrap().agent;
         assert_eq!((agent.reloads_ok, agent.reloads_refused), (1, 1));
         assert_eq!(agent.last_reload.unwrap().result, "ok");
@@ -2578,6 +2640,15 @@ pub(crate) mod test_support {
 
     /// `shared` with Maglev tables of `table_size` slots.
     pub fn shared_sized(config: Config, table_size: u32) -> State {
+        let tables = Writer::inline(
+            Box::new(MemoryDataplane::default()),
+            TableWriter::new(table_size),
+        );
+        shared_over(config, table_size, tables)
+    }
+
+    /// `shared` whose data-path writes go through `tables`.
+    pub fn shared_over(config: Config, table_size: u32, tables: Writer) -> State {
         let mut model = Model::new(table_size, 16, Duration::ZERO);
         model.update(&config).unwrap();
         let interface = Interface {
@@ -2587,10 +2658,6 @@ pub(crate) mod test_support {
             addresses: vec!["10.0.0.2".parse().unwrap()],
             mtu: 1500,
         };
-        let tables = Writer::inline(
-            Box::new(MemoryDataplane::default()),
-            TableWriter::new(table_size),
-        );
         let mut shared = State::new(
             PathBuf::from("/nonexistent"),
             config,
@@ -2604,6 +2671,218 @@ pub(crate) mod test_support {
         shared.state_file = None;
         shared.sync();
         shared
+    }
+}
+
+/// The controller (`State`) without I/O, and its readers without its lock (issue 34).
+#[cfg(test)]
+mod ownership_tests {
+    use super::*;
+    use crate::{
+        dataplane::{MemoryDataplane, next::NextProgram},
+        tables::{ApplyReport, Desired},
+        writer::TableWrites,
+    };
+    use lb_common::{FlowEntry, FlowKey};
+    use std::time::Duration;
+    use test_support::{config, shared, shared_over};
+
+    /// A write side that records what it is asked to write and writes nothing.
+    #[derive(Clone, Default)]
+    struct FakeWrites {
+        tables: Arc<Mutex<Vec<Desired>>>,
+        imported: Arc<Mutex<Vec<(FlowKey, FlowEntry)>>>,
+    }
+
+    impl TableWrites for FakeWrites {
+        fn write_tables(
+            &mut self,
+            desired: &Desired,
+        ) -> Result<ApplyReport, crate::dataplane::DataplaneError> {
+            self.tables.lock().unwrap().push(desired.clone());
+            Ok(ApplyReport::default())
+        }
+
+        fn import_flows(
+            &mut self,
+            flows: &[(FlowKey, FlowEntry)],
+        ) -> Result<u64, crate::dataplane::DataplaneError> {
+            self.imported.lock().unwrap().extend_from_slice(flows);
+            Ok(flows.len() as u64)
+        }
+
+        fn set_next_program(
+            &mut self,
+            _next: Option<&NextProgram>,
+        ) -> Result<Option<u32>, crate::dataplane::DataplaneError> {
+            Ok(None)
+        }
+    }
+
+    fn web() -> VipTarget {
+        VipTarget::of(&config("eth0", &[]).vips[0])
+    }
+
+    /// The backends in the last table the controller asked for.
+    fn members(fake: &FakeWrites) -> HashSet<u32> {
+        let tables = fake.tables.lock().unwrap();
+        tables.last().expect("a table was asked for").vips[0]
+            .table
+            .iter()
+            .copied()
+            .collect()
+    }
+
+    /// The controller's table decisions, shown through a fake write side (no map, no
+    /// syscall): a drain, a failed check and a reload each hand the writer new tables.
+    #[test]
+    fn the_controller_hands_its_table_decisions_to_the_write_side() {
+        let fake = FakeWrites::default();
+        let tables =
+            Writer::inline_with(Box::new(MemoryDataplane::default()), Box::new(fake.clone()));
+        let mut file = config("eth0", &["10.0.0.11", "10.0.0.12", "10.0.0.13"]);
+        file.vips[0].health.kind = crate::config::HealthKind::Tcp;
+        let mut state = shared_over(file.clone(), 7, tables);
+        let ids: Vec<u32> = state.model.backends().map(|b| b.id).collect();
+        let check = |ok: bool| CheckRecord {
+            ok,
+            latency_ms: 1.0,
+            error: (!ok).then(|| "connection refused".into()),
+            local: false,
+        };
+        for &id in &ids {
+            CheckHost::record_check(&mut state, id, check(true), 1, 1);
+        }
+        assert_eq!(members(&fake), ids.iter().copied().collect());
+
+        state
+            .set_admin_state(&web(), "10.0.0.12".parse().unwrap(), AdminState::Drain)
+            .unwrap();
+        assert_eq!(members(&fake), [ids[0], ids[2]].into());
+
+        CheckHost::record_check(&mut state, ids[2], check(false), 1, 1);
+        assert_eq!(members(&fake), [ids[0]].into());
+
+        let mut new = config("eth0", &["10.0.0.11", "10.0.0.14"]);
+        new.vips[0].health.kind = crate::config::HealthKind::None;
+        let changes = state.reload(new).unwrap();
+        assert!(
+            changes.iter().any(|c| c.contains("10.0.0.14 added")),
+            "{changes:?}"
+        );
+        let added = state.model.vips[0].backends[1].id;
+        assert_eq!(members(&fake), [ids[0], added].into());
+
+        let writes = fake.tables.lock().unwrap().len();
+        assert!(writes >= 4, "one table request per change: {writes}");
+        // What readers see as the data path's tables is what the write side was given.
+        let held = state.published().load().desired();
+        assert_eq!(
+            held.vips[0].table,
+            fake.tables.lock().unwrap().last().unwrap().vips[0].table
+        );
+    }
+
+    /// A peer's entries reach the connection table through the writer, as every other
+    /// data-path write (the cluster task holds no map handle of its own to write with).
+    #[test]
+    fn cluster_imports_go_through_the_write_side() {
+        let fake = FakeWrites::default();
+        let tables =
+            Writer::inline_with(Box::new(MemoryDataplane::default()), Box::new(fake.clone()));
+        let state = shared_over(config("eth0", &["10.0.0.11"]), 7, tables);
+        let imports = state.tables.imports();
+        let flow: (FlowKey, FlowEntry) =
+            (bytemuck::Zeroable::zeroed(), bytemuck::Zeroable::zeroed());
+        assert_eq!(imports.import_flows(vec![flow]), Ok(1));
+        assert_eq!(fake.imported.lock().unwrap().len(), 1);
+    }
+
+    /// A status read loads the published snapshot: it answers while a writer holds the
+    /// agent's lock (a reload, a health result), and it shows every change made before.
+    #[test]
+    fn a_status_read_does_not_wait_for_the_agents_lock() {
+        let state = Arc::new(Mutex::new(shared(config(
+            "eth0",
+            &["10.0.0.11", "10.0.0.12"],
+        ))));
+        let published = {
+            let mut state = state.lock().unwrap();
+            state
+                .set_admin_state(&web(), "10.0.0.12".parse().unwrap(), AdminState::Drain)
+                .unwrap();
+            state.published()
+        };
+        let held = state.lock().unwrap();
+        let (answer, answered) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let snapshot = published.load();
+            let status = snapshot.status().map_err(|e| e.to_string());
+            let scrape = snapshot.scrape().map(|_| ()).map_err(|e| e.to_string());
+            answer.send((status, scrape)).unwrap();
+        });
+        // Not a timing assertion: a reader that waited for the lock would not answer
+        // at all while it is held; the bound only keeps a failure from hanging.
+        let got = answered.recv_timeout(Duration::from_secs(60));
+        drop(held);
+        reader.join().unwrap();
+        let (status, scrape) = got.expect("the status read waited for the agent's lock");
+        scrape.unwrap();
+        let status = status.unwrap();
+        assert_eq!(status.vips[0].backends[1].address, "10.0.0.12");
+        assert_eq!(
+            status.vips[0].backends[1].state,
+            state.lock().unwrap().status().unwrap().vips[0].backends[1].state
+        );
+        assert!(state.lock().unwrap().tables_are_current());
+    }
+
+    /// Every kind of change publishes before it returns: what readers load then is what
+    /// a status made under the lock shows (no stale snapshot after a command, a reload,
+    /// a health result, a scan or an interface change).
+    #[test]
+    fn every_change_is_published_before_it_returns() {
+        let mut state = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
+        let published = state.published();
+        let same = |state: &State, after: &str| {
+            let loaded = serde_json::to_value(published.load().status().unwrap().vips).unwrap();
+            let fresh = serde_json::to_value(state.status().unwrap().vips).unwrap();
+            assert_eq!(loaded, fresh, "stale after {after}");
+            let loaded = published.load().status().unwrap().dataplane;
+            let fresh = state.status().unwrap().dataplane;
+            assert_eq!(
+                loaded.detached.is_some(),
+                fresh.detached.is_some(),
+                "after {after}"
+            );
+        };
+        state
+            .set_admin_state(&web(), "10.0.0.12".parse().unwrap(), AdminState::Maint)
+            .unwrap();
+        same(&state, "lb maint");
+        state
+            .add_backend(&web(), "10.0.0.13".parse().unwrap(), 2)
+            .unwrap();
+        same(&state, "lb backend add");
+        state
+            .remove_backend(&web(), "10.0.0.13".parse().unwrap())
+            .unwrap();
+        same(&state, "lb backend remove");
+        let id = state.model.vips[0].backends[0].id;
+        let failed = CheckRecord {
+            ok: false,
+            latency_ms: 2.0,
+            error: Some("timed out".into()),
+            local: false,
+        };
+        CheckHost::record_check(&mut state, id, failed, 3, 3);
+        same(&state, "a failed check below fall");
+        state.reload(config("eth0", &["10.0.0.11"])).unwrap();
+        same(&state, "a reload");
+        state.record_flows(Vec::new(), Instant::now(), 0);
+        same(&state, "a scan");
+        state.interface_lost();
+        same(&state, "the interface going");
     }
 }
 

@@ -1,27 +1,101 @@
-//! The table writer: one thread that owns the data path's writes. Changes (a reload, a
-//! runtime command, a health change, a MAC learnt) hand it the model's `TableInputs`
-//! and go on; the thread builds the Maglev tables and writes them with bpf(2), off the
-//! agent's lock and off the async workers. Requests that arrive while it works replace
-//! each other, so a flapping backend costs one rebuild per write, not a queue of them.
+//! The table writer: the one owner of the data path's writes. Every bpf(2) write the
+//! agent makes after its start goes through `TableWrites`, whose one implementation
+//! (`DataplaneWrites`) lives in the writer's thread: the Maglev tables, backends, QUIC
+//! ids and tunnel settings, the hot sources (`LB_HOT_SRC`), the next program's slot and
+//! the entries learnt from cluster peers. The controller (`state`) computes what the
+//! tables should be (`TableInputs`) and hands them over; nothing else writes a map.
+//! Reads go through their own handles, not through this side: counters through the
+//! `CounterReader` (no lock the writer holds), flows through a `FlowReader` (as Cilium
+//! splits its LBMaps into a read side and a write side).
 //!
-//! Each request gets a ticket; `wait` resolves once a write that includes it is done, for
-//! callers that answer only after the data path follows (control commands, reload).
+//! Changes (a reload, a runtime command, a health change, a MAC learnt) hand it the
+//! model's `TableInputs` and go on; the thread builds the Maglev tables and writes them,
+//! off the agent's lock and off the async workers. Requests that arrive while it works
+//! replace each other, so a flapping backend costs one rebuild per write, not a queue of
+//! them. Each request gets a ticket; `wait` resolves once a write that includes it is
+//! done, for callers that answer only after the data path follows (control commands,
+//! reload). Writes that cannot be coalesced (a peer's entries, the next program) are run
+//! in the same thread in the order asked (`Writer::exec`, `Imports`).
+//!
+//! Owns the write side of the data path; may call `tables` (build and diff) and
+//! `dataplane` (the maps).
 
 use std::{
+    collections::VecDeque,
     sync::{Arc, Condvar, Mutex, MutexGuard},
     thread::JoinHandle,
 };
 
+use lb_common::{FlowEntry, FlowKey};
 use tokio::sync::watch;
 
 use crate::{
-    dataplane::{CounterReader, Dataplane},
-    tables::{Desired, TableBuilder, TableInputs, TableWriter},
+    dataplane::{CounterReader, Dataplane, DataplaneError, FlowWriter, next::NextProgram},
+    tables::{ApplyReport, Desired, TableBuilder, TableInputs, TableWriter},
 };
 
-/// The data path as the agent holds it: reads (counters, flows) take this lock briefly;
-/// the writer thread takes it for a write.
+/// The data path as the agent holds it: reads that have no handle of their own (explain's
+/// lookups, attaching again) take this lock briefly; the writer's thread takes it for a
+/// write.
 pub type SharedDataplane = Arc<Mutex<Box<dyn Dataplane + Send>>>;
+
+/// The data path's write side. One implementation writes the maps (`DataplaneWrites`);
+/// unit tests give a fake that records what the controller asked for.
+pub trait TableWrites: Send {
+    /// Makes the data path hold `desired`: backends, each VIP's table (switched, never
+    /// half-written), the hot sources, the QUIC ids and the tunnel settings.
+    fn write_tables(&mut self, desired: &Desired) -> Result<ApplyReport, DataplaneError>;
+    /// Inserts a cluster peer's connection-table entries where the flow has none here;
+    /// returns how many went in.
+    fn import_flows(&mut self, flows: &[(FlowKey, FlowEntry)]) -> Result<u64, DataplaneError>;
+    /// Puts `next` in the slot lb tail-calls (None: empties it); returns the id that was
+    /// there.
+    fn set_next_program(
+        &mut self,
+        next: Option<&NextProgram>,
+    ) -> Result<Option<u32>, DataplaneError>;
+}
+
+/// The write side over a data path (the kernel's, or the in-memory one of unit tests).
+pub struct DataplaneWrites {
+    tables: TableWriter,
+    dataplane: SharedDataplane,
+    /// `[cluster]`: a handle of its own on the connection table, for the peers' entries.
+    flows: Option<FlowWriter>,
+}
+
+impl TableWrites for DataplaneWrites {
+    fn write_tables(&mut self, desired: &Desired) -> Result<ApplyReport, DataplaneError> {
+        let mut dataplane = self.dataplane.lock().expect("data path poisoned");
+        self.tables.apply(dataplane.as_mut(), desired)
+    }
+
+    fn import_flows(&mut self, flows: &[(FlowKey, FlowEntry)]) -> Result<u64, DataplaneError> {
+        let Some(writer) = self.flows.as_mut() else {
+            return Ok(0);
+        };
+        let mut inserted = 0;
+        for (key, entry) in flows {
+            match writer.insert_new(key, entry) {
+                Ok(true) => inserted += 1,
+                Ok(false) => {}
+                // One entry refused (the table full of its own): the others still go in.
+                Err(error) => tracing::debug!("cluster: inserting a learned entry: {error}"),
+            }
+        }
+        Ok(inserted)
+    }
+
+    fn set_next_program(
+        &mut self,
+        next: Option<&NextProgram>,
+    ) -> Result<Option<u32>, DataplaneError> {
+        self.dataplane
+            .lock()
+            .expect("data path poisoned")
+            .set_next_program(next)
+    }
+}
 
 /// Which request a write covered, and how it went.
 #[derive(Clone, Debug)]
@@ -43,6 +117,11 @@ pub struct Requested {
 }
 
 impl Requested {
+    /// Request `ticket`, to wait for on `written` (the writer's reports).
+    pub fn of(ticket: u64, written: watch::Receiver<Written>) -> Self {
+        Self { ticket, written }
+    }
+
     /// Resolves once a write covering the request is done: Ok, or why it failed.
     pub async fn done(mut self) -> Result<(), String> {
         let ticket = self.ticket;
@@ -66,18 +145,19 @@ pub struct Writer {
     /// The counters' read side: handles of their own, no lock the writing side holds.
     counters: Arc<CounterReader>,
     written: watch::Receiver<Written>,
-    mode: Mode,
+    /// The writer's thread; None when it writes in the caller's (unit tests).
+    thread: Option<JoinHandle<()>>,
 }
 
-enum Mode {
-    Thread(Option<JoinHandle<()>>),
-    /// Unit tests: `request` writes in the caller's thread. Boxed: the work is large.
-    Inline(Box<Mutex<Work>>),
-}
+/// A write that is run once, in order (not coalesced as table requests are).
+type Op = Box<dyn FnOnce(&mut dyn TableWrites) + Send>;
 
 struct Inner {
     pending: Mutex<Pending>,
     wake: Condvar,
+    /// Unit tests: the work, run in the caller's thread (what a change wrote is there
+    /// when it returns). Boxed: the work is large.
+    inline: Option<Box<Mutex<Work>>>,
 }
 
 #[derive(Default)]
@@ -85,46 +165,113 @@ struct Pending {
     /// The newest inputs not yet written, and their ticket.
     next: Option<(u64, TableInputs)>,
     last_ticket: u64,
+    /// Writes to run once each, in the order asked.
+    ops: VecDeque<Op>,
     stop: bool,
 }
 
 /// What only the writing side touches.
 struct Work {
     builder: TableBuilder,
-    tables: TableWriter,
-    dataplane: SharedDataplane,
+    writes: Box<dyn TableWrites>,
     written: watch::Sender<Written>,
 }
 
+/// The writer stopped (the agent is stopping): the write was not made.
+#[derive(Debug, thiserror::Error)]
+#[error("the table writer stopped")]
+pub struct WriterStopped;
+
+impl Inner {
+    /// Runs `op` on the write side, in the writer's thread, and waits for its result.
+    fn exec<R: Send + 'static>(
+        &self,
+        op: impl FnOnce(&mut dyn TableWrites) -> R + Send + 'static,
+    ) -> Result<R, WriterStopped> {
+        if let Some(work) = &self.inline {
+            let mut work = work.lock().expect("writer poisoned");
+            return Ok(op(work.writes.as_mut()));
+        }
+        let (done, result) = std::sync::mpsc::sync_channel(1);
+        {
+            let mut pending = self.pending.lock().expect("writer queue poisoned");
+            if pending.stop {
+                return Err(WriterStopped);
+            }
+            pending
+                .ops
+                .push_back(Box::new(move |writes: &mut dyn TableWrites| {
+                    let _ = done.send(op(writes));
+                }));
+        }
+        self.wake.notify_one();
+        result.recv().map_err(|_| WriterStopped)
+    }
+}
+
+/// The cluster task's way to the write side: a peer's entries go into the connection
+/// table through the writer, as every other data-path write.
+#[derive(Clone)]
+pub struct Imports(Arc<Inner>);
+
+impl Imports {
+    /// Inserts `flows` where the flow has no entry here; returns how many went in.
+    /// Blocks until the writer's thread made the writes (behind a table write at most).
+    pub fn import_flows(&self, flows: Vec<(FlowKey, FlowEntry)>) -> Result<u64, String> {
+        self.0
+            .exec(move |writes| writes.import_flows(&flows))
+            .map_err(|stopped| stopped.to_string())?
+            .map_err(|error| error.to_string())
+    }
+}
+
 impl Writer {
-    /// A writer thread over `dataplane`, whose tables `tables` wrote last (`desired`).
+    /// A writer thread over `dataplane`, whose tables `tables` wrote last (`desired`);
+    /// `flows`: the connection table's handle for the cluster's imports.
     pub fn spawn(
         dataplane: Box<dyn Dataplane + Send>,
         tables: TableWriter,
         desired: Desired,
+        flows: Option<FlowWriter>,
     ) -> std::io::Result<Self> {
-        let (mut writer, work) = Self::parts(dataplane, tables, desired);
+        let (shared, counters) = Self::reads(dataplane);
+        let writes = DataplaneWrites {
+            tables,
+            dataplane: shared.clone(),
+            flows,
+        };
+        let (mut writer, work) = Self::parts(shared, counters, Box::new(writes), desired, false);
         let inner = writer.inner.clone();
         let thread = std::thread::Builder::new()
             .name("lb-table-writer".into())
-            .spawn(move || work.run(&inner))?;
-        writer.mode = Mode::Thread(Some(thread));
+            .spawn(move || work.expect("a thread's work").run(&inner))?;
+        writer.thread = Some(thread);
         Ok(writer)
     }
 
     /// A writer that writes in the caller's thread, at once (unit tests: what a change
     /// wrote is there when it returns).
     pub fn inline(dataplane: Box<dyn Dataplane + Send>, tables: TableWriter) -> Self {
-        let (mut writer, work) = Self::parts(dataplane, tables, Desired::default());
-        writer.mode = Mode::Inline(Box::new(Mutex::new(work)));
-        writer
+        let (shared, counters) = Self::reads(dataplane);
+        let writes = DataplaneWrites {
+            tables,
+            dataplane: shared.clone(),
+            flows: None,
+        };
+        Self::parts(shared, counters, Box::new(writes), Desired::default(), true).0
     }
 
-    fn parts(
-        dataplane: Box<dyn Dataplane + Send>,
-        tables: TableWriter,
-        desired: Desired,
-    ) -> (Self, Work) {
+    /// Unit tests: a writer whose writes go to `writes` (a fake), in the caller's thread;
+    /// `reads` is the data path read from.
+    #[cfg(test)]
+    pub fn inline_with(reads: Box<dyn Dataplane + Send>, writes: Box<dyn TableWrites>) -> Self {
+        let (shared, counters) = Self::reads(reads);
+        Self::parts(shared, counters, writes, Desired::default(), true).0
+    }
+
+    /// The data path behind its lock, and the counters' read side: handles of its own
+    /// when the data path has them to give.
+    fn reads(dataplane: Box<dyn Dataplane + Send>) -> (SharedDataplane, Arc<CounterReader>) {
         let own = dataplane.counter_reader();
         let dataplane: SharedDataplane = Arc::new(Mutex::new(dataplane));
         let counters = Arc::new(match own {
@@ -135,27 +282,42 @@ impl Writer {
                 CounterReader::shared(dataplane.clone())
             }
         });
+        (dataplane, counters)
+    }
+
+    /// The handle, and the work for a thread (None: `inline`, the work is the handle's).
+    fn parts(
+        dataplane: SharedDataplane,
+        counters: Arc<CounterReader>,
+        writes: Box<dyn TableWrites>,
+        desired: Desired,
+        inline: bool,
+    ) -> (Self, Option<Work>) {
         let (sender, receiver) = watch::channel(Written {
             ticket: 0,
             desired: Arc::new(desired),
             error: None,
             writes: 0,
         });
+        let work = Work {
+            builder: TableBuilder::default(),
+            writes,
+            written: sender,
+        };
+        let (inline, work) = match inline {
+            true => (Some(Box::new(Mutex::new(work))), None),
+            false => (None, Some(work)),
+        };
         let writer = Self {
             inner: Arc::new(Inner {
                 pending: Mutex::new(Pending::default()),
                 wake: Condvar::new(),
+                inline,
             }),
-            dataplane: dataplane.clone(),
+            dataplane,
             counters,
             written: receiver,
-            mode: Mode::Thread(None),
-        };
-        let work = Work {
-            builder: TableBuilder::default(),
-            tables,
-            dataplane,
-            written: sender,
+            thread: None,
         };
         (writer, work)
     }
@@ -169,14 +331,28 @@ impl Writer {
             pending.next = Some((ticket, inputs));
             ticket
         };
-        match &self.mode {
-            Mode::Thread(_) => self.inner.wake.notify_one(),
-            Mode::Inline(work) => work
+        match &self.inner.inline {
+            None => self.inner.wake.notify_one(),
+            Some(work) => work
                 .lock()
                 .expect("writer poisoned")
                 .write_pending(&self.inner),
         }
         ticket
+    }
+
+    /// Runs `op` on the write side (in the writer's thread, after what is queued) and
+    /// waits for it: for writes whose outcome the caller answers with (the next program).
+    pub fn exec<R: Send + 'static>(
+        &self,
+        op: impl FnOnce(&mut dyn TableWrites) -> R + Send + 'static,
+    ) -> Result<R, WriterStopped> {
+        self.inner.exec(op)
+    }
+
+    /// The cluster task's handle for its imports.
+    pub fn imports(&self) -> Imports {
+        Imports(self.inner.clone())
     }
 
     /// The newest request, to wait for outside the agent's lock.
@@ -190,6 +366,12 @@ impl Writer {
                 .last_ticket,
             written: self.written.clone(),
         }
+    }
+
+    /// The writes' reports, for readers: what the data path holds, which request it
+    /// covers (`Requested::of` waits for one).
+    pub fn reports(&self) -> watch::Receiver<Written> {
+        self.written.clone()
     }
 
     /// Whether every request has been written (or failed): nothing is pending.
@@ -239,8 +421,7 @@ impl Drop for Writer {
             .expect("writer queue poisoned")
             .stop = true;
         self.inner.wake.notify_one();
-        if let Mode::Thread(thread) = &mut self.mode
-            && let Some(thread) = thread.take()
+        if let Some(thread) = self.thread.take()
             && thread.join().is_err()
         {
             tracing::error!("the table writer panicked");
@@ -251,14 +432,18 @@ impl Drop for Writer {
 impl Work {
     fn run(mut self, inner: &Inner) {
         loop {
-            {
+            let ops = {
                 let mut pending = inner.pending.lock().expect("writer queue poisoned");
-                while pending.next.is_none() && !pending.stop {
+                while pending.next.is_none() && pending.ops.is_empty() && !pending.stop {
                     pending = inner.wake.wait(pending).expect("writer queue poisoned");
                 }
-                if pending.next.is_none() {
+                if pending.next.is_none() && pending.ops.is_empty() {
                     return;
                 }
+                std::mem::take(&mut pending.ops)
+            };
+            for op in ops {
+                op(self.writes.as_mut());
             }
             self.write_pending(inner);
         }
@@ -276,11 +461,7 @@ impl Work {
             return;
         };
         let desired = self.builder.build(&inputs);
-        let result = {
-            let mut dataplane = self.dataplane.lock().expect("data path poisoned");
-            self.tables.apply(dataplane.as_mut(), &desired)
-        };
-        let error = match result {
+        let error = match self.writes.write_tables(&desired) {
             Ok(report) => {
                 // A switch may write no slot: the idle generation can already hold the
                 // new table (a backend that goes down again, back to the table before
@@ -352,6 +533,7 @@ mod tests {
             Box::new(MemoryDataplane::default()),
             TableWriter::new(7),
             Desired::default(),
+            None,
         )
         .unwrap();
         {
@@ -382,6 +564,7 @@ mod tests {
             Box::new(MemoryDataplane::default()),
             TableWriter::new(7),
             Desired::default(),
+            None,
         )
         .unwrap();
         writer.request(inputs(&[3]));

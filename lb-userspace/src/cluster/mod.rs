@@ -54,9 +54,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::ClusterConfig,
-    dataplane::{FlowReader, FlowWriter},
+    dataplane::FlowReader,
     explain::monotonic_ns,
     status::{ClusterStatus, PeerStatus},
+    writer::Imports,
 };
 use transfer::{AnswerContext, Answers, LearnStatus, Learner, PeerLearn, PeerLearnState};
 use wire::{Entry, Kind, Message, Reject, ReplayGuard};
@@ -382,10 +383,12 @@ pub fn open(
     })
 }
 
-/// What the data path gives the cluster task.
+/// What the data path gives the cluster task: the export ring to drain, the table
+/// writer's handle for the peers' entries (it owns every data-path write), and a flow
+/// reader of its own.
 pub struct Maps {
     pub export: RingBuf<MapData>,
-    pub writer: FlowWriter,
+    pub imports: Imports,
     pub reader: Arc<FlowReader>,
 }
 
@@ -402,7 +405,7 @@ pub fn start<H: Host>(
     let socket = UdpSocket::from_std(opened.socket)?;
     let listener = TcpListener::from_std(opened.listener)?;
     let key: Arc<[u8]> = opened.key.into();
-    let writer = Arc::new(Mutex::new(maps.writer));
+    let writer = maps.imports;
     let rate = host
         .lock()
         .expect("agent state poisoned")
@@ -463,26 +466,25 @@ fn scan_for_peers<H: Host>(host: Arc<Mutex<H>>, reader: Arc<FlowReader>) -> tran
 }
 
 /// Inserts a peer's entries that this node can map; returns (inserted, unknown here).
-fn insert_learned<H: Host>(
-    host: &Mutex<H>,
-    writer: &Mutex<FlowWriter>,
-    entries: &[Entry],
-) -> (u64, u64) {
+/// The table writer makes the inserts (`Imports`), as it makes every data-path write.
+fn insert_learned<H: Host>(host: &Mutex<H>, writer: &Imports, entries: &[Entry]) -> (u64, u64) {
     let directory = host.lock().expect("agent state poisoned").directory();
     let now = monotonic_ns();
-    let (mut inserted, mut unknown) = (0, 0);
-    let mut writer = writer.lock().expect("cluster writer poisoned");
+    let mut unknown = 0;
+    let mut flows = Vec::with_capacity(entries.len());
     for entry in entries {
-        let Some(flow) = directory.learn(entry, now) else {
-            unknown += 1;
-            continue;
-        };
-        match writer.insert_new(&entry.key, &flow) {
-            Ok(true) => inserted += 1,
-            Ok(false) => {}
-            Err(error) => tracing::debug!("cluster: inserting a learned entry: {error}"),
+        match directory.learn(entry, now) {
+            Some(flow) => flows.push((entry.key, flow)),
+            None => unknown += 1,
         }
     }
+    if flows.is_empty() {
+        return (0, unknown);
+    }
+    let inserted = writer.import_flows(flows).unwrap_or_else(|error| {
+        tracing::debug!("cluster: inserting learned entries: {error}");
+        0
+    });
     (inserted, unknown)
 }
 
@@ -506,7 +508,7 @@ struct Task<H> {
     key: Arc<[u8]>,
     stats: Shared,
     export: RingBuf<MapData>,
-    writer: Arc<Mutex<FlowWriter>>,
+    writer: Imports,
     reader: Arc<FlowReader>,
     answers: Arc<AnswerContext>,
     boot: u64,

@@ -35,6 +35,7 @@ use crate::{
     explain::{ExplainError, ExplainRequest, Explanation, monotonic_ns},
     health::HealthTasks,
     listen::{LIMITS, Peer},
+    snapshot::Published,
     state::{self, ControlError, State},
     status::Status,
     writer::Requested,
@@ -173,8 +174,10 @@ pub fn serve(
         operators,
     } = socket;
     let shutdown = health_tasks.shutdown.clone();
+    let published = shared.lock().expect("agent state poisoned").published();
     let api = Api {
         shared,
+        published,
         health_tasks,
     };
     let app = changes()
@@ -270,10 +273,12 @@ async fn bind(path: &Path, parent_mode: u32, mode: u32) -> anyhow::Result<UnixLi
     Ok(listener)
 }
 
-/// What the handlers share.
+/// What the handlers share: the agent's state, which changes take the lock of, and its
+/// published snapshot, which reads load without it.
 #[derive(Clone)]
 struct Api {
     shared: Arc<Mutex<State>>,
+    published: Published,
     health_tasks: HealthTasks,
 }
 
@@ -459,11 +464,11 @@ async fn node_ready(
 }
 
 async fn explain(
-    Extract(Api { shared, .. }): Extract<Api>,
+    Extract(Api { published, .. }): Extract<Api>,
     Body(request): Body<ExplainRequest>,
 ) -> Result<Json<Explanation>, Refusal> {
-    let shared = shared.lock().expect("agent state poisoned");
-    shared
+    published
+        .load()
         .explain(&request, monotonic_ns())
         .map(Json)
         .map_err(|e| {
@@ -486,29 +491,27 @@ const STATUS_WAITS: usize = 10;
 /// `GET /metrics`, as the metrics endpoint answers it: for the operators' group where
 /// `control.metrics` is off or its port is out of their reach.
 async fn metrics(
-    Extract(Api { shared, .. }): Extract<Api>,
+    Extract(Api { published, .. }): Extract<Api>,
     headers: axum::http::HeaderMap,
 ) -> Response {
-    crate::metrics::metrics(Extract(crate::state::scraper(shared)), headers)
+    crate::metrics::metrics(Extract(crate::snapshot::scraper(published)), headers)
         .await
         .into_response()
 }
 
-async fn status(Extract(Api { shared, .. }): Extract<Api>) -> Result<Json<Status>, Refusal> {
+async fn status(Extract(Api { published, .. }): Extract<Api>) -> Result<Json<Status>, Refusal> {
     for _ in 0..STATUS_WAITS {
-        let pending = {
-            let shared = shared.lock().expect("agent state poisoned");
-            if shared.tables_are_current() {
-                break;
-            }
-            shared.requested()
-        };
+        let snapshot = published.load();
+        if snapshot.tables_are_current() {
+            break;
+        }
         // A failed write is reported where it was asked for; status shows what is.
-        let _ = pending.done().await;
+        let _ = snapshot.tables_written().done().await;
     }
-    // Copied under the lock; the counters are read after it.
-    let source = shared.lock().expect("agent state poisoned").status_source();
-    source
+    // The published snapshot, loaded without the agent's lock; the counters are read
+    // through the writer's read side.
+    published
+        .load()
         .status()
         .map(Json)
         .map_err(|e| refusal(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")))
@@ -595,6 +598,54 @@ mod tests {
     }
 
     const DRAIN: &str = r#"{"vip": "10.0.0.100:80/tcp", "backend": "10.0.0.11", "state": "drain"}"#;
+
+    /// Issue 34: the reads (status, explain, metrics) load the published snapshot, so
+    /// they answer while a writer holds the agent's lock (a reload, a health result).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_answer_while_the_agents_lock_is_held() {
+        let dir = std::env::temp_dir().join(format!("lb-control-held-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let socket = dir.join("lb.sock");
+        let state = Arc::new(Mutex::new(shared(config("eth0", &["10.0.0.11"]))));
+        let tasks = HealthTasks::new(tokio_util::sync::CancellationToken::new());
+        let config = ControlConfig {
+            socket: socket.clone(),
+            ..ControlConfig::default()
+        };
+        serve(
+            ControlSocket::bind(&config).await.unwrap(),
+            state.clone(),
+            tasks.clone(),
+        );
+        let _agent = CancellationGuard(tasks.shutdown, dir);
+        let held = state.lock().unwrap();
+        let explain = r#"{"vip": "10.0.0.100:80/tcp", "source": "10.0.0.1:1234"}"#;
+        // The client on a thread of its own: the server's workers stay free to answer.
+        let (answer, answered) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let client = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let _ = answer.send(client.block_on(async {
+                let status = send(&socket, "GET", "/status", None, "").await;
+                let explained = send(&socket, "POST", "/explain", None, explain).await;
+                let metrics = send_raw(&socket, "GET", "/metrics", None, "").await;
+                (status, explained, metrics)
+            }));
+        });
+        // Not a timing assertion: a read that waited for the lock would not answer at
+        // all while it is held; the bound only keeps a failure from hanging.
+        let answered = answered.recv_timeout(std::time::Duration::from_secs(60));
+        drop(held);
+        let ((code, status), (explained, why), (scraped, text)) =
+            answered.expect("a read waited for the agent's lock");
+        assert_eq!(code, 200, "{status}");
+        assert_eq!(status["vips"][0]["backends"][0]["address"], "10.0.0.11");
+        assert_eq!(explained, 200, "{why}");
+        assert_eq!(scraped, 200, "{text}");
+        assert!(text.contains("lb_build_info"), "{text}");
+    }
 
     #[tokio::test]
     async fn json_bodies_need_no_content_type_and_errors_are_json() {

@@ -173,8 +173,8 @@ fn own_handle(
     BpfHashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(in_map(MAP_CONNTRACK))
 }
 
-/// Writes entries learned from cluster peers into the connection table, apart from the
-/// data path's own handle (the table writer's thread owns that one).
+/// Writes entries learned from cluster peers into the connection table: a handle of its
+/// own, owned by the table writer (`writer::DataplaneWrites`) like every data-path write.
 pub struct FlowWriter(BpfHashMap<MapData, FlowKey, FlowEntry>);
 
 impl FlowWriter {
