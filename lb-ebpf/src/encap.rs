@@ -118,8 +118,13 @@ fn wrap(ctx: &XdpContext, packet: &Packet, backend: &BackendInfo) -> Result<u32,
         config.src_v6.as_ptr() as *const u16
     };
     // Computed before the helper call and kept in one stack slot: otherwise the
-    // compiler loads the addresses before it and keeps all of them across it.
-    let entropy = flow_entropy(packet);
+    // compiler loads the addresses before it and keeps all of them across it. Only
+    // where it is written: GUE's source port, an outer IPv6 header's flow label.
+    let entropy = if gue || !outer_v4 {
+        flow_entropy(packet)
+    } else {
+        0
+    };
     let entropy = unsafe {
         let slot = core::ptr::addr_of!(entropy);
         core::ptr::read_volatile(slot)

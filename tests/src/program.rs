@@ -29,11 +29,21 @@ impl Instance {
 
     /// `load`, with load-time options changed by `adjust`.
     pub fn load_with(text: &str, adjust: impl FnOnce(&mut LoadOptions)) -> Result<Instance> {
+        let variant = variant_object()?;
+        Self::load_object(text, variant.as_deref().unwrap_or(EBPF_OBJECT), adjust)
+    }
+
+    /// `load_with` from the `lb_xdp` object `object` (a variant of the program built
+    /// from another tree with this one's map layout, which a benchmark runs beside the
+    /// built-in one).
+    pub fn load_object(
+        text: &str,
+        object: &[u8],
+        adjust: impl FnOnce(&mut LoadOptions),
+    ) -> Result<Instance> {
         let config = Config::from_toml(text).context("the instance's config")?;
         let mut options = LoadOptions::from_config(&config, IFACE_MAC);
         adjust(&mut options);
-        let variant = variant_object()?;
-        let object = variant.as_deref().unwrap_or(EBPF_OBJECT);
         let dataplane = AyaDataplane::load(object, options).context("load lb_xdp")?;
         let model = Model::new(
             config.dataplane.maglev_table_size,

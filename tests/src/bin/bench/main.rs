@@ -59,6 +59,11 @@ struct Args {
     /// `tcp_syn,tcp_established`: fewer cases, more runs of them in the same time.
     #[arg(long, value_delimiter = ',')]
     cases: Vec<String>,
+    /// A variant of the `lb_xdp` object, as NAME=PATH (repeatable): the per-packet cases
+    /// of the plain instance run on it too, alternating with the built-in object in the
+    /// same rounds, reported as `case@NAME` (taking a change apart in one run).
+    #[arg(long, value_parser = packet::parse_variant)]
+    variant: Vec<(String, PathBuf)>,
     /// Fewer and shorter rounds: checks that everything runs, figures are rough.
     #[arg(long)]
     quick: bool,
@@ -156,6 +161,7 @@ fn run(args: &Args) -> Result<()> {
                 loop_calls: 2_000,
                 backend_counts: vec![1, 100, 1000],
                 cases: args.cases.clone(),
+                variants: args.variant.clone(),
             }
         } else {
             packet::Options {
@@ -164,6 +170,7 @@ fn run(args: &Args) -> Result<()> {
                 loop_calls: 20_000,
                 backend_counts: vec![1, 100, 1000],
                 cases: args.cases.clone(),
+                variants: args.variant.clone(),
             }
         };
         let r = packet::run(&opts)?;

@@ -98,6 +98,52 @@ pub struct Options {
     pub backend_counts: Vec<usize>,
     /// The cases to run, by name; empty: all.
     pub cases: Vec<String>,
+    /// Variants of the `lb_xdp` object (name, path): the cases of the plain instance run
+    /// on each too, in the same rounds.
+    pub variants: Vec<(String, std::path::PathBuf)>,
+}
+
+/// `--variant NAME=PATH`.
+pub fn parse_variant(s: &str) -> Result<(String, std::path::PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), path.into()))
+        }
+        _ => Err(format!("--variant {s:?}: expected NAME=PATH")),
+    }
+}
+
+/// One case on one instance: the built-in object's, or a variant's (named `case@variant`).
+struct Run<'a> {
+    case: &'a Case,
+    name: String,
+    /// Index into the loaded instances.
+    inst: usize,
+}
+
+/// Every case on its instance, and the plain instance's cases again on each variant's
+/// (loaded after the first four instances, in the order of `variants`).
+fn runs<'a>(cases: &'a [Case], variants: &[(String, std::path::PathBuf)]) -> Vec<Run<'a>> {
+    let mut runs = Vec::new();
+    for case in cases {
+        let inst = case.nics.instance(case.cluster);
+        runs.push(Run {
+            case,
+            name: case.name.to_string(),
+            inst,
+        });
+        if inst != 0 {
+            continue;
+        }
+        for (v, (variant, _)) in variants.iter().enumerate() {
+            runs.push(Run {
+                case,
+                name: format!("{}@{variant}", case.name),
+                inst: 4 + v,
+            });
+        }
+    }
+    runs
 }
 
 /// A config with four VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80, and IPv4 UDP 443
@@ -545,29 +591,47 @@ fn net_ns(net: &[(String, usize, f64, f64, f64)], case: &str, backends: usize, w
         .unwrap_or(f64::NAN)
 }
 
-/// The tunnels' cost next to L2's, per backend count: loop kernel net ns, and ratios.
-fn tunnel_ratios(net: &[(String, usize, f64, f64, f64)]) -> Table {
+/// The tunnels' cost next to L2's, per backend count and object (the built-in one, then
+/// each variant's, against its own L2 case): loop kernel net ns, and ratios.
+fn tunnel_ratios(net: &[(String, usize, f64, f64, f64)], variants: &[String]) -> Table {
     let mut table = Table::new(
         "Tunnel DSR next to L2 (established TCP, loop kernel net ns, medians)",
-        &["backends", "l2", "ipip", "gue", "ipip / l2", "gue / l2"],
+        &[
+            "backends",
+            "object",
+            "l2",
+            "ipip",
+            "gue",
+            "ipip / l2",
+            "gue / l2",
+        ],
     );
     let mut counts: Vec<usize> = net.iter().map(|r| r.1).collect();
     counts.dedup();
+    let objects = std::iter::once(String::new()).chain(variants.iter().map(|v| format!("@{v}")));
+    let objects: Vec<String> = objects.collect();
     for backends in counts {
-        let ns = |case: &str| net_ns(net, case, backends, Way::Loop);
-        let (l2, ipip, gue) = (
-            ns("tcp_established"),
-            ns("tcp_established_ipip"),
-            ns("tcp_established_gue"),
-        );
-        table.row(vec![
-            backends.to_string(),
-            num(l2, 1),
-            num(ipip, 1),
-            num(gue, 1),
-            num(ipip / l2, 2),
-            num(gue / l2, 2),
-        ]);
+        for object in &objects {
+            let ns = |case: &str| net_ns(net, &format!("{case}{object}"), backends, Way::Loop);
+            let (l2, ipip, gue) = (
+                ns("tcp_established"),
+                ns("tcp_established_ipip"),
+                ns("tcp_established_gue"),
+            );
+            table.row(vec![
+                backends.to_string(),
+                if object.is_empty() {
+                    "built-in".into()
+                } else {
+                    object[1..].to_string()
+                },
+                num(l2, 1),
+                num(ipip, 1),
+                num(gue, 1),
+                num(ipip / l2, 2),
+                num(gue / l2, 2),
+            ]);
+        }
     }
     table.note("Figures, not limits: ratios of one run on this machine.");
     table
@@ -748,13 +812,24 @@ pub fn run(opts: &Options) -> Result<Results> {
             };
             insts.push(inst);
         }
+        for (name, path) in &opts.variants {
+            if !wanted(0) {
+                insts.push(None);
+                continue;
+            }
+            let object = std::fs::read(path)
+                .with_context(|| format!("--variant {name}: cannot read {}", path.display()))?;
+            let inst = Instance::load_object(&vips, &object, |_| {})
+                .with_context(|| format!("--variant {name}: {}", path.display()))?;
+            insts.push(Some(inst));
+        }
         for inst in insts.iter_mut().flatten() {
             make_tunnels(inst, [2, 0, 0, 0, 0, 0xfe])?;
         }
-        for case in &cases {
-            let inst = insts[case.nics.instance(case.cluster)]
-                .as_mut()
-                .expect("loaded for its cases");
+        let runs = runs(&cases, &opts.variants);
+        for run in &runs {
+            let case = run.case;
+            let inst = insts[run.inst].as_mut().expect("loaded for its cases");
             if let Some(p) = &case.prime {
                 let program = inst.dataplane.program_mut()?;
                 // The flow's first packet, then its frame once: the second packet is
@@ -770,15 +845,14 @@ pub fn run(opts: &Options) -> Result<Results> {
                 }
             }
         }
-        let mut lb: Vec<Samples> = cases.iter().map(|_| Samples::default()).collect();
-        let mut pass: Vec<Samples> = cases.iter().map(|_| Samples::default()).collect();
+        let mut lb: Vec<Samples> = runs.iter().map(|_| Samples::default()).collect();
+        let mut pass: Vec<Samples> = runs.iter().map(|_| Samples::default()).collect();
         let mut counters_json = Vec::new();
         let mut source_counter = 0u64;
         for round in 0..opts.rounds {
-            for (ci, case) in cases.iter().enumerate() {
-                let inst = insts[case.nics.instance(case.cluster)]
-                    .as_mut()
-                    .expect("loaded for its cases");
+            for (ci, run) in runs.iter().enumerate() {
+                let case = run.case;
+                let inst = insts[run.inst].as_mut().expect("loaded for its cases");
                 let repeat = if case.once_per_call { 1 } else { opts.repeat };
                 let pass_prog = xdp(&mut pass_ebpf, "xdp_pass")?;
                 let (rv, k, w) = run_repeat(pass_prog, &case.frame, repeat)?;
@@ -792,7 +866,7 @@ pub fn run(opts: &Options) -> Result<Results> {
                 if rv != case.action {
                     bail!(
                         "{} with {backends} backends: lb_xdp returned {rv}, expected {}",
-                        case.name,
+                        run.name,
                         case.action
                     );
                 }
@@ -801,7 +875,7 @@ pub fn run(opts: &Options) -> Result<Results> {
                 if round == 0 {
                     let after = inst.dataplane.counters(&[], &[])?.outcomes;
                     counters_json.push(json!({
-                        "case": case.name,
+                        "case": run.name,
                         "repeat": opts.repeat,
                         "counters": changed(&before, &after),
                     }));
@@ -836,14 +910,15 @@ pub fn run(opts: &Options) -> Result<Results> {
                 if round == 0 {
                     let after = inst.dataplane.counters(&[], &[])?.outcomes;
                     counters_json.push(json!({
-                        "case": case.name,
+                        "case": run.name,
                         "loop_calls": opts.loop_calls,
                         "counters": changed(&before, &after),
                     }));
                 }
             }
         }
-        for (ci, case) in cases.iter().enumerate() {
+        for (ci, run) in runs.iter().enumerate() {
+            let case = run.case;
             let (l, p) = (&lb[ci], &pass[ci]);
             let net = |a: &[f64], b: &[f64]| -> Vec<f64> {
                 a.iter().zip(b).map(|(x, y)| x - y).collect()
@@ -861,7 +936,7 @@ pub fn run(opts: &Options) -> Result<Results> {
                 }
             };
             table.row(vec![
-                case.name.into(),
+                run.name.clone(),
                 backends.to_string(),
                 num(one_flow(median(&l.repeat_kernel)), 1),
                 num(one_flow(median(&rk_net)), 1),
@@ -871,7 +946,7 @@ pub fn run(opts: &Options) -> Result<Results> {
                 num(median(&lw_net), 1),
             ]);
             net_all.push((
-                case.name.to_string(),
+                run.name.clone(),
                 backends,
                 median(&rk_net),
                 median(&lk_net),
@@ -882,7 +957,7 @@ pub fn run(opts: &Options) -> Result<Results> {
                 json!({ "median": median(v), "min": lo, "max": hi, "rounds": v })
             };
             out_json.push(json!({
-                "case": case.name,
+                "case": run.name,
                 "what": case.what,
                 "backends": backends,
                 "frame_bytes": case.frame.len(),
@@ -938,13 +1013,21 @@ pub fn run(opts: &Options) -> Result<Results> {
          measured by the loop only, since under repeat the program would see its own \
          encapsulated output.",
     );
+    for (name, path) in &opts.variants {
+        table.note(format!(
+            "case@{name}: the case on the variant object {} (--variant), alternating with \
+             the built-in object in the same rounds.",
+            path.display()
+        ));
+    }
     if let Some(variant) = std::env::var_os("LB_XDP_OBJECT") {
         table.note(format!(
             "lb_xdp: the variant object {} (LB_XDP_OBJECT), not the built-in one.",
             variant.to_string_lossy()
         ));
     }
-    let ratios = tunnel_ratios(&net_all);
+    let names: Vec<String> = opts.variants.iter().map(|v| v.0.clone()).collect();
+    let ratios = tunnel_ratios(&net_all, &names);
     // What a passed frame costs with `next_program` (issue 37), in this run.
     let not_vip = cases().into_iter().find(|c| c.name == "pass_not_vip");
     let (chain, chain_json) = crate::chain::run(opts, &not_vip.expect("case").frame)?;
