@@ -157,6 +157,9 @@ pub struct Choice {
     /// Counted as a new flow of the VIP and the backend: a SYN, or a UDP datagram with
     /// no live entry that is not its flow's second.
     pub new_flow: bool,
+    /// The packet's TCP handshake events for the backend (`handshake::Events`), counted
+    /// with the packet in the backend's counters.
+    pub handshake: handshake::Events,
     /// What decided the backend (for `lb explain`; the kernel does not look).
     pub by: Source,
 }
@@ -222,7 +225,8 @@ pub trait Tables: Lookup {
     /// may copy the frame.
     fn capture(&self, now: u64);
     /// Adds one to backend `backend_id`'s handshake counter `event` (`handshake::*`,
-    /// `LB_BE_STATS`).
+    /// `LB_BE_STATS`): only for a backend other than the packet's (`handshake::syn`); the
+    /// packet's own backend's events go in `Choice::handshake`.
     fn count_handshake(&self, _backend_id: u32, _event: u32) {}
 
     /// The first `quic::WINDOW_LEN` bytes of `packet`'s UDP payload; None when it is
@@ -326,7 +330,7 @@ pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict>
         Some(backend_id) => (backend_id, Source::Embryo),
         None => (table_choice(tables, packet, &vip)?, Source::Table),
     };
-    match entry {
+    let handshake = match entry {
         None => remember(tables, packet, tag, backend_id, embryo.as_deref_mut()),
         Some(entry) => {
             rewrite(tables, packet, key, entry, backend_id, now);
@@ -334,14 +338,18 @@ pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict>
             if syn_since && let Some(embryo) = embryo.as_deref_mut() {
                 embryo.flags = 0;
             }
+            0
         }
-    }
+    };
     // A UDP flow counts for its source at its first datagram (many send only one); a TCP
     // flow at its handshake's ACK (`promote`).
     if udp && new_flow {
         tables.new_source(vip.vip_id, packet);
     }
-    Ok(choice(&vip, backend_id, new_flow, by))
+    Ok(Choice {
+        handshake,
+        ..choice(&vip, backend_id, new_flow, by)
+    })
 }
 
 #[inline(always)]
@@ -350,6 +358,7 @@ fn choice(vip: &VipInfo, backend_id: u32, new_flow: bool, by: Source) -> Choice 
         vip_id: vip.vip_id,
         backend_id,
         new_flow,
+        handshake: 0,
         by,
     }
 }
@@ -454,7 +463,7 @@ fn promote<T: Tables>(
     let embryo = embryo?;
     let backend_id = flow::remembered(tables, embryo, tag, vip.vip_id)?;
     tables.count(stat::CT_PROMOTED);
-    handshake::ack(tables, packet.rst, embryo, backend_id);
+    let handshake = handshake::ack(packet.rst, embryo);
     if packet.proto != PROTO_UDP {
         tables.new_source(vip.vip_id, packet);
     }
@@ -469,13 +478,16 @@ fn promote<T: Tables>(
         // The entry is newer than the SYN now.
         embryo.flags = 0;
     }
-    Some(choice(vip, backend_id, false, Source::Embryo))
+    Some(Choice {
+        handshake,
+        ..choice(vip, backend_id, false, Source::Embryo)
+    })
 }
 
 /// A first packet (a SYN, a new UDP flow, an ACK of a flow the connection table lost)
 /// is remembered for the flow's second packet, and makes no entry: a flood of spoofed
 /// first packets costs no established flow its entry. A RST ends a flow: it is never
-/// remembered.
+/// remembered. A SYN's handshake events for `backend_id`.
 #[inline(always)]
 fn remember<T: Tables>(
     tables: &T,
@@ -483,18 +495,22 @@ fn remember<T: Tables>(
     tag: u32,
     backend_id: u32,
     embryo: Option<&mut Embryo>,
-) {
+) -> handshake::Events {
+    let mut events = 0;
     if !packet.rst
         && let Some(embryo) = embryo
     {
         let fresh = flow::embryo_for(tag, backend_id, packet.syn);
         *embryo = if packet.syn {
-            handshake::syn(tables, embryo, fresh)
+            let (remembered, syn_events) = handshake::syn(tables, embryo, fresh);
+            events = syn_events;
+            remembered
         } else {
             fresh
         };
         tables.count(stat::CT_EMBRYONIC);
     }
+    events
 }
 
 /// A flow the table holds, whose backend no longer serves it, an idle UDP flow, or a
@@ -627,7 +643,14 @@ pub mod memory {
                 tuple: packet.flow_tuple(),
                 window: Window::of(payload),
             };
-            decide(&run, packet)
+            let choice = decide(&run, packet)?;
+            // As the kernel's `forward` adds them, with the packet.
+            if choice.handshake != 0 {
+                let mut handshakes = self.handshakes.borrow_mut();
+                let counters = handshakes.entry(choice.backend_id).or_default();
+                crate::handshake::add(counters, choice.handshake);
+            }
+            Ok(choice)
         }
 
         /// VIP `vip_id`'s QUIC counters.

@@ -24,43 +24,68 @@ pub const RETRIED_COMPLETED: u32 = 3;
 /// How many there are.
 pub const COUNT: usize = 4;
 
-/// A SYN about to be remembered as `fresh` in the embryonic slot that holds `old`: counts
-/// it (a new handshake, or a retry of one still waiting) and returns what the slot is to
-/// hold. A retry is counted against the backend the flow waited on; if the table sends it
-/// elsewhere now (that backend left it), a new handshake starts there.
+/// A packet's handshake events for the backend it is sent to: bit `1 << event` for each
+/// event (`STARTED` ...) it is; 0 for every packet but a flow's SYN and its first ACK.
+/// `decide` returns them in its `Choice`, so the kernel adds them in the one write of the
+/// backend's counters that counts the packet (`add`), and an established flow's packet
+/// passes one test of a register it already tests for new flows.
+pub type Events = u8;
+
+/// `Events` of one event.
 #[inline(always)]
-pub fn syn<T: Tables>(tables: &T, old: &Embryo, fresh: Embryo) -> Embryo {
-    let waiting =
-        old.tag == fresh.tag && old.flags & (EMBRYO_F_SYN | EMBRYO_F_COMPLETED) == EMBRYO_F_SYN;
-    if !waiting {
-        tables.count_handshake(fresh.backend_id as u32, STARTED);
-        return fresh;
-    }
-    if old.flags & EMBRYO_F_RETRIED == 0 {
-        tables.count_handshake(old.backend_id as u32, RETRIED);
-    }
-    if old.backend_id != fresh.backend_id {
-        tables.count_handshake(fresh.backend_id as u32, STARTED);
-        return fresh;
-    }
-    Embryo {
-        flags: fresh.flags | EMBRYO_F_RETRIED,
-        ..fresh
+pub const fn event(event: u32) -> Events {
+    1 << event
+}
+
+/// Adds `events` to a backend's `handshakes` counters: without a branch per event, the
+/// counters being in the cache line the packet's own count has just written.
+#[inline(always)]
+pub fn add(handshakes: &mut [u64; COUNT], events: Events) {
+    for (i, counter) in handshakes.iter_mut().enumerate() {
+        *counter += ((events >> i) & 1) as u64;
     }
 }
 
-/// A flow's second packet, sent to `backend_id`, the backend `embryo` remembers: the
-/// handshake completed if the first was a SYN and this is no RST. Counted once per
+/// A SYN about to be remembered as `fresh` in the embryonic slot that holds `old`: what
+/// the slot is to hold, and the events of `fresh`'s backend (a new handshake, or a retry
+/// of one still waiting). A retry is counted against the backend the flow waited on; if
+/// the table sends it elsewhere now (that backend left it), a new handshake starts there,
+/// and the retry, of another backend than the packet's, is counted on its own
+/// (`Tables::count_handshake`: rare, a table change during a handshake).
+#[inline(always)]
+pub fn syn<T: Tables>(tables: &T, old: &Embryo, fresh: Embryo) -> (Embryo, Events) {
+    let waiting =
+        old.tag == fresh.tag && old.flags & (EMBRYO_F_SYN | EMBRYO_F_COMPLETED) == EMBRYO_F_SYN;
+    if !waiting {
+        return (fresh, event(STARTED));
+    }
+    let first_retry = old.flags & EMBRYO_F_RETRIED == 0;
+    if old.backend_id != fresh.backend_id {
+        if first_retry {
+            tables.count_handshake(old.backend_id as u32, RETRIED);
+        }
+        return (fresh, event(STARTED));
+    }
+    let retried = Embryo {
+        flags: fresh.flags | EMBRYO_F_RETRIED,
+        ..fresh
+    };
+    (retried, if first_retry { event(RETRIED) } else { 0 })
+}
+
+/// A flow's second packet, sent to the backend `embryo` remembers: the handshake
+/// completed if the first was a SYN and this is no RST. Its events, counted once per
 /// flow (`EMBRYO_F_COMPLETED`).
 #[inline(always)]
-pub fn ack<T: Tables>(tables: &T, rst: bool, embryo: &mut Embryo, backend_id: u32) {
+pub fn ack(rst: bool, embryo: &mut Embryo) -> Events {
     if rst || embryo.flags & (EMBRYO_F_SYN | EMBRYO_F_COMPLETED) != EMBRYO_F_SYN {
-        return;
+        return 0;
     }
     embryo.flags |= EMBRYO_F_COMPLETED;
-    tables.count_handshake(backend_id, COMPLETED);
     if embryo.flags & EMBRYO_F_RETRIED != 0 {
-        tables.count_handshake(backend_id, RETRIED_COMPLETED);
+        event(COMPLETED) | event(RETRIED_COMPLETED)
+    } else {
+        event(COMPLETED)
     }
 }
 
@@ -158,6 +183,21 @@ mod tests {
             "the second ACK follows the entry"
         );
         assert_eq!(judged(&tables, 0), ONE_COMPLETED);
+    }
+
+    #[test]
+    fn the_events_ride_in_the_choice_for_the_packets_backend() {
+        let tables = tables(0);
+        let events = |flags| tables.decide(&packet(1000, flags)).unwrap().handshake;
+        assert_eq!(events(2), event(STARTED));
+        assert_eq!(events(2), event(RETRIED), "the first retry");
+        assert_eq!(events(2), 0, "a second retry");
+        assert_eq!(events(0), event(COMPLETED) | event(RETRIED_COMPLETED));
+        assert_eq!(events(0), 0, "an established flow's packet");
+        let mut counters = [0; COUNT];
+        add(&mut counters, event(COMPLETED) | event(RETRIED_COMPLETED));
+        add(&mut counters, event(STARTED));
+        assert_eq!(counters, [1, 0, 1, 1]);
     }
 
     #[test]

@@ -85,7 +85,7 @@ pub const MAP_NEXT: &str = "LB_NEXT";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 8;
+pub const LAYOUT_VERSION: u64 = 9;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -500,7 +500,23 @@ pub struct EgressInfo {
 }
 const _: () = assert!(size_of::<EgressInfo>() == 12);
 
-/// Per-VIP and per-backend traffic counters (per CPU; the agent sums them).
+/// Value of `LB_VIP_STATS` and `LB_EGRESS_STATS` (per CPU; the agent sums them into
+/// `TrafficCounters`, handshakes zero): 32 bytes, the size they had before backends
+/// counted handshakes, as a VIP or an interface counts none.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct PacketCounters {
+    pub packets: u64,
+    pub bytes: u64,
+    /// New flows forwarded, as `TrafficCounters::new_flows`.
+    pub new_flows: u64,
+    pub _reserved: u64,
+}
+const _: () = assert!(size_of::<PacketCounters>() == 32);
+
+/// Value of `LB_BE_STATS`, a backend's counters (per CPU), and the sum over CPUs the agent
+/// reads of a VIP, a backend or an interface. 64 bytes: one cache line when the element
+/// is aligned, which a forwarded packet writes once (`handshake::Events` included).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct TrafficCounters {
@@ -850,6 +866,7 @@ mod aya_pod {
     unsafe impl aya::Pod for super::SourceKey {}
     unsafe impl aya::Pod for super::Outcomes {}
     unsafe impl aya::Pod for super::TrafficCounters {}
+    unsafe impl aya::Pod for super::PacketCounters {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}
     unsafe impl aya::Pod for super::Embryo {}

@@ -1,7 +1,8 @@
 //! Backends' TCP handshake counters (`lb_common::handshake` says when each is counted),
-//! in the backend's traffic counters (`LB_BE_STATS`): only SYNs and first ACKs count, so
-//! an established flow's packets never come here; the element is the one `forward`
-//! counts the packet in next, so it is already in the cache.
+//! in the backend's counters (`LB_BE_STATS`). The packet's own backend's events come in
+//! `decide`'s `Choice` and are added by `maps::count_backend` in the same write that
+//! counts the packet; only a retry counted against another backend (the one the flow
+//! waited on left the table) writes here, apart.
 
 use lb_common::handshake;
 
@@ -10,11 +11,8 @@ use crate::maps::LB_BACKEND_STATS;
 /// Adds one to backend `backend_id`'s handshake counter `event` on this CPU.
 #[inline(always)]
 pub fn count(backend_id: u32, event: u32) {
-    if event as usize >= handshake::COUNT {
-        return;
-    }
     if let Some(counters) = LB_BACKEND_STATS.get_ptr_mut(backend_id) {
         // Per-CPU memory: no other writer, no atomics needed.
-        unsafe { (*counters).handshakes[event as usize] += 1 };
+        unsafe { handshake::add(&mut (*counters).handshakes, handshake::event(event)) };
     }
 }

@@ -46,9 +46,9 @@ mod program {
     };
 
     use crate::maps::{
-        Cpu, LB_BACKEND_STATS, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_EMBRYONIC,
-        LB_FLOOD, LB_MAGLEV, LB_SCRATCH, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_source,
-        count_traffic, export_flow, hot_source,
+        Cpu, LB_BACKENDS, LB_CAPTURE, LB_CAPTURE_WIN, LB_CONNTRACK, LB_EMBRYONIC, LB_FLOOD,
+        LB_MAGLEV, LB_SCRATCH, LB_VIP_SLOTS, LB_VIP_STATS, LB_VIPS, Stats, count_backend,
+        count_source, count_traffic, export_flow, hot_source,
     };
     use crate::parse::{ethernet, parse};
     use crate::{egress, encap, next, quic, too_big};
@@ -339,6 +339,7 @@ mod program {
             vip_id,
             backend_id,
             new_flow,
+            handshake,
             ..
         } = *choice;
         // Read where it is, not copied: each decision above passes on only the id.
@@ -379,7 +380,7 @@ mod program {
             }
         }
         count_traffic(&LB_VIP_STATS, vip_id, bytes, new_flow);
-        count_traffic(&LB_BACKEND_STATS, backend_id, bytes, new_flow);
+        count_backend(backend_id, bytes, new_flow, handshake);
         if packet.vlan {
             stats.count(stat::SEEN_VLAN);
         }

@@ -17,8 +17,8 @@ use aya_ebpf::{
 use lb_common::{
     BackendIdentity, BackendInfo, EMBRYONIC_SLOTS, EgressInfo, Embryo, ExportRecord, FlowEntry,
     FlowKey, FlowTuple, HOT_SOURCE_ENTRIES, MAX_BACKENDS, MAX_EGRESS, MAX_VIPS, Outcomes,
-    QUIC_ID_ENTRIES, RateWindow, SOURCE_ENTRIES, SourceKey, TrafficCounters, TunnelConfig, VipInfo,
-    VipKey, VipSlot,
+    PacketCounters, QUIC_ID_ENTRIES, RateWindow, SOURCE_ENTRIES, SourceKey, TrafficCounters,
+    TunnelConfig, VipInfo, VipKey, VipSlot, handshake,
     quic::{QuicCounters, ServerKey},
     stat,
 };
@@ -68,7 +68,7 @@ pub static LB_BACKEND_EGRESS: Array<u32> = Array::with_max_entries(MAX_BACKENDS,
 /// egress index -> traffic counters, per CPU: frames forwarded out of each interface.
 /// Read by the agent.
 #[map(name = "LB_EGRESS_STATS")]
-pub static LB_EGRESS_STATS: PerCpuArray<TrafficCounters> =
+pub static LB_EGRESS_STATS: PerCpuArray<PacketCounters> =
     PerCpuArray::with_max_entries(MAX_EGRESS, 0);
 
 /// 0 -> TunnelConfig: outer source addresses and the interface MTU, for tunnelled
@@ -83,10 +83,10 @@ pub static LB_STATS: PerCpuArray<Outcomes> = PerCpuArray::with_max_entries(1, 0)
 
 /// vip id -> traffic counters, per CPU. Read by the agent.
 #[map(name = "LB_VIP_STATS")]
-pub static LB_VIP_STATS: PerCpuArray<TrafficCounters> = PerCpuArray::with_max_entries(MAX_VIPS, 0);
+pub static LB_VIP_STATS: PerCpuArray<PacketCounters> = PerCpuArray::with_max_entries(MAX_VIPS, 0);
 
-/// backend id -> traffic counters, per CPU. Read by the agent. Resized at load, as
-/// LB_BACKENDS.
+/// backend id -> traffic and handshake counters, per CPU. Read by the agent. Resized at
+/// load, as LB_BACKENDS.
 #[map(name = "LB_BE_STATS")]
 pub static LB_BACKEND_STATS: PerCpuArray<TrafficCounters> =
     PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
@@ -327,15 +327,31 @@ impl Stats {
     }
 }
 
-/// Adds a packet of `bytes` to a VIP's or backend's counters.
+/// Adds a packet of `bytes` to a VIP's or an interface's counters.
 #[inline(always)]
-pub fn count_traffic(map: &PerCpuArray<TrafficCounters>, index: u32, bytes: u64, new_flow: bool) {
+pub fn count_traffic(map: &PerCpuArray<PacketCounters>, index: u32, bytes: u64, new_flow: bool) {
     if let Some(counters) = map.get_ptr_mut(index) {
         let counters = unsafe { &mut *counters };
         counters.packets += 1;
         counters.bytes += bytes;
         if new_flow {
             counters.new_flows += 1;
+        }
+    }
+}
+
+/// Adds a packet of `bytes` and its handshake events to backend `backend_id`'s counters:
+/// one write of the element. An established flow's packet (no new flow, no events) takes
+/// one branch past both.
+#[inline(always)]
+pub fn count_backend(backend_id: u32, bytes: u64, new_flow: bool, events: handshake::Events) {
+    if let Some(counters) = LB_BACKEND_STATS.get_ptr_mut(backend_id) {
+        let counters = unsafe { &mut *counters };
+        counters.packets += 1;
+        counters.bytes += bytes;
+        if (new_flow as u8 | events) != 0 {
+            counters.new_flows += new_flow as u64;
+            handshake::add(&mut counters.handshakes, events);
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use aya::maps::{IterableMap, Map, MapData, PerCpuArray, PerCpuHashMap};
 use lb_common::{
     MAP_BACKEND_STATS, MAP_EGRESS_STATS, MAP_QUIC_STATS, MAP_SOURCES, MAP_STATS, MAP_VIP_STATS,
-    Outcomes, SourceKey, TrafficCounters, quic::QuicCounters, stat,
+    Outcomes, PacketCounters, SourceKey, TrafficCounters, quic::QuicCounters, stat,
 };
 
 use super::{Counters, Dataplane, DataplaneError, dup_map, in_map};
@@ -16,11 +16,11 @@ use super::{Counters, Dataplane, DataplaneError, dup_map, in_map};
 /// The counter maps, as the kernel's data path holds them (borrowed).
 pub(super) struct CounterMaps<'a> {
     pub stats: &'a PerCpuArray<MapData, Outcomes>,
-    pub vip_stats: &'a PerCpuArray<MapData, TrafficCounters>,
+    pub vip_stats: &'a PerCpuArray<MapData, PacketCounters>,
     pub backend_stats: &'a PerCpuArray<MapData, TrafficCounters>,
     pub sources: &'a PerCpuHashMap<MapData, SourceKey, u64>,
     pub quic_stats: &'a PerCpuArray<MapData, QuicCounters>,
-    pub egress_stats: &'a PerCpuArray<MapData, TrafficCounters>,
+    pub egress_stats: &'a PerCpuArray<MapData, PacketCounters>,
     /// How many interfaces frames leave by (`LoadOptions::egress_count`); their counters
     /// are read only when there are several.
     pub egress_count: u32,
@@ -29,11 +29,11 @@ pub(super) struct CounterMaps<'a> {
 /// A reader's own handles on the counter maps.
 struct OwnedCounterMaps {
     stats: PerCpuArray<MapData, Outcomes>,
-    vip_stats: PerCpuArray<MapData, TrafficCounters>,
+    vip_stats: PerCpuArray<MapData, PacketCounters>,
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
     sources: PerCpuHashMap<MapData, SourceKey, u64>,
     quic_stats: PerCpuArray<MapData, QuicCounters>,
-    egress_stats: PerCpuArray<MapData, TrafficCounters>,
+    egress_stats: PerCpuArray<MapData, PacketCounters>,
     egress_count: u32,
 }
 
@@ -94,7 +94,7 @@ impl CounterMaps<'_> {
         for &id in vip_ids {
             counters
                 .vips
-                .insert(id, sum_per_cpu(self.vip_stats, MAP_VIP_STATS, id)?);
+                .insert(id, sum_packets(self.vip_stats, MAP_VIP_STATS, id)?);
             let quic = self
                 .quic_stats
                 .get(&id, 0)
@@ -110,11 +110,11 @@ impl CounterMaps<'_> {
         for &id in backend_ids {
             counters
                 .backends
-                .insert(id, sum_per_cpu(self.backend_stats, MAP_BACKEND_STATS, id)?);
+                .insert(id, sum_backend(self.backend_stats, id)?);
         }
         if self.egress_count > 1 {
             counters.egress = (0..self.egress_count)
-                .map(|index| sum_per_cpu(self.egress_stats, MAP_EGRESS_STATS, index))
+                .map(|index| sum_packets(self.egress_stats, MAP_EGRESS_STATS, index))
                 .collect::<Result<_, _>>()?;
         }
         Ok(counters)
@@ -142,12 +142,35 @@ fn own_array<V: aya::Pod>(
         .map_err(in_map(name))
 }
 
-fn sum_per_cpu(
-    map: &PerCpuArray<MapData, TrafficCounters>,
+/// A VIP's or an interface's counters (`PacketCounters`), summed over CPUs; no handshakes.
+fn sum_packets(
+    map: &PerCpuArray<MapData, PacketCounters>,
     name: &'static str,
     index: u32,
 ) -> Result<TrafficCounters, DataplaneError> {
     let values = map.get(&index, 0).map_err(in_map(name))?;
+    let sum = values
+        .iter()
+        .fold(PacketCounters::default(), |sum, c| PacketCounters {
+            packets: sum.packets + c.packets,
+            bytes: sum.bytes + c.bytes,
+            new_flows: sum.new_flows + c.new_flows,
+            _reserved: 0,
+        });
+    Ok(TrafficCounters {
+        packets: sum.packets,
+        bytes: sum.bytes,
+        new_flows: sum.new_flows,
+        ..TrafficCounters::default()
+    })
+}
+
+/// A backend's counters, handshakes included, summed over CPUs.
+fn sum_backend(
+    map: &PerCpuArray<MapData, TrafficCounters>,
+    index: u32,
+) -> Result<TrafficCounters, DataplaneError> {
+    let values = map.get(&index, 0).map_err(in_map(MAP_BACKEND_STATS))?;
     Ok(values
         .iter()
         .fold(TrafficCounters::default(), |sum, c| TrafficCounters {

@@ -19,8 +19,8 @@ use lb_common::{
     MAP_BACKEND_EGRESS, MAP_BACKEND_IDS, MAP_BACKEND_STATS, MAP_BACKENDS, MAP_CAPTURE,
     MAP_CONNTRACK, MAP_EGRESS, MAP_EGRESS_STATS, MAP_EMBRYONIC, MAP_EXPORT, MAP_HOT_SOURCES,
     MAP_MAGLEV, MAP_META, MAP_NEXT, MAP_QUIC_IDS, MAP_QUIC_STATS, MAP_SOURCES, MAP_STATS,
-    MAP_TUNNEL, MAP_TX_PORTS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, Outcomes, SourceKey,
-    TABLE_GENERATIONS, TrafficCounters, TunnelConfig, VipInfo, VipKey,
+    MAP_TUNNEL, MAP_TX_PORTS, MAP_VIP_SLOTS, MAP_VIP_STATS, MAP_VIPS, Outcomes, PacketCounters,
+    SourceKey, TABLE_GENERATIONS, TrafficCounters, TunnelConfig, VipInfo, VipKey,
     quic::{QuicCounters, ServerKey},
     stat,
 };
@@ -63,7 +63,7 @@ pub struct AyaDataplane {
     maglev: Array<MapData, u32>,
     backends: Array<MapData, BackendInfo>,
     stats: PerCpuArray<MapData, Outcomes>,
-    vip_stats: PerCpuArray<MapData, TrafficCounters>,
+    vip_stats: PerCpuArray<MapData, PacketCounters>,
     backend_stats: PerCpuArray<MapData, TrafficCounters>,
     conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
     embryonic: Array<MapData, Embryo>,
@@ -83,7 +83,7 @@ pub struct AyaDataplane {
     egress: Array<MapData, EgressInfo>,
     tx_ports: DevMap<MapData>,
     backend_egress: Array<MapData, u32>,
-    egress_stats: PerCpuArray<MapData, TrafficCounters>,
+    egress_stats: PerCpuArray<MapData, PacketCounters>,
     /// Where the maps and the link are pinned, if they are.
     pin_dir: Option<PathBuf>,
     /// The options in force (adopted pins may have a larger VIP capacity than asked).
