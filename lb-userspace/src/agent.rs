@@ -626,12 +626,7 @@ async fn serve(
             }
             _ = flow_scan.tick() => scan_and_sample(state, flow_reader, &mut scans).await,
             _ = load.tick() => state.lock().expect("agent state poisoned").refresh_load(Instant::now()),
-            _ = outliers.tick() => {
-                let mut state = state.lock().expect("agent state poisoned");
-                if let Err(error) = state.judge_outliers(Instant::now()) {
-                    tracing::warn!("passive health: {error:#}");
-                }
-            }
+            _ = outliers.tick() => judge_outliers(state),
             // A link, route or neighbour changed somewhere: look at ours, and at the
             // backends' next hops (the refresh does too, in case a notification was
             // lost). A burst of notifications is one look.
@@ -641,6 +636,22 @@ async fn serve(
             }
             _ = refresh.tick() => follow_host(state, neighbors).await,
         }
+    }
+}
+
+/// Passive health's sample: the handshake counters are read before the state's lock is
+/// taken (a read waits for no change, and no change for a read), then judged under it.
+fn judge_outliers(state: &Arc<Mutex<State>>) {
+    let (reader, ids) = state
+        .lock()
+        .expect("agent state poisoned")
+        .outliers_to_read();
+    match crate::health::outlier::read(&reader, &ids) {
+        Ok(readings) => state
+            .lock()
+            .expect("agent state poisoned")
+            .judge_outliers(Instant::now(), &readings),
+        Err(error) => tracing::warn!("passive health: {:#}", anyhow::Error::from(error)),
     }
 }
 

@@ -853,16 +853,24 @@ impl State {
         self.publish();
     }
 
-    /// Passive health (`[vip.outlier]`): judges the backends by their handshakes; new
-    /// tables when one leaves or returns.
-    pub fn judge_outliers(&mut self, now: Instant) -> anyhow::Result<()> {
-        let reader = self.tables.counters();
-        if health::outlier::sample(&mut self.model, &reader, now)? {
+    /// What an outlier sample reads, to read outside this lock: the counters' read side
+    /// and the backends of VIPs with `[vip.outlier]`.
+    pub fn outliers_to_read(&self) -> (Arc<crate::dataplane::CounterReader>, Vec<u32>) {
+        (
+            self.tables.counters(),
+            health::outlier::backends_to_read(&self.model),
+        )
+    }
+
+    /// Passive health (`[vip.outlier]`): judges the backends by their handshakes (read
+    /// outside the lock, through `outliers_to_read`); new tables when one leaves or
+    /// returns.
+    pub fn judge_outliers(&mut self, now: Instant, readings: &health::outlier::Readings) {
+        if health::outlier::sample(&mut self.model, readings, now) {
             self.sync();
         } else {
             self.publish();
         }
-        Ok(())
     }
 
     /// Hands the writer the telemetry's hot sources (it writes `LB_HOT_SRC`, as every
@@ -929,7 +937,7 @@ impl State {
             model: self.model.clone(),
             written: self.tables.reports(),
             requested: self.requested,
-            dataplane: self.tables.shared_dataplane(),
+            lookups: self.tables.lookups(),
             counters: self.tables.counters(),
             telemetry: self.telemetry.clone(),
             interface: self.interface.clone(),
