@@ -2845,6 +2845,56 @@ mod ownership_tests {
         assert!(state.lock().unwrap().tables_are_current());
     }
 
+    /// An explain reads the connection, embryonic and hot-source tables through the read
+    /// side (`FlowLookups`), not through the data path's lock the writer holds while it
+    /// writes: it answers, with the flow's entry, while that lock is held. (Checked to
+    /// fail when explain takes the data path's lock: it does not answer.)
+    #[test]
+    fn an_explain_does_not_wait_for_the_data_paths_lock() {
+        // What the read side sees: the data path's maps, here a copy holding one flow.
+        let mut maps = MemoryDataplane::default();
+        let source: std::net::SocketAddr = "192.0.2.7:40000".parse().unwrap();
+        let key = crate::explain::flow_key(&web(), source);
+        let file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        // Backend ids are given in the file's order: the same in every state made of it.
+        let id = shared(file.clone()).model.vips[0].backends[1].id;
+        let entry = FlowEntry {
+            backend_id: id,
+            flags: 0,
+            last_seen_ns: 0,
+        };
+        maps.flows.insert(key, entry);
+        let reads: Box<dyn crate::dataplane::Dataplane + Send> = Box::new(maps);
+        let lookups = crate::dataplane::FlowLookups::shared(Arc::new(Mutex::new(reads)));
+        let tables = Writer::inline(
+            Box::new(MemoryDataplane::default()),
+            crate::tables::TableWriter::new(7),
+        )
+        .with_lookups(lookups);
+        let state = shared_over(file, 7, tables);
+        let published = state.published();
+        let writing = state.tables.dataplane();
+        let (answer, answered) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let request = ExplainRequest::flow(web(), source);
+            let explained = published.load().explain(&request, 0);
+            answer.send(explained.map_err(|e| e.to_string())).unwrap();
+        });
+        // Not a timing assertion: an explain that waited for the lock would not answer
+        // at all while it is held; the bound only keeps a failure from hanging.
+        let got = answered.recv_timeout(Duration::from_secs(60));
+        drop(writing);
+        reader.join().unwrap();
+        let explained = got
+            .expect("the explain waited for the data path's lock")
+            .unwrap();
+        assert_eq!(
+            explained.conntrack_backend.as_deref(),
+            Some("10.0.0.12"),
+            "{explained:?}"
+        );
+    }
+
     /// Every kind of change publishes before it returns: what readers load then is what
     /// a status made under the lock shows (no stale snapshot after a command, a reload,
     /// a health result, a scan or an interface change).
