@@ -91,6 +91,10 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         started.mode,
     );
     state.set_file_config(file);
+    // Not shared yet: no lock is held while it is written.
+    if let Some(save) = state.state_file_write() {
+        save.write();
+    }
     state.set_ports(started.ports);
     state.set_next_program(started.next_program);
     // A node without a table of its own learns its peers' before it announces.
@@ -814,6 +818,12 @@ async fn scan_and_sample(
         tracing::warn!("draining: {error:#}");
     }
     state.reweigh();
+    // A backend removed once drained: the state file follows, once the lock is let go.
+    let save = state.state_file_write();
+    drop(state);
+    if let Some(save) = save {
+        save.write();
+    }
 }
 
 /// Makes sure `pin_dir` lies on a bpf filesystem: mounts one at /sys/fs/bpf when the
