@@ -13,13 +13,23 @@
 //! changes what a reader could see ends by publishing (`publish`), before the lock is
 //! let go: a command's reply, and any read after it, sees the change.
 //!
-//! No I/O of the data path here: routes go through an injectable `route_of`, table writes
-//! and the next program's slot through the writer (`Writer::request`, `Writer::exec`).
-//! What remains: the state file is written here (`save_runtime_changes`), a reload opens
-//! the next program's pin (`preflight::next_program`), `vip_path` reads the interface's
-//! addresses, and the outlier sample (`judge_outliers`) reads the counters under this
-//! lock (through the writer's read side, which takes no lock the writer holds; the rate
-//! sample reads them before it takes the lock, `counters_to_sample`).
+//! The rule: no `State` method does I/O; it computes, and says what to do. Routes are
+//! looked up through an injectable `route_of` (a fake in unit tests); table writes, the
+//! hot sources and the next program's slot go to the writer (`Writer::request`,
+//! `Writer::exec`); the state file is written by the caller once this lock is let go
+//! (`state_file_write`, then `StateFileWrite::write`, before it answers); a reload's
+//! file and next-program pin are read and opened before the lock is taken
+//! (`ReloadInput::open`, in `reload`); a check through the VIP gets its way here
+//! (`vip_route`) and its interface's address after (`VipRoute::path`); counter samples
+//! (rates, outliers) are read before the lock (`counters_to_sample`,
+//! `outliers_to_read`). Enforced by `ownership_tests`:
+//! `no_method_of_the_controller_does_io` (no `impl ... State` block names a call that
+//! does I/O), `the_controller_hands_its_table_decisions_to_the_write_side` (a fake write
+//! side), and the readers' tests (`a_status_read_does_not_wait_for_the_agents_lock`,
+//! `an_explain_does_not_wait_for_the_data_paths_lock`). One wait remains under the lock:
+//! a reload waits for the writer to put the next program in its slot (`Writer::exec`:
+//! the writer's queue and one bpf(2) call, never this lock), as the slot's answer
+//! decides whether the reload is applied.
 
 use std::{
     collections::HashSet,
@@ -2969,6 +2979,63 @@ mod ownership_tests {
             Some("10.0.0.12"),
             "{explained:?}"
         );
+    }
+
+    /// The controller's rule (this module's doc): no `State` method does I/O. Its
+    /// `impl` blocks name none of the calls that do (files, the state file, the next
+    /// program's pin, interface addresses, the configuration file, the data path's lock),
+    /// where the code around them (`reload`, `ReloadInput::open`) does.
+    #[test]
+    fn no_method_of_the_controller_does_io() {
+        const IO: [&str; 9] = [
+            "std::fs",
+            "statefile::save",
+            "statefile::load",
+            "preflight::next_program",
+            "interface_address",
+            "getifaddrs",
+            "Config::load",
+            ".dataplane()",
+            "route_to(",
+        ];
+        let source = include_str!("state.rs");
+        let code = &source[..source.find("#[cfg(test)]").unwrap()];
+        // Each `impl ... State` block, by its braces (no brace in a string there).
+        let blocks = |name: &str| -> Vec<&str> {
+            let mut blocks = Vec::new();
+            for (start, _) in code.match_indices("\nimpl ") {
+                let header = &code[start..][..code[start..].find('{').unwrap()];
+                if !header.trim_end().ends_with(name) {
+                    continue;
+                }
+                let body = &code[start + header.len()..];
+                let mut depth = 0;
+                let end = body
+                    .char_indices()
+                    .find(|&(_, c)| {
+                        depth += match c {
+                            '{' => 1,
+                            '}' => -1,
+                            _ => 0,
+                        };
+                        depth == 0
+                    })
+                    .unwrap()
+                    .0;
+                blocks.push(&body[..=end]);
+            }
+            blocks
+        };
+        let io_in = |blocks: Vec<&str>| -> Vec<&str> {
+            IO.into_iter()
+                .filter(|call| blocks.iter().any(|b| b.contains(call)))
+                .collect()
+        };
+        let state = blocks(" State");
+        assert!(state.len() >= 5, "the State impl blocks: {}", state.len());
+        assert_eq!(io_in(state), Vec::<&str>::new());
+        // The scan sees a call where there is one.
+        assert_eq!(io_in(blocks(" ReloadInput")), ["preflight::next_program"]);
     }
 
     /// Every kind of change publishes before it returns: what readers load then is what

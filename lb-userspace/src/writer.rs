@@ -125,19 +125,31 @@ impl Requested {
     }
 
     /// Resolves once a write covering the request is done: Ok, or why it failed.
-    pub async fn done(mut self) -> Result<(), String> {
+    pub async fn done(mut self) -> Result<(), WriteFailed> {
         let ticket = self.ticket;
         let done = self
             .written
             .wait_for(|w| w.ticket >= ticket)
             .await
-            .map_err(|_| "the table writer stopped".to_string())?;
+            .map_err(|_| WriteFailed::Stopped)?;
         // A later request's write covers this one too (its inputs replaced ours).
         match &done.error {
-            Some(error) => Err(error.clone()),
+            Some(error) => Err(WriteFailed::Write(error.clone())),
             None => Ok(()),
         }
     }
+}
+
+/// Why a requested table write is not done.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WriteFailed {
+    /// The writer stopped (the agent is stopping) before it wrote the request.
+    #[error("the table writer stopped")]
+    Stopped,
+    /// The write failed (its report's error, with its causes); the next request tries
+    /// again.
+    #[error("{0}")]
+    Write(String),
 }
 
 /// The handle the agent's state keeps.
