@@ -91,6 +91,10 @@ pub async fn run(config_path: PathBuf, on_exit: OnExit) -> anyhow::Result<()> {
         started.mode,
     );
     state.set_file_config(file);
+    // Not shared yet: no lock is held while it is written.
+    if let Some(save) = state.state_file_write() {
+        save.write();
+    }
     state.set_ports(started.ports);
     state.set_next_program(started.next_program);
     // A node without a table of its own learns its peers' before it announces.
@@ -626,12 +630,7 @@ async fn serve(
             }
             _ = flow_scan.tick() => scan_and_sample(state, flow_reader, &mut scans).await,
             _ = load.tick() => state.lock().expect("agent state poisoned").refresh_load(Instant::now()),
-            _ = outliers.tick() => {
-                let mut state = state.lock().expect("agent state poisoned");
-                if let Err(error) = state.judge_outliers(Instant::now()) {
-                    tracing::warn!("passive health: {error:#}");
-                }
-            }
+            _ = outliers.tick() => judge_outliers(state),
             // A link, route or neighbour changed somewhere: look at ours, and at the
             // backends' next hops (the refresh does too, in case a notification was
             // lost). A burst of notifications is one look.
@@ -641,6 +640,22 @@ async fn serve(
             }
             _ = refresh.tick() => follow_host(state, neighbors).await,
         }
+    }
+}
+
+/// Passive health's sample: the handshake counters are read before the state's lock is
+/// taken (a read waits for no change, and no change for a read), then judged under it.
+fn judge_outliers(state: &Arc<Mutex<State>>) {
+    let (reader, ids) = state
+        .lock()
+        .expect("agent state poisoned")
+        .outliers_to_read();
+    match crate::health::outlier::read(&reader, &ids) {
+        Ok(readings) => state
+            .lock()
+            .expect("agent state poisoned")
+            .judge_outliers(Instant::now(), &readings),
+        Err(error) => tracing::warn!("passive health: {:#}", anyhow::Error::from(error)),
     }
 }
 
@@ -803,6 +818,12 @@ async fn scan_and_sample(
         tracing::warn!("draining: {error:#}");
     }
     state.reweigh();
+    // A backend removed once drained: the state file follows, once the lock is let go.
+    let save = state.state_file_write();
+    drop(state);
+    if let Some(save) = save {
+        save.write();
+    }
 }
 
 /// Makes sure `pin_dir` lies on a bpf filesystem: mounts one at /sys/fs/bpf when the

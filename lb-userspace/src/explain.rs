@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     config::{Forward, Protocol},
-    dataplane::Dataplane,
+    dataplane::Lookups,
     model::{Model, VipState},
     tables::Desired,
 };
@@ -267,11 +267,11 @@ pub fn table_choice(
 }
 
 /// The state `explain` reads: the agent's model and tables, and the data path's
-/// connection table.
+/// connection, embryonic and hot-source tables (the agent's read side, `FlowLookups`).
 pub struct View<'a> {
     pub model: &'a Model,
     pub desired: &'a Desired,
-    pub dataplane: &'a dyn Dataplane,
+    pub flows: &'a dyn Lookups,
     pub flow_idle: Duration,
     /// `dataplane.interfaces`, in order: a backend's `egress` is a position in it.
     pub interfaces: &'a [String],
@@ -340,7 +340,7 @@ pub fn explain(
     // The program's hot-source set, read only for a VIP whose program looks at it.
     let hot_source = if vip.flags() & VIP_F_HOT_SOURCES != 0 {
         let (addr, family) = lb_common::addr::to_map(request.source.ip());
-        view.dataplane
+        view.flows
             .is_hot_source(&SourceKey::new(vip.id, addr, family))?
     } else {
         false
@@ -351,7 +351,7 @@ pub fn explain(
         table_choice(vip, table, request.source, || hot_source)
     };
     let key = flow_key(&target, request.source);
-    let entry = view.dataplane.flow(&key)?;
+    let entry = view.flows.flow(&key)?;
     let idle_ns = entry.map(|e| flow::age(&e, now_ns));
     // What the program does with the flow's next packet that is not a SYN (neither FIN
     // nor RST), decided by the program's own code over the tables as they are. On a
@@ -359,7 +359,7 @@ pub fn explain(
     let mut tables = decision_tables(view.desired, view.flow_idle, now_ns);
     tables.set_flow(&key, entry);
     let (index, _) = flow::embryo_place(&key);
-    tables.set_embryo(index, view.dataplane.embryo(index)?);
+    tables.set_embryo(index, view.flows.embryo(index)?);
     let packet = Packet::of_flow(
         (key.src, key.dst),
         (key.family, key.proto),
@@ -598,7 +598,7 @@ mod tests {
         let view = View {
             model,
             desired,
-            dataplane,
+            flows: dataplane,
             flow_idle: Duration::from_secs(30),
             interfaces: &[],
         };
@@ -650,7 +650,7 @@ mod tests {
             let view = View {
                 model,
                 desired: &desired,
-                dataplane: &dataplane,
+                flows: &dataplane,
                 flow_idle: Duration::from_secs(30),
                 interfaces,
             };
@@ -827,7 +827,7 @@ mod tests {
             let view = View {
                 model: &model,
                 desired: &desired,
-                dataplane,
+                flows: dataplane,
                 flow_idle: Duration::from_secs(30),
                 interfaces: &[],
             };
@@ -860,7 +860,7 @@ mod tests {
         let view = View {
             model: &plain,
             desired: &plain_desired,
-            dataplane: &dataplane,
+            flows: &dataplane,
             flow_idle: Duration::from_secs(30),
             interfaces: &[],
         };
@@ -903,7 +903,7 @@ mod tests {
             let view = View {
                 model: &model,
                 desired: &desired,
-                dataplane: &MemoryDataplane::default(),
+                flows: &MemoryDataplane::default(),
                 flow_idle: Duration::from_secs(30),
                 interfaces: &[],
             };

@@ -9,13 +9,13 @@
 //! read that starts after it, sees the change. The tables the data path holds are not in
 //! the copy: they are read from the writer's reports (`Written`) when the status is made,
 //! and `tables_written` waits for the write the snapshot asked for. Counters are read
-//! through the writer's read side (handles of their own, no lock the writer holds).
-//! Explain's connection-table lookups still take the data path's lock (not the agent's)
-//! for as long as a lookup lasts.
+//! through the writer's read side (handles of their own, no lock the writer holds), and
+//! so are explain's lookups of the connection, embryonic and hot-source tables
+//! (`FlowLookups`): an explain does not wait for a table write.
 //!
 //! Owns nothing that lives on; may call `model`, `status`, `telemetry`, `announce`,
 //! `metrics` (its `Observed` and `Scrape`), `health` (a check's description), `cluster`
-//! (its counters), `explain` and `dataplane` (the counter reader).
+//! (its counters), `explain` and `dataplane` (the read sides: counters, explain's lookups).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -28,7 +28,7 @@ use tokio::sync::watch;
 use crate::{
     announce, cluster,
     config::{AdminState, Config, Forward, MacAddr},
-    dataplane::{AttachedMode, CounterReader, Counters, EgressPort},
+    dataplane::{AttachedMode, CounterReader, Counters, EgressPort, FlowLookups},
     explain::{self, ExplainError, ExplainRequest, Explanation, NextHop},
     health,
     metrics::{Observed, Scrape},
@@ -40,7 +40,7 @@ use crate::{
     },
     tables::Desired,
     telemetry::{Telemetry, source_address},
-    writer::{Requested, SharedDataplane, Written},
+    writer::{Requested, Written},
 };
 
 /// The agent's last published snapshot: loaded by readers without a lock, replaced by the
@@ -74,8 +74,8 @@ pub struct StatusSource {
     pub(crate) written: watch::Receiver<Written>,
     /// The newest table request when this was published (`tables_written` waits for it).
     pub(crate) requested: u64,
-    /// The data path, for explain's lookups of its connection and hot-source tables.
-    pub(crate) dataplane: SharedDataplane,
+    /// Explain's lookups of the connection, embryonic and hot-source tables (read side).
+    pub(crate) lookups: Arc<FlowLookups>,
     pub(crate) counters: Arc<CounterReader>,
     pub(crate) telemetry: Telemetry,
     pub(crate) interface: Interface,
@@ -137,11 +137,10 @@ impl StatusSource {
         now_ns: u64,
     ) -> Result<Explanation, ExplainError> {
         let desired = self.desired();
-        let dataplane = self.dataplane.lock().expect("data path poisoned");
         let view = explain::View {
             model: &self.model,
             desired: &desired,
-            dataplane: dataplane.as_ref(),
+            flows: self.lookups.as_ref(),
             flow_idle: self.config.dataplane.flow_idle_timeout,
             interfaces: &self.config.dataplane.interfaces,
         };

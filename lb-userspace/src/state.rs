@@ -13,13 +13,23 @@
 //! changes what a reader could see ends by publishing (`publish`), before the lock is
 //! let go: a command's reply, and any read after it, sees the change.
 //!
-//! No I/O of the data path here: routes go through an injectable `route_of`, table writes
-//! and the next program's slot through the writer (`Writer::request`, `Writer::exec`).
-//! What remains: the state file is written here (`save_runtime_changes`), a reload opens
-//! the next program's pin (`preflight::next_program`), `vip_path` reads the interface's
-//! addresses, and the outlier sample (`judge_outliers`) reads the counters under this
-//! lock (through the writer's read side, which takes no lock the writer holds; the rate
-//! sample reads them before it takes the lock, `counters_to_sample`).
+//! The rule: no `State` method does I/O; it computes, and says what to do. Routes are
+//! looked up through an injectable `route_of` (a fake in unit tests); table writes, the
+//! hot sources and the next program's slot go to the writer (`Writer::request`,
+//! `Writer::exec`); the state file is written by the caller once this lock is let go
+//! (`state_file_write`, then `StateFileWrite::write`, before it answers); a reload's
+//! file and next-program pin are read and opened before the lock is taken
+//! (`ReloadInput::open`, in `reload`); a check through the VIP gets its way here
+//! (`vip_route`) and its interface's address after (`VipRoute::path`); counter samples
+//! (rates, outliers) are read before the lock (`counters_to_sample`,
+//! `outliers_to_read`). Enforced by `ownership_tests`:
+//! `no_method_of_the_controller_does_io` (no `impl ... State` block names a call that
+//! does I/O), `the_controller_hands_its_table_decisions_to_the_write_side` (a fake write
+//! side), and the readers' tests (`a_status_read_does_not_wait_for_the_agents_lock`,
+//! `an_explain_does_not_wait_for_the_data_paths_lock`). One wait remains under the lock:
+//! a reload waits for the writer to put the next program in its slot (`Writer::exec`:
+//! the writer's queue and one bpf(2) call, never this lock), as the slot's answer
+//! decides whether the reload is applied.
 
 use std::{
     collections::HashSet,
@@ -34,18 +44,18 @@ use lb_common::{SourceKey, TunnelConfig};
 use crate::{
     announce, cluster,
     config::{AdminState, BackendConfig, Config, ConfigError, MAX_WEIGHT, MacAddr, VipConfig},
-    dataplane::{AttachedMode, EgressPort},
-    explain::{ExplainError, ExplainRequest, Explanation, VipTarget},
+    dataplane::{AttachedMode, EgressPort, next::NextProgram},
+    explain::VipTarget,
     health::{
-        self, CheckHost, HealthTasks,
+        self, CheckHost, HealthTasks, VipPathError, VipRoute,
         agentcheck::{self, AgentHost},
     },
-    metrics::{Observed, Scrape},
+    metrics::Observed,
     model::{CheckRecord, Model, ModelError, weights::AgentReport},
     neighbor::{self, Interface, RouteLookup},
     snapshot::{Published, StatusSource},
     statefile,
-    status::{AgentStatus, LastReload, NextProgramStatus, Start, Status},
+    status::{AgentStatus, LastReload, NextProgramStatus, Start},
     tables::TableInputs,
     telemetry::{Telemetry, source_address},
     writer::{Requested, Writer},
@@ -98,9 +108,13 @@ pub struct State {
     started: Instant,
     reloads: Reloads,
     /// Where the runtime changes are kept across restarts (None: nowhere, in unit tests),
-    /// and what it holds now.
+    /// and what it holds once the writes asked for are made.
     state_file: Option<PathBuf>,
     saved: Vec<statefile::SavedChange>,
+    /// The state file's write to make, for the caller to take (`state_file_write`) and
+    /// make once this lock is let go; and how they are ordered.
+    unsaved: Option<statefile::StateFileWrite>,
+    state_file_writes: statefile::StateFileWrites,
 }
 
 /// The reloads asked of this agent.
@@ -127,6 +141,24 @@ pub enum ReloadError {
     NeedsRestart(&'static str),
     #[error("{0} (nothing was changed)")]
     Model(ModelError),
+}
+
+/// A configuration to reload, with what the reload opens before it takes the state's lock:
+/// `dataplane.next_program` opened again from its pin (a program pinned anew at its path
+/// is taken up), or why it could not be (the reload refuses then, after its other checks).
+pub struct ReloadInput {
+    config: Config,
+    next: Result<Option<NextProgram>, ConfigError>,
+}
+
+impl ReloadInput {
+    /// `config`, with its next program opened.
+    pub fn open(config: Config) -> Self {
+        Self {
+            next: crate::preflight::next_program(&config),
+            config,
+        }
+    }
 }
 
 /// Why a control command was refused; nothing changed.
@@ -167,6 +199,8 @@ impl State {
             config_path,
             state_file: Some(config.state_file()),
             saved: Vec::new(),
+            unsaved: None,
+            state_file_writes: Default::default(),
             file: config.clone(),
             config,
             model,
@@ -219,8 +253,8 @@ impl State {
         self.publish();
     }
 
-    /// Keeps the runtime changes in the state file, when they changed since it was last
-    /// written (a failure is logged: the agent serves on, only a restart would lose them).
+    /// Asks for the runtime changes to be kept in the state file, when they changed since
+    /// it was last asked for: the write is the caller's to make (`state_file_write`).
     fn save_runtime_changes(&mut self) {
         let changes: Vec<statefile::SavedChange> = self
             .runtime_differences()
@@ -240,12 +274,20 @@ impl State {
         if changes == self.saved {
             return;
         }
-        if let Some(path) = &self.state_file
-            && let Err(error) = statefile::save(path, &self.config_path, &changes)
-        {
-            tracing::warn!("{error}: a restart would not keep the runtime changes");
+        if let Some(path) = &self.state_file {
+            let write = self
+                .state_file_writes
+                .ask(path, &self.config_path, changes.clone());
+            // A newer write replaces one not yet taken: it holds what that one held.
+            self.unsaved = Some(write);
         }
         self.saved = changes;
+    }
+
+    /// The state file's write the last changes asked for, if any: the caller makes it
+    /// (`StateFileWrite::write`) once this lock is let go, and answers after it.
+    pub fn state_file_write(&mut self) -> Option<statefile::StateFileWrite> {
+        self.unsaved.take()
     }
 
     /// Counts a reload and keeps its outcome (`error`: why it was refused).
@@ -495,7 +537,8 @@ impl State {
     /// Makes the running agent follow `new`: unchanged backends keep their ids, health
     /// and flows; the tables are rewritten where they differ. Settings fixed at load
     /// time are refused, and then nothing changes.
-    pub fn reload(&mut self, new: Config) -> Result<Vec<String>, ReloadError> {
+    pub fn reload(&mut self, input: ReloadInput) -> Result<Vec<String>, ReloadError> {
+        let ReloadInput { config: new, next } = input;
         if let Some(field) = self.config.restart_only_change(&new) {
             return Err(ReloadError::NeedsRestart(field));
         }
@@ -514,7 +557,7 @@ impl State {
         changes.extend(describe_changes(&self.model, &model));
         // Last, as nothing after it refuses: the slot is written only by a reload that
         // is applied.
-        changes.extend(self.chain_next_program(&new)?);
+        changes.extend(self.chain_next_program(next)?);
         self.remove_when_drained.clear();
         self.replace_model(model);
         self.file = new.clone();
@@ -525,11 +568,14 @@ impl State {
         Ok(changes)
     }
 
-    /// Opens `dataplane.next_program` again (a program pinned anew at its path is taken
-    /// up) and puts it in the slot lb tail-calls, or empties the slot; says so when the
-    /// program there changes.
-    fn chain_next_program(&mut self, new: &Config) -> Result<Option<String>, ReloadError> {
-        let next = crate::preflight::next_program(new)?;
+    /// Puts `dataplane.next_program`, as opened again before the lock was taken
+    /// (`ReloadInput::open`), in the slot lb tail-calls, or empties the slot; says so
+    /// when the program there changes.
+    fn chain_next_program(
+        &mut self,
+        next: Result<Option<NextProgram>, ConfigError>,
+    ) -> Result<Option<String>, ReloadError> {
+        let next = next?;
         // Written by the writer, as every data-path write; its answer decides the reload.
         let (before, next) = self
             .tables
@@ -853,16 +899,24 @@ impl State {
         self.publish();
     }
 
-    /// Passive health (`[vip.outlier]`): judges the backends by their handshakes; new
-    /// tables when one leaves or returns.
-    pub fn judge_outliers(&mut self, now: Instant) -> anyhow::Result<()> {
-        let reader = self.tables.counters();
-        if health::outlier::sample(&mut self.model, &reader, now)? {
+    /// What an outlier sample reads, to read outside this lock: the counters' read side
+    /// and the backends of VIPs with `[vip.outlier]`.
+    pub fn outliers_to_read(&self) -> (Arc<crate::dataplane::CounterReader>, Vec<u32>) {
+        (
+            self.tables.counters(),
+            health::outlier::backends_to_read(&self.model),
+        )
+    }
+
+    /// Passive health (`[vip.outlier]`): judges the backends by their handshakes (read
+    /// outside the lock, through `outliers_to_read`); new tables when one leaves or
+    /// returns.
+    pub fn judge_outliers(&mut self, now: Instant, readings: &health::outlier::Readings) {
+        if health::outlier::sample(&mut self.model, readings, now) {
             self.sync();
         } else {
             self.publish();
         }
-        Ok(())
     }
 
     /// Hands the writer the telemetry's hot sources (it writes `LB_HOT_SRC`, as every
@@ -911,16 +965,6 @@ impl State {
             .collect()
     }
 
-    /// What `lb status` shows.
-    pub fn status(&self) -> anyhow::Result<Status> {
-        self.status_source().status()
-    }
-
-    /// What one metrics scrape renders.
-    pub fn scrape(&self) -> anyhow::Result<Scrape> {
-        self.status_source().scrape()
-    }
-
     /// A copy of what a status and a metrics scrape are made of, taken under the agent's
     /// lock without a syscall: the counters are read from it after the lock is let go,
     /// through the writer's read side.
@@ -929,7 +973,7 @@ impl State {
             model: self.model.clone(),
             written: self.tables.reports(),
             requested: self.requested,
-            dataplane: self.tables.shared_dataplane(),
+            lookups: self.tables.lookups(),
             counters: self.tables.counters(),
             telemetry: self.telemetry.clone(),
             interface: self.interface.clone(),
@@ -946,15 +990,6 @@ impl State {
             agent: self.agent_status(),
             started: self.started,
         }
-    }
-
-    /// `lb explain`: over the tables the data path holds and its connection table.
-    pub fn explain(
-        &self,
-        request: &ExplainRequest,
-        now_ns: u64,
-    ) -> Result<Explanation, ExplainError> {
-        self.status_source().explain(request, now_ns)
     }
 }
 
@@ -1044,18 +1079,18 @@ impl CheckHost for State {
         &self.model
     }
 
-    fn vip_path(&self, id: u32) -> Result<crate::health::vipprobe::VipPath, String> {
+    fn vip_route(&self, id: u32) -> Result<VipRoute, VipPathError> {
         let (vip, b) = self
             .model
             .vips
             .iter()
             .find_map(|v| v.backends.iter().find(|b| b.id == id).map(|b| (v, b)))
-            .ok_or("the backend is gone")?;
+            .ok_or(VipPathError::BackendGone)?;
         let address = vip.config.address;
         // The interface its traffic leaves by: the first, or (several) the backend's.
         let (name, ifindex) = match self.ports.get(b.egress as usize) {
             Some(port) if port.ifindex == 0 => {
-                return Err(format!("interface {} is gone", port.name));
+                return Err(VipPathError::InterfaceGone(port.name.clone()));
             }
             Some(port) => (port.name.as_str(), port.ifindex),
             None => (self.interface.name.as_str(), self.interface.index),
@@ -1063,13 +1098,16 @@ impl CheckHost for State {
         let tunnel = if vip.config.forward.is_tunnel() {
             let backend = b.config.address;
             if b.next_hop.is_none() {
-                return Err(format!("no route to {backend} out of {name}"));
+                return Err(VipPathError::NoRoute {
+                    backend,
+                    interface: name.into(),
+                });
             }
             // The data path's outer source (`tunnel_config`).
             let source = self
                 .config
                 .tunnel_source_for(backend, &self.interface.addresses)
-                .map_err(|(_, why)| why)?;
+                .map_err(|(_, why)| VipPathError::NoTunnelSource(why))?;
             Some(crate::health::vipprobe::Tunnel {
                 source,
                 backend,
@@ -1080,19 +1118,15 @@ impl CheckHost for State {
             None
         };
         let mac = b.mac.ok_or(if tunnel.is_some() {
-            "the next hop's MAC is not known yet"
+            VipPathError::NextHopMacUnknown
         } else {
-            "the backend's MAC is not known yet"
+            VipPathError::BackendMacUnknown
         })?;
-        let source = crate::health::vipprobe::interface_address(name, address.is_ipv4())
-            .ok_or_else(|| {
-                format!("{name} has no address of the VIP's family to send checks from")
-            })?;
-        Ok(crate::health::vipprobe::VipPath {
+        Ok(VipRoute {
             vip: std::net::SocketAddr::new(address, vip.config.port),
             mac: mac.0,
+            interface: name.into(),
             ifindex,
-            source,
             tunnel,
         })
     }
@@ -1205,16 +1239,27 @@ pub fn reload(
     state: &Arc<Mutex<State>>,
     health_tasks: &HealthTasks,
 ) -> Result<(Vec<String>, Requested), ReloadError> {
-    let result = {
+    let config_path = state
+        .lock()
+        .expect("agent state poisoned")
+        .config_path
+        .clone();
+    // Read and opened before the lock is taken: the file, the next program's pin.
+    let input = Config::load(&config_path).map(ReloadInput::open);
+    let (result, save) = {
         let mut guard = state.lock().expect("agent state poisoned");
-        let result = Config::load(&guard.config_path)
+        let result = input
             .map_err(ReloadError::from)
-            .and_then(|new| guard.reload(new))
+            .and_then(|input| guard.reload(input))
             .map(|changes| (changes, guard.tables.requested()));
         guard.record_reload(result.as_ref().err().map(|error| with_sources(error)));
         guard.publish();
-        result
+        (result, guard.state_file_write())
     };
+    // Written once the lock is let go, before the reload answers.
+    if let Some(save) = save {
+        save.write();
+    }
     let (changes, written) = match result {
         Ok(done) => done,
         Err(error) => {
@@ -1565,7 +1610,10 @@ mod tests {
         let mut shared = shared(config("eth0", &["10.0.0.11", "10.0.0.12"]));
         let kept_id = shared.model.vips[0].backends[0].id;
         let changes = shared
-            .reload(config("eth0", &["10.0.0.11", "10.0.0.13"]))
+            .reload(ReloadInput::open(config(
+                "eth0",
+                &["10.0.0.11", "10.0.0.13"],
+            )))
             .unwrap();
         assert_eq!(
             changes,
@@ -1588,7 +1636,10 @@ mod tests {
     fn reload_refuses_load_time_settings_and_changes_nothing() {
         let mut shared = shared(config("eth0", &["10.0.0.11"]));
         let before = shared.model.vips.clone();
-        let refused = shared.reload(config("eth1", &["10.0.0.11", "10.0.0.12"]));
+        let refused = shared.reload(ReloadInput::open(config(
+            "eth1",
+            &["10.0.0.11", "10.0.0.12"],
+        )));
         assert!(matches!(
             refused,
             Err(ReloadError::NeedsRestart("dataplane.interface"))
@@ -1599,7 +1650,7 @@ mod tests {
         let mut moved = config("eth0", &["10.0.0.11", "10.0.0.12"]);
         moved.control.metrics = Some("127.0.0.1:9999".parse().unwrap());
         assert!(matches!(
-            shared.reload(moved),
+            shared.reload(ReloadInput::open(moved)),
             Err(ReloadError::NeedsRestart("control.metrics"))
         ));
         assert_eq!(shared.model.vips, before);
@@ -1613,7 +1664,7 @@ mod tests {
         let before = shared.model.vips.clone();
         let mut new = config("eth0", &["10.0.0.11", "10.0.0.12"]);
         new.dataplane.next_program = Some("/sys/fs/bpf/lb-state-no-such-program".into());
-        match shared.reload(new) {
+        match shared.reload(ReloadInput::open(new)) {
             Err(ReloadError::Config(ConfigError::Invalid { field, .. })) => {
                 assert_eq!(field, "dataplane.next_program")
             }
@@ -1630,7 +1681,10 @@ mod tests {
     #[test]
     fn reload_and_runtime_changes_refuse_the_interfaces_own_address() {
         let mut shared = shared(config("eth0", &["10.0.0.11"]));
-        let refused = shared.reload(config("eth0", &["10.0.0.11", "10.0.0.2"]));
+        let refused = shared.reload(ReloadInput::open(config(
+            "eth0",
+            &["10.0.0.11", "10.0.0.2"],
+        )));
         assert!(
             matches!(&refused, Err(ReloadError::Config(ConfigError::Invalid { field, .. }))
                 if field == "vip[0].backend[1].address"),
@@ -1800,7 +1854,9 @@ mod tests {
         shared
             .set_admin_state(&web(), "10.0.0.11".parse().unwrap(), AdminState::Maint)
             .unwrap();
-        let changes = shared.reload(config("eth0", &["10.0.0.11"])).unwrap();
+        let changes = shared
+            .reload(ReloadInput::open(config("eth0", &["10.0.0.11"])))
+            .unwrap();
         assert_eq!(
             changes,
             [
@@ -1826,6 +1882,12 @@ mod tests {
         shared
             .add_backend(&web(), "10.0.0.13".parse().unwrap(), 2)
             .unwrap();
+        // The controller does no I/O: it says what to write, the caller writes it.
+        assert!(!path.exists(), "written by the controller");
+        shared
+            .state_file_write()
+            .expect("a write asked for")
+            .write();
         let saved = statefile::load(&path, std::path::Path::new("/nonexistent")).unwrap();
         assert_eq!(saved.len(), 2, "{saved:?}");
         assert_eq!(
@@ -1844,7 +1906,11 @@ mod tests {
         assert_eq!(restarted.runtime_differences().len(), 2);
         assert_eq!(restarted.agent_status().runtime_changes.len(), 2);
         // A reload undoes them, and the file goes.
-        shared.reload(file).unwrap();
+        shared.reload(ReloadInput::open(file)).unwrap();
+        shared
+            .state_file_write()
+            .expect("a write asked for")
+            .write();
         assert!(!path.exists(), "nothing left to keep");
     }
 
@@ -1902,7 +1968,7 @@ mod tests {
         // A file that now says maint for 10.0.0.12 keeps that change: it is not undone.
         let mut file = config("eth0", &["10.0.0.11", "10.0.0.12", "10.0.0.13"]);
         file.vips[0].backends[1].state = AdminState::Maint;
-        let changes = shared.reload(file).unwrap();
+        let changes = shared.reload(ReloadInput::open(file)).unwrap();
         assert_eq!(
             changes,
             [
@@ -1916,7 +1982,9 @@ mod tests {
         assert!(shared.runtime_differences().is_empty());
         // And a removal at runtime is a difference too (the file has the backend).
         assert_eq!(
-            shared.reload(config("eth0", &["10.0.0.11"])).unwrap(),
+            shared
+                .reload(ReloadInput::open(config("eth0", &["10.0.0.11"])))
+                .unwrap(),
             [
                 "vip web: backend 10.0.0.12 removed",
                 "vip web: backend 10.0.0.13 removed"
@@ -1937,7 +2005,7 @@ mod tests {
         other.backends.clear();
         new.vips.push(other);
         assert_eq!(
-            shared.reload(new).unwrap(),
+            shared.reload(ReloadInput::open(new)).unwrap(),
             [
                 "vip web: address 10.0.0.100 -> 10.0.0.101, health.interval 2s -> 5s",
                 "vip web: backend 10.0.0.11: weight 1 -> 3",
@@ -1945,7 +2013,9 @@ mod tests {
             ]
         );
         assert_eq!(
-            shared.reload(config("eth0", &["10.0.0.11"])).unwrap()[2],
+            shared
+                .reload(ReloadInput::open(config("eth0", &["10.0.0.11"])))
+                .unwrap()[2],
             "vip web6: removed ([fd00::100]:80/tcp)"
         );
     }
@@ -1965,7 +2035,9 @@ mod tests {
         }
         let text = render(&shared.scrape().unwrap()).unwrap();
         assert!(text.contains("backend=\"10.0.0.12\""), "{text}");
-        shared.reload(config("eth0", &["10.0.0.11"])).unwrap();
+        shared
+            .reload(ReloadInput::open(config("eth0", &["10.0.0.11"])))
+            .unwrap();
         let text = render(&shared.scrape().unwrap()).unwrap();
         assert!(!text.contains("10.0.0.12"), "{text}");
         assert!(
@@ -1977,7 +2049,7 @@ mod tests {
         // A VIP renamed: the old name's series go.
         let mut renamed = config("eth0", &["10.0.0.11"]);
         renamed.vips[0].name = "www".into();
-        shared.reload(renamed).unwrap();
+        shared.reload(ReloadInput::open(renamed)).unwrap();
         let text = render(&shared.scrape().unwrap()).unwrap();
         assert!(!text.contains("vip=\"web\""), "{text}");
     }
@@ -2027,7 +2099,10 @@ mod tests {
     #[test]
     fn a_reload_that_moves_the_routes_is_refused() {
         let mut shared = shared(config("eth0", &["10.0.0.11"]));
-        let refused = shared.reload(with_announce(config("eth0", &["10.0.0.11"])));
+        let refused = shared.reload(ReloadInput::open(with_announce(config(
+            "eth0",
+            &["10.0.0.11"],
+        ))));
         assert!(
             matches!(
                 refused,
@@ -2609,6 +2684,35 @@ pub(crate) mod test_support {
     };
     use std::time::Duration;
 
+    use crate::{
+        explain::{ExplainError, ExplainRequest, Explanation},
+        metrics::Scrape,
+        status::Status,
+    };
+
+    /// Reads made under the state's lock, for tests only: the agent's readers load the
+    /// published snapshot and read the data path without this lock.
+    impl State {
+        /// What `lb status` shows.
+        pub fn status(&self) -> anyhow::Result<Status> {
+            self.status_source().status()
+        }
+
+        /// What one metrics scrape renders.
+        pub fn scrape(&self) -> anyhow::Result<Scrape> {
+            self.status_source().scrape()
+        }
+
+        /// `lb explain`: over the tables the data path holds and its connection table.
+        pub fn explain(
+            &self,
+            request: &ExplainRequest,
+            now_ns: u64,
+        ) -> Result<Explanation, ExplainError> {
+            self.status_source().explain(request, now_ns)
+        }
+    }
+
     /// One VIP "web" 10.0.0.100:80/tcp, unchecked, with these backends (MACs given).
     pub fn config(interface: &str, backends: &[&str]) -> Config {
         let mut text = format!(
@@ -2765,7 +2869,7 @@ mod ownership_tests {
 
         let mut new = config("eth0", &["10.0.0.11", "10.0.0.14"]);
         new.vips[0].health.kind = crate::config::HealthKind::None;
-        let changes = state.reload(new).unwrap();
+        let changes = state.reload(ReloadInput::open(new)).unwrap();
         assert!(
             changes.iter().any(|c| c.contains("10.0.0.14 added")),
             "{changes:?}"
@@ -2837,6 +2941,116 @@ mod ownership_tests {
         assert!(state.lock().unwrap().tables_are_current());
     }
 
+    /// An explain reads the connection, embryonic and hot-source tables through the read
+    /// side (`FlowLookups`), not through the data path's lock the writer holds while it
+    /// writes: it answers, with the flow's entry, while that lock is held. (Checked to
+    /// fail when explain takes the data path's lock: it does not answer.)
+    #[test]
+    fn an_explain_does_not_wait_for_the_data_paths_lock() {
+        // What the read side sees: the data path's maps, here a copy holding one flow.
+        let mut maps = MemoryDataplane::default();
+        let source: std::net::SocketAddr = "192.0.2.7:40000".parse().unwrap();
+        let key = crate::explain::flow_key(&web(), source);
+        let file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        // Backend ids are given in the file's order: the same in every state made of it.
+        let id = shared(file.clone()).model.vips[0].backends[1].id;
+        let entry = FlowEntry {
+            backend_id: id,
+            flags: 0,
+            last_seen_ns: 0,
+        };
+        maps.flows.insert(key, entry);
+        let reads: Box<dyn crate::dataplane::Dataplane + Send> = Box::new(maps);
+        let lookups = crate::dataplane::FlowLookups::shared(Arc::new(Mutex::new(reads)));
+        let tables = Writer::inline(
+            Box::new(MemoryDataplane::default()),
+            crate::tables::TableWriter::new(7),
+        )
+        .with_lookups(lookups);
+        let state = shared_over(file, 7, tables);
+        let published = state.published();
+        let writing = state.tables.dataplane();
+        let (answer, answered) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let request = crate::explain::ExplainRequest::flow(web(), source);
+            let explained = published.load().explain(&request, 0);
+            answer.send(explained.map_err(|e| e.to_string())).unwrap();
+        });
+        // Not a timing assertion: an explain that waited for the lock would not answer
+        // at all while it is held; the bound only keeps a failure from hanging.
+        let got = answered.recv_timeout(Duration::from_secs(60));
+        drop(writing);
+        reader.join().unwrap();
+        let explained = got
+            .expect("the explain waited for the data path's lock")
+            .unwrap();
+        assert_eq!(
+            explained.conntrack_backend.as_deref(),
+            Some("10.0.0.12"),
+            "{explained:?}"
+        );
+    }
+
+    /// The controller's rule (this module's doc): no `State` method does I/O. Its
+    /// `impl` blocks name none of the calls that do (files, the state file, the next
+    /// program's pin, interface addresses, the configuration file, the data path's lock),
+    /// where the code around them (`reload`, `ReloadInput::open`) does.
+    #[test]
+    fn no_method_of_the_controller_does_io() {
+        const IO: [&str; 11] = [
+            // Reads of the data path (counters, flows) made from a fresh snapshot.
+            "status_source().",
+            "counters(&",
+            "std::fs",
+            "statefile::save",
+            "statefile::load",
+            "preflight::next_program",
+            "interface_address",
+            "getifaddrs",
+            "Config::load",
+            ".dataplane()",
+            "route_to(",
+        ];
+        let source = include_str!("state.rs");
+        let code = &source[..source.find("#[cfg(test)]\nmod tests").unwrap()];
+        // Each `impl ... State` block, by its braces (no brace in a string there).
+        let blocks = |name: &str| -> Vec<&str> {
+            let mut blocks = Vec::new();
+            for (start, _) in code.match_indices("\nimpl ") {
+                let header = &code[start..][..code[start..].find('{').unwrap()];
+                if !header.trim_end().ends_with(name) {
+                    continue;
+                }
+                let body = &code[start + header.len()..];
+                let mut depth = 0;
+                let end = body
+                    .char_indices()
+                    .find(|&(_, c)| {
+                        depth += match c {
+                            '{' => 1,
+                            '}' => -1,
+                            _ => 0,
+                        };
+                        depth == 0
+                    })
+                    .unwrap()
+                    .0;
+                blocks.push(&body[..=end]);
+            }
+            blocks
+        };
+        let io_in = |blocks: Vec<&str>| -> Vec<&str> {
+            IO.into_iter()
+                .filter(|call| blocks.iter().any(|b| b.contains(call)))
+                .collect()
+        };
+        let state = blocks(" State");
+        assert!(state.len() >= 5, "the State impl blocks: {}", state.len());
+        assert_eq!(io_in(state), Vec::<&str>::new());
+        // The scan sees a call where there is one.
+        assert_eq!(io_in(blocks(" ReloadInput")), ["preflight::next_program"]);
+    }
+
     /// Every kind of change publishes before it returns: what readers load then is what
     /// a status made under the lock shows (no stale snapshot after a command, a reload,
     /// a health result, a scan or an interface change).
@@ -2877,7 +3091,9 @@ mod ownership_tests {
         };
         CheckHost::record_check(&mut state, id, failed, 3, 3);
         same(&state, "a failed check below fall");
-        state.reload(config("eth0", &["10.0.0.11"])).unwrap();
+        state
+            .reload(ReloadInput::open(config("eth0", &["10.0.0.11"])))
+            .unwrap();
         same(&state, "a reload");
         state.record_flows(Vec::new(), Instant::now(), 0);
         same(&state, "a scan");
@@ -3094,7 +3310,9 @@ mod tunnel_tests {
         state.sync();
         let id = state.model.backends().next().unwrap().id;
         assert_eq!(info(&state, "10.0.0.11").forward, FORWARD_L2);
-        let changes = state.reload(config("ipip", &["10.0.0.11"])).unwrap();
+        let changes = state
+            .reload(ReloadInput::open(config("ipip", &["10.0.0.11"])))
+            .unwrap();
         assert_eq!(changes, ["vip web: forward l2 -> ipip"]);
         let b = state.model.backends().next().unwrap();
         assert_eq!(b.id, id, "its flows keep their backend");
@@ -3108,7 +3326,7 @@ mod tunnel_tests {
     fn an_l2_backend_behind_a_router_is_refused_naming_the_route() {
         let mut state = agent(config("l2", &["10.0.0.11"]));
         let error = state
-            .reload(config("l2", &["10.0.0.11", "10.1.0.12"]))
+            .reload(ReloadInput::open(config("l2", &["10.0.0.11", "10.1.0.12"])))
             .unwrap_err();
         let ReloadError::Config(ConfigError::Invalid { field, reason }) = error else {
             panic!("{error:?}")
@@ -3121,7 +3339,7 @@ mod tunnel_tests {
             "{reason}"
         );
         let error = state
-            .reload(config("l2", &["10.0.0.11", "10.9.0.12"]))
+            .reload(ReloadInput::open(config("l2", &["10.0.0.11", "10.9.0.12"])))
             .unwrap_err();
         assert!(
             error.to_string().contains("no route to 10.9.0.12"),
@@ -3129,7 +3347,10 @@ mod tunnel_tests {
         );
         // The same backend through a tunnel is fine.
         state
-            .reload(config("ipip", &["10.0.0.11", "10.1.0.12"]))
+            .reload(ReloadInput::open(config(
+                "ipip",
+                &["10.0.0.11", "10.1.0.12"],
+            )))
             .unwrap();
     }
 
@@ -3138,7 +3359,10 @@ mod tunnel_tests {
         let mut state = agent(config("ipip", &["10.1.0.11"]));
         state.interface.addresses = vec!["10.0.0.2".parse().unwrap()];
         let error = state
-            .reload(config("ipip", &["10.1.0.11", "fd00:1::12"]))
+            .reload(ReloadInput::open(config(
+                "ipip",
+                &["10.1.0.11", "fd00:1::12"],
+            )))
             .unwrap_err();
         let ReloadError::Config(ConfigError::Invalid { field, .. }) = error else {
             panic!("{error:?}")

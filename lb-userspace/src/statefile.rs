@@ -6,10 +6,15 @@
 //!
 //! What is kept is the net difference between the running configuration and the file
 //! (`State::runtime_differences`), rewritten whenever it changes (a temporary file
-//! renamed over the old one, 0600) and removed when there is none. Owns nothing that
-//! lives on; calls `config`.
+//! renamed over the old one, 0600) and removed when there is none. The controller does
+//! not write it: it says what to write (`StateFileWrite`), and the caller writes it once
+//! the controller's lock is let go, before it answers. Owns nothing that lives on; calls
+//! `config`.
 
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -66,6 +71,56 @@ pub enum StateFileError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+/// A write of the state file the controller asked for, to make after its lock is let go
+/// (`write`). Writes are made in the order they were asked: one that comes late, after
+/// the write of a newer state, is skipped.
+#[must_use = "the state file is written only by `write`"]
+pub struct StateFileWrite {
+    path: PathBuf,
+    config: PathBuf,
+    changes: Vec<SavedChange>,
+    /// Its place among the writes one controller asks for (from 1).
+    order: u64,
+    /// The place of the last write made; held while a write is made.
+    written: Arc<Mutex<u64>>,
+}
+
+/// Numbers the writes a controller asks for, and keeps the last one made.
+#[derive(Default)]
+pub struct StateFileWrites {
+    asked: u64,
+    written: Arc<Mutex<u64>>,
+}
+
+impl StateFileWrites {
+    /// A write of `changes` to `path`, after every write asked before it.
+    pub fn ask(&mut self, path: &Path, config: &Path, changes: Vec<SavedChange>) -> StateFileWrite {
+        self.asked += 1;
+        StateFileWrite {
+            path: path.to_owned(),
+            config: config.to_owned(),
+            changes,
+            order: self.asked,
+            written: self.written.clone(),
+        }
+    }
+}
+
+impl StateFileWrite {
+    /// Writes the file (a failure is logged: the agent serves on, only a restart would
+    /// lose the changes).
+    pub fn write(self) {
+        let mut written = self.written.lock().expect("state file writes poisoned");
+        if *written >= self.order {
+            return;
+        }
+        if let Err(error) = save(&self.path, &self.config, &self.changes) {
+            tracing::warn!("{error}: a restart would not keep the runtime changes");
+        }
+        *written = self.order;
+    }
 }
 
 /// The changes in the file at `path`, made over configuration file `config`; none when

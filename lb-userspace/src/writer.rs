@@ -30,7 +30,9 @@ use lb_common::{FlowEntry, FlowKey};
 use tokio::sync::watch;
 
 use crate::{
-    dataplane::{CounterReader, Dataplane, DataplaneError, FlowWriter, next::NextProgram},
+    dataplane::{
+        CounterReader, Dataplane, DataplaneError, FlowLookups, FlowWriter, next::NextProgram,
+    },
     tables::{ApplyReport, Desired, TableBuilder, TableInputs, TableWriter},
 };
 
@@ -123,19 +125,31 @@ impl Requested {
     }
 
     /// Resolves once a write covering the request is done: Ok, or why it failed.
-    pub async fn done(mut self) -> Result<(), String> {
+    pub async fn done(mut self) -> Result<(), WriteFailed> {
         let ticket = self.ticket;
         let done = self
             .written
             .wait_for(|w| w.ticket >= ticket)
             .await
-            .map_err(|_| "the table writer stopped".to_string())?;
+            .map_err(|_| WriteFailed::Stopped)?;
         // A later request's write covers this one too (its inputs replaced ours).
         match &done.error {
-            Some(error) => Err(error.clone()),
+            Some(error) => Err(WriteFailed::Write(error.clone())),
             None => Ok(()),
         }
     }
+}
+
+/// Why a requested table write is not done.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WriteFailed {
+    /// The writer stopped (the agent is stopping) before it wrote the request.
+    #[error("the table writer stopped")]
+    Stopped,
+    /// The write failed (its report's error, with its causes); the next request tries
+    /// again.
+    #[error("{0}")]
+    Write(String),
 }
 
 /// The handle the agent's state keeps.
@@ -144,10 +158,15 @@ pub struct Writer {
     dataplane: SharedDataplane,
     /// The counters' read side: handles of their own, no lock the writing side holds.
     counters: Arc<CounterReader>,
+    /// Explain's lookups of one flow, on the read side as the counters.
+    lookups: Arc<FlowLookups>,
     written: watch::Receiver<Written>,
     /// The writer's thread; None when it writes in the caller's (unit tests).
     thread: Option<JoinHandle<()>>,
 }
+
+/// The data path behind its lock, the counters' read side and explain's lookups.
+type Reads = (SharedDataplane, Arc<CounterReader>, Arc<FlowLookups>);
 
 /// A write that is run once, in order (not coalesced as table requests are).
 type Op = Box<dyn FnOnce(&mut dyn TableWrites) + Send>;
@@ -234,13 +253,13 @@ impl Writer {
         desired: Desired,
         flows: Option<FlowWriter>,
     ) -> std::io::Result<Self> {
-        let (shared, counters) = Self::reads(dataplane);
+        let reads = Self::reads(dataplane);
         let writes = DataplaneWrites {
             tables,
-            dataplane: shared.clone(),
+            dataplane: reads.0.clone(),
             flows,
         };
-        let (mut writer, work) = Self::parts(shared, counters, Box::new(writes), desired, false);
+        let (mut writer, work) = Self::parts(reads, Box::new(writes), desired, false);
         let inner = writer.inner.clone();
         let thread = std::thread::Builder::new()
             .name("lb-table-writer".into())
@@ -252,26 +271,33 @@ impl Writer {
     /// A writer that writes in the caller's thread, at once (unit tests: what a change
     /// wrote is there when it returns).
     pub fn inline(dataplane: Box<dyn Dataplane + Send>, tables: TableWriter) -> Self {
-        let (shared, counters) = Self::reads(dataplane);
+        let reads = Self::reads(dataplane);
         let writes = DataplaneWrites {
             tables,
-            dataplane: shared.clone(),
+            dataplane: reads.0.clone(),
             flows: None,
         };
-        Self::parts(shared, counters, Box::new(writes), Desired::default(), true).0
+        Self::parts(reads, Box::new(writes), Desired::default(), true).0
     }
 
     /// Unit tests: a writer whose writes go to `writes` (a fake), in the caller's thread;
     /// `reads` is the data path read from.
     #[cfg(test)]
     pub fn inline_with(reads: Box<dyn Dataplane + Send>, writes: Box<dyn TableWrites>) -> Self {
-        let (shared, counters) = Self::reads(reads);
-        Self::parts(shared, counters, writes, Desired::default(), true).0
+        Self::parts(Self::reads(reads), writes, Desired::default(), true).0
     }
 
-    /// The data path behind its lock, and the counters' read side: handles of its own
-    /// when the data path has them to give.
-    fn reads(dataplane: Box<dyn Dataplane + Send>) -> (SharedDataplane, Arc<CounterReader>) {
+    /// Unit tests: explain's lookups from `lookups` rather than the data path's.
+    #[cfg(test)]
+    pub fn with_lookups(mut self, lookups: FlowLookups) -> Self {
+        self.lookups = Arc::new(lookups);
+        self
+    }
+
+    /// The data path behind its lock, and the read sides (counters, explain's lookups):
+    /// handles of their own when the data path has them to give.
+    fn reads(dataplane: Box<dyn Dataplane + Send>) -> Reads {
+        let lookups = dataplane.flow_lookups();
         let own = dataplane.counter_reader();
         let dataplane: SharedDataplane = Arc::new(Mutex::new(dataplane));
         let counters = Arc::new(match own {
@@ -282,13 +308,20 @@ impl Writer {
                 CounterReader::shared(dataplane.clone())
             }
         });
-        (dataplane, counters)
+        let lookups = Arc::new(match lookups {
+            Ok(Some(lookups)) => lookups,
+            Ok(None) => FlowLookups::shared(dataplane.clone()),
+            Err(error) => {
+                tracing::warn!("explain reads flows through the writer's lock: {error}");
+                FlowLookups::shared(dataplane.clone())
+            }
+        });
+        (dataplane, counters, lookups)
     }
 
     /// The handle, and the work for a thread (None: `inline`, the work is the handle's).
     fn parts(
-        dataplane: SharedDataplane,
-        counters: Arc<CounterReader>,
+        (dataplane, counters, lookups): Reads,
         writes: Box<dyn TableWrites>,
         desired: Desired,
         inline: bool,
@@ -316,6 +349,7 @@ impl Writer {
             }),
             dataplane,
             counters,
+            lookups,
             written: receiver,
             thread: None,
         };
@@ -404,6 +438,11 @@ impl Writer {
     /// table write.
     pub fn counters(&self) -> Arc<CounterReader> {
         self.counters.clone()
+    }
+
+    /// Explain's lookups of one flow: they do not wait for a table write.
+    pub fn lookups(&self) -> Arc<FlowLookups> {
+        self.lookups.clone()
     }
 
     /// The same lock, to share with tasks that read the data path on their own.

@@ -1229,7 +1229,7 @@ fn explain_flow(fixture: &Fixture, request: &ExplainRequest) -> explain::Explana
     let view = explain::View {
         model: &fixture.model,
         desired: &desired,
-        dataplane: &fixture.dataplane,
+        flows: &fixture.dataplane,
         flow_idle: fixture.config.dataplane.flow_idle_timeout,
         interfaces: &fixture.config.dataplane.interfaces,
     };

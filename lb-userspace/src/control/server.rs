@@ -420,15 +420,19 @@ impl Api {
         peer: &Option<Extension<Peer>>,
         apply: impl FnOnce(&mut State) -> Result<String, ControlError>,
     ) -> Result<Json<ChangeAnswer>, Refusal> {
-        let (change, requested) = {
+        let (change, requested, save) = {
             let mut shared = self.shared.lock().expect("agent state poisoned");
             let change = apply(&mut shared).map_err(|error| {
                 tracing::info!("runtime change refused to {}: {error}", asker(peer));
                 refused(error)
             })?;
             tracing::info!("runtime change by {}: {change}", asker(peer));
-            (change, shared.requested())
+            (change, shared.requested(), shared.state_file_write())
         };
+        // The state file is written once the lock is let go, and before the answer.
+        if let Some(save) = save {
+            save.write();
+        }
         state::spawn_checks(&self.shared, &self.health_tasks);
         written(requested).await?;
         Ok(Json(ChangeAnswer { change }))

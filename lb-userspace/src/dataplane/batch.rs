@@ -1,14 +1,19 @@
 //! The bpf(2) batch commands (BPF_MAP_LOOKUP_BATCH, BPF_MAP_UPDATE_BATCH), made by hand
-//! because aya 0.14 has no call for them, and `FlowReader`, the connection-table scan
-//! that uses them where the kernel can.
+//! because aya 0.14 has no call for them, `FlowReader`, the connection-table scan that
+//! uses them where the kernel can, and `FlowLookups`, explain's lookups of one flow.
 
-use std::os::fd::{AsFd, AsRawFd};
+use std::{
+    os::fd::{AsFd, AsRawFd},
+    sync::{Arc, Mutex},
+};
 
-use aya::maps::{HashMap as BpfHashMap, MapData};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData};
 use bytemuck::Zeroable;
-use lb_common::{FlowEntry, FlowKey, MAP_CONNTRACK};
+use lb_common::{
+    Embryo, FlowEntry, FlowKey, MAP_CONNTRACK, MAP_EMBRYONIC, MAP_HOT_SOURCES, SourceKey,
+};
 
-use super::{DataplaneError, dup_map, in_map, syscall_error};
+use super::{Dataplane, DataplaneError, dup_map, in_map, syscall_error};
 
 /// The `batch` member of `union bpf_attr` (BPF_MAP_*_BATCH, Linux 5.6).
 #[repr(C)]
@@ -171,6 +176,116 @@ fn own_handle(
 ) -> Result<BpfHashMap<MapData, FlowKey, FlowEntry>, DataplaneError> {
     let data = dup_map(aya::maps::IterableMap::map(conntrack), MAP_CONNTRACK)?;
     BpfHashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(in_map(MAP_CONNTRACK))
+}
+
+/// What `lb explain` reads of one flow: its connection-table entry, its embryonic slot and
+/// whether its source is hot. The data path answers these itself (`Dataplane`); the read
+/// side answers them through handles of its own (`FlowLookups`).
+pub trait Lookups {
+    /// The connection-table entry of one flow.
+    fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError>;
+    /// Slot `index` of the embryonic table (`lb_common::flow::embryo_place`).
+    fn embryo(&self, index: u32) -> Result<Embryo, DataplaneError>;
+    /// Whether `key` is in `LB_HOT_SRC`.
+    fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError>;
+}
+
+impl<T: Dataplane + ?Sized> Lookups for T {
+    fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError> {
+        Dataplane::flow(self, key)
+    }
+
+    fn embryo(&self, index: u32) -> Result<Embryo, DataplaneError> {
+        Dataplane::embryo(self, index)
+    }
+
+    fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError> {
+        Dataplane::is_hot_source(self, key)
+    }
+}
+
+/// Explain's lookups of one flow, on the read side: an explain does not wait for a table
+/// write (the writer holds the data path's lock while it writes, not these handles).
+pub struct FlowLookups(LookupSource);
+
+enum LookupSource {
+    /// Handles of its own on the kernel's connection, embryonic and hot-source maps.
+    Maps(Box<LookupMaps>),
+    /// A data path without maps of its own to share (the in-memory one of unit tests):
+    /// read through its lock.
+    Shared(Arc<Mutex<Box<dyn Dataplane + Send>>>),
+}
+
+struct LookupMaps {
+    conntrack: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    embryonic: Array<MapData, Embryo>,
+    hot_sources: BpfHashMap<MapData, SourceKey, u32>,
+}
+
+impl FlowLookups {
+    /// Lookups through handles of their own on these maps (duplicated descriptors).
+    pub(super) fn of(
+        conntrack: &BpfHashMap<MapData, FlowKey, FlowEntry>,
+        embryonic: &Array<MapData, Embryo>,
+        hot_sources: &BpfHashMap<MapData, SourceKey, u32>,
+    ) -> Result<Self, DataplaneError> {
+        use aya::maps::{IterableMap, Map};
+        let embryonic = dup_map(IterableMap::map(embryonic), MAP_EMBRYONIC)?;
+        let hot_sources = dup_map(IterableMap::map(hot_sources), MAP_HOT_SOURCES)?;
+        Ok(Self(LookupSource::Maps(Box::new(LookupMaps {
+            conntrack: own_handle(conntrack)?,
+            embryonic: Array::try_from(Map::Array(embryonic)).map_err(in_map(MAP_EMBRYONIC))?,
+            hot_sources: BpfHashMap::try_from(Map::HashMap(hot_sources))
+                .map_err(in_map(MAP_HOT_SOURCES))?,
+        }))))
+    }
+
+    /// Lookups through `dataplane`'s lock, for a data path without own handles to give.
+    pub fn shared(dataplane: Arc<Mutex<Box<dyn Dataplane + Send>>>) -> Self {
+        Self(LookupSource::Shared(dataplane))
+    }
+
+    fn through_lock<R>(
+        dataplane: &Mutex<Box<dyn Dataplane + Send>>,
+        read: impl FnOnce(&dyn Dataplane) -> R,
+    ) -> R {
+        read(dataplane.lock().expect("data path poisoned").as_ref())
+    }
+}
+
+impl Lookups for FlowLookups {
+    fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, DataplaneError> {
+        match &self.0 {
+            LookupSource::Maps(maps) => match maps.conntrack.get(key, 0) {
+                Ok(entry) => Ok(Some(entry)),
+                Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+                Err(source) => Err(in_map(MAP_CONNTRACK)(source)),
+            },
+            LookupSource::Shared(dataplane) => Self::through_lock(dataplane, |d| d.flow(key)),
+        }
+    }
+
+    fn embryo(&self, index: u32) -> Result<Embryo, DataplaneError> {
+        match &self.0 {
+            LookupSource::Maps(maps) => {
+                maps.embryonic.get(&index, 0).map_err(in_map(MAP_EMBRYONIC))
+            }
+            LookupSource::Shared(dataplane) => Self::through_lock(dataplane, |d| d.embryo(index)),
+        }
+    }
+
+    fn is_hot_source(&self, key: &SourceKey) -> Result<bool, DataplaneError> {
+        match &self.0 {
+            LookupSource::Maps(maps) => match maps.hot_sources.get(key, 0) {
+                Ok(_) => Ok(true),
+                Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+                Err(source) => Err(in_map(MAP_HOT_SOURCES)(source)),
+            },
+            LookupSource::Shared(dataplane) => {
+                Self::through_lock(dataplane, |d| d.is_hot_source(key))
+            }
+        }
+    }
 }
 
 /// Writes entries learned from cluster peers into the connection table: a handle of its

@@ -27,7 +27,8 @@ use lb_common::{
 
 use super::{
     Adopted, AttachHints, AttachTarget, AttachedMode, Attachment, CounterReader, Counters,
-    Dataplane, DataplaneError, EgressPort, FlowReader, FlowWriter, Found, LoadOptions, attach,
+    Dataplane, DataplaneError, EgressPort, FlowLookups, FlowReader, FlowWriter, Found, LoadOptions,
+    attach,
     batch::update_batch,
     counters::CounterMaps,
     dup_map, in_map,
@@ -896,6 +897,10 @@ impl Dataplane for AyaDataplane {
 
     fn counter_reader(&self) -> Result<Option<CounterReader>, DataplaneError> {
         CounterReader::of(&self.counter_maps()).map(Some)
+    }
+
+    fn flow_lookups(&self) -> Result<Option<FlowLookups>, DataplaneError> {
+        FlowLookups::of(&self.conntrack, &self.embryonic, &self.hot_sources).map(Some)
     }
 
     fn reset_vip_counters(&mut self, vip_id: u32) -> Result<(), DataplaneError> {

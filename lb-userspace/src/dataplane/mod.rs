@@ -42,7 +42,7 @@ use lb_common::{
 use crate::config::Config;
 
 pub use attach::{AttachHints, SINGLE_BUFFER_MTU, foreign_program_fix};
-pub use batch::{FlowReader, FlowWriter};
+pub use batch::{FlowLookups, FlowReader, FlowWriter, Lookups};
 pub use counters::CounterReader;
 pub use kernel::AyaDataplane;
 #[cfg(test)]
@@ -188,6 +188,11 @@ pub trait Dataplane {
     /// A reader of the counters through handles of its own; None where the data path has
     /// none to give (then it is read through its lock: `CounterReader::shared`).
     fn counter_reader(&self) -> Result<Option<CounterReader>, DataplaneError> {
+        Ok(None)
+    }
+    /// Explain's lookups of one flow through handles of their own; None where the data
+    /// path has none to give (then they go through its lock: `FlowLookups::shared`).
+    fn flow_lookups(&self) -> Result<Option<FlowLookups>, DataplaneError> {
         Ok(None)
     }
     /// New flows per client source and VIP (summed over CPUs) since the program loaded.

@@ -138,12 +138,64 @@ impl Failure {
     }
 }
 
+/// Why a check through the VIP has no way to its backend now: this host's failure, said
+/// as the check's error.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VipPathError {
+    #[error("the backend is gone")]
+    BackendGone,
+    #[error("interface {0} is gone")]
+    InterfaceGone(String),
+    #[error("no route to {backend} out of {interface}")]
+    NoRoute {
+        backend: std::net::IpAddr,
+        interface: String,
+    },
+    /// No outer source of the backend's family (`Config::tunnel_source_for`'s reason).
+    #[error("{0}")]
+    NoTunnelSource(String),
+    #[error("the next hop's MAC is not known yet")]
+    NextHopMacUnknown,
+    #[error("the backend's MAC is not known yet")]
+    BackendMacUnknown,
+    #[error("{0} has no address of the VIP's family to send checks from")]
+    NoSourceAddress(String),
+}
+
+/// The way of a check through the VIP to one backend, as the agent's state knows it
+/// (`CheckHost::vip_route`): all of `VipPath` but its source address, which is looked up
+/// on the interface (`path`) once the state's lock is let go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VipRoute {
+    pub vip: SocketAddr,
+    pub mac: [u8; 6],
+    /// The interface the check leaves by, and its index.
+    pub interface: String,
+    pub ifindex: u32,
+    pub tunnel: Option<vipprobe::Tunnel>,
+}
+
+impl VipRoute {
+    /// The path, with an address of the VIP's family on the interface as its source.
+    pub fn path(self) -> Result<VipPath, VipPathError> {
+        let source = vipprobe::interface_address(&self.interface, self.vip.is_ipv4())
+            .ok_or(VipPathError::NoSourceAddress(self.interface))?;
+        Ok(VipPath {
+            vip: self.vip,
+            mac: self.mac,
+            ifindex: self.ifindex,
+            source,
+            tunnel: self.tunnel,
+        })
+    }
+}
+
 /// Runs one check of `kind` against `target`, or through the VIP along `via` (`target =
 /// "vip"`; an error: why there is no path, which is this host's failure).
 pub async fn check(
     config: &HealthConfig,
     target: SocketAddr,
-    via: Option<Result<VipPath, String>>,
+    via: Option<Result<VipPath, VipPathError>>,
 ) -> CheckRecord {
     let started = Instant::now();
     // A check through the VIP keeps the timeout itself, and says what did not come ("no
@@ -156,8 +208,8 @@ pub async fn check(
         if let Some(path) = via {
             // No way to send it (no MAC yet, no address of the family here): this host
             // could not check, which says nothing of the backend.
-            let path = path.map_err(|message| Failure {
-                message,
+            let path = path.map_err(|error| Failure {
+                message: error.to_string(),
                 local: true,
             })?;
             return crate::health::vipprobe::check_via_vip(config, path)
@@ -321,8 +373,9 @@ fn describe_io(error: std::io::Error) -> String {
 pub trait CheckHost: Send + 'static {
     /// The VIPs and backends to check.
     fn model(&self) -> &Model;
-    /// How a check through the VIP reaches backend `id`, or why it cannot.
-    fn vip_path(&self, id: u32) -> Result<VipPath, String>;
+    /// How a check through the VIP reaches backend `id` (but its source address, looked
+    /// up after: `VipRoute::path`), or why it cannot. No I/O: called under the lock.
+    fn vip_route(&self, id: u32) -> Result<VipRoute, VipPathError>;
     /// Records a check result of backend `id` (see [`record`]) and, when it changed
     /// the backend's health, rewrites the tables.
     fn record_check(&mut self, id: u32, record: CheckRecord, rise: u32, fall: u32);
@@ -405,8 +458,11 @@ async fn check_loop<H: CheckHost>(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
-        let via = (config.target == HealthTarget::Vip)
-            .then(|| host.lock().expect("agent state poisoned").vip_path(id));
+        // The interface's address is looked up once the lock is let go.
+        let via = (config.target == HealthTarget::Vip).then(|| {
+            let route = host.lock().expect("agent state poisoned").vip_route(id);
+            route.and_then(VipRoute::path)
+        });
         let record = check(&config, target, via).await;
         host.lock().expect("agent state poisoned").record_check(
             id,

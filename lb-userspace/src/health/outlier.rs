@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use lb_common::handshake::{self, COUNT, Judged};
 
 use crate::config::OutlierConfig;
-use crate::dataplane::CounterReader;
+use crate::dataplane::{CounterReader, DataplaneError};
 use crate::model::{
     BackendState, Model,
     outlier::{Ejection, Outlier},
@@ -218,26 +218,38 @@ fn release_all(backends: &mut [BackendState]) -> bool {
     changed
 }
 
-/// The agent's step, every `SAMPLE`: reads the handshake counters of the backends of
-/// VIPs with `[vip.outlier]` through `reader`, judges them, logs what happened. Returns
-/// whether the table membership changed (the caller asks for new tables).
-pub fn sample(model: &mut Model, reader: &CounterReader, now: Instant) -> anyhow::Result<bool> {
-    let ids: Vec<u32> = model
+/// Cumulative handshake counters by backend id, as one sample read them.
+pub type Readings = HashMap<u32, [u64; COUNT]>;
+
+/// The backends whose handshakes a sample reads: those of VIPs with `[vip.outlier]`.
+pub fn backends_to_read(model: &Model) -> Vec<u32> {
+    model
         .vips
         .iter()
         .filter(|v| v.config.outlier.is_some())
         .flat_map(|v| v.backends.iter().map(|b| b.id))
-        .collect();
-    let readings: HashMap<u32, [u64; COUNT]> = if ids.is_empty() {
-        HashMap::new()
-    } else {
-        let counters = reader.counters(&[], &ids)?;
-        counters
-            .backends
-            .iter()
-            .map(|(id, c)| (*id, c.handshakes))
-            .collect()
-    };
+        .collect()
+}
+
+/// Reads the handshake counters of backends `ids` through `reader` (no lock: the agent's
+/// is not held while it reads, nor is the writer's).
+pub fn read(reader: &CounterReader, ids: &[u32]) -> Result<Readings, DataplaneError> {
+    if ids.is_empty() {
+        return Ok(Readings::new());
+    }
+    let counters = reader.counters(&[], ids)?;
+    Ok(counters
+        .backends
+        .iter()
+        .map(|(id, c)| (*id, c.handshakes))
+        .collect())
+}
+
+/// The agent's step, every `SAMPLE`: judges the backends of VIPs with `[vip.outlier]` by
+/// `readings` (read before, `read`), logs what happened. Returns whether the table
+/// membership changed (the caller asks for new tables). A backend added since the read
+/// has no reading: it is judged at the next sample.
+pub fn sample(model: &mut Model, readings: &Readings, now: Instant) -> bool {
     let mut changed = false;
     for vip in &mut model.vips {
         let Some(settings) = &vip.config.outlier else {
@@ -250,12 +262,12 @@ pub fn sample(model: &mut Model, reader: &CounterReader, now: Instant) -> anyhow
             }
             continue;
         };
-        for event in judge(settings, &mut vip.backends, &readings, now) {
+        for event in judge(settings, &mut vip.backends, readings, now) {
             changed |= !matches!(event, Event::HeldBack { .. });
             log(&vip.config.name, &event);
         }
     }
-    Ok(changed)
+    changed
 }
 
 /// A backend's handshake counters as status shows them.
