@@ -236,11 +236,11 @@ pub struct Imports(Arc<Inner>);
 impl Imports {
     /// Inserts `flows` where the flow has no entry here; returns how many went in.
     /// Blocks until the writer's thread made the writes (behind a table write at most).
-    pub fn import_flows(&self, flows: Vec<(FlowKey, FlowEntry)>) -> Result<u64, String> {
+    pub fn import_flows(&self, flows: Vec<(FlowKey, FlowEntry)>) -> Result<u64, WriteFailed> {
         self.0
             .exec(move |writes| writes.import_flows(&flows))
-            .map_err(|stopped| stopped.to_string())?
-            .map_err(|error| error.to_string())
+            .map_err(|_| WriteFailed::Stopped)?
+            .map_err(|error| WriteFailed::Write(error.to_string()))
     }
 }
 
