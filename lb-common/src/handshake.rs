@@ -118,20 +118,24 @@ impl Judged {
 mod tests {
     use super::*;
     use crate::{
-        ADDR_FAMILY_V4, BACKEND_F_SERVES_FLOWS, BackendInfo, PROTO_TCP, VipInfo,
+        ADDR_FAMILY_V4, BACKEND_F_SERVES_FLOWS, BackendInfo, PROTO_TCP, VIP_F_OUTLIER, VipInfo,
         decide::{Packet, memory::MemoryTables},
     };
 
-    /// VIP 10.0.0.100:80/tcp (id 1), every slot of its table backend `to`; backends 0
-    /// and 1 serve it.
+    /// VIP 10.0.0.100:80/tcp (id 1) with `[vip.outlier]`, every slot of its table
+    /// backend `to`; backends 0 and 1 serve it.
     fn tables(to: u32) -> MemoryTables {
+        tables_with(to, VIP_F_OUTLIER)
+    }
+
+    fn tables_with(to: u32, flags: u32) -> MemoryTables {
         let mut tables = MemoryTables::default();
         tables.maglev_size = 7;
         tables.now_ns = 1_000_000_000_000;
         let info = VipInfo {
             vip_id: 1,
             generation: 0,
-            flags: 0,
+            flags,
             _pad: 0,
         };
         tables.vips.insert(packet(0, 2).vip_key(), info);
@@ -211,6 +215,18 @@ mod tests {
         tables.decide(&packet(1000, 0)).unwrap();
         assert_eq!(tables.handshakes(0), [1, 1, 1, 1]);
         assert_eq!(judged(&tables, 0), ONE_COMPLETED);
+    }
+
+    #[test]
+    fn without_outlier_a_syn_sent_again_starts_again_and_its_slot_is_not_read() {
+        let tables = tables_with(0, 0);
+        for _ in 0..3 {
+            tables.decide(&packet(1000, 2)).unwrap();
+        }
+        assert_eq!(tables.handshakes(0), [3, 0, 0, 0], "no retry told apart");
+        tables.decide(&packet(1000, 0)).unwrap();
+        assert_eq!(tables.handshakes(0), [3, 0, 1, 0]);
+        assert_eq!(judged(&tables, 0), ONE_COMPLETED, "nothing judged failed");
     }
 
     #[test]

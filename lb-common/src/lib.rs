@@ -162,6 +162,11 @@ pub const VIP_F_HASH_SRC_IP: u32 = 1;
 /// flow from a source in `LB_HOT_SRC` is hashed on its 5-tuple. Without it the program
 /// never looks there: other VIPs pay nothing.
 pub const VIP_F_HOT_SOURCES: u32 = 2;
+/// `VipInfo::flags`: the VIP has `[vip.outlier]`, so a SYN reads its embryonic slot to
+/// tell a client's retransmission from a first SYN (`handshake::syn`). Without it the
+/// slot is written unread: the read is a cache miss a spoofed SYN would pay for nothing.
+/// (Bit 4 is `quic::VIP_F_QUIC`, bits 8-11 its server ID length.)
+pub const VIP_F_OUTLIER: u32 = 8;
 
 /// Value of `LB_VIPS`.
 #[repr(C)]

@@ -53,6 +53,8 @@ port = 80
 protocol = "tcp"
 [vip.health]
 kind = "none"
+# Retry detection (a SYN's slot read) on this VIP only: t6 runs without it.
+[vip.outlier]
 [[vip.backend]]
 address = "10.0.0.11"
 mac = "02:00:00:00:01:0b"

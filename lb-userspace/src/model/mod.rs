@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use lb_common::{
     BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo, FORWARD_GUE, FORWARD_IPIP, MAX_BACKENDS,
-    MAX_VIPS, VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES, VipKey, maglev::MaglevBackend, quic::ServerKey,
+    MAX_VIPS, VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES, VIP_F_OUTLIER, VipKey, maglev::MaglevBackend,
+    quic::ServerKey,
 };
 use serde::{Deserialize, Serialize};
 
@@ -307,20 +308,27 @@ pub struct VipState {
 }
 
 impl VipState {
-    /// The VIP's `VIP_F_*` bits: how the program hashes its new flows.
+    /// The VIP's `VIP_F_*` bits: how the program hashes its new flows, routes QUIC, and
+    /// whether it tells a retransmitted SYN from a first one (`[vip.outlier]`).
     pub fn flags(&self) -> u32 {
         let quic = if self.config.quic {
             lb_common::quic::vip_flags(self.config.quic_server_id_len())
         } else {
             0
         };
-        quic | match self.config.hash {
-            HashMode::FiveTuple => 0,
-            HashMode::SrcIp if self.config.hot_source_share.is_some() => {
-                VIP_F_HASH_SRC_IP | VIP_F_HOT_SOURCES
+        let outlier = if self.config.outlier.is_some() {
+            VIP_F_OUTLIER
+        } else {
+            0
+        };
+        quic | outlier
+            | match self.config.hash {
+                HashMode::FiveTuple => 0,
+                HashMode::SrcIp if self.config.hot_source_share.is_some() => {
+                    VIP_F_HASH_SRC_IP | VIP_F_HOT_SOURCES
+                }
+                HashMode::SrcIp => VIP_F_HASH_SRC_IP,
             }
-            HashMode::SrcIp => VIP_F_HASH_SRC_IP,
-        }
     }
 
     pub fn key(&self) -> VipKey {

@@ -146,14 +146,15 @@ fn runs<'a>(cases: &'a [Case], variants: &[(String, std::path::PathBuf)]) -> Vec
     runs
 }
 
-/// A config with four VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80, and IPv4 UDP 443
-/// with `quic`, at most 64 backends), each with `backends` backends whose MACs are
-/// given; no health checks; no insert limit (the
+/// A config with five VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80, IPv4 UDP 443
+/// with `quic`, at most 64 backends, and IPv4 TCP `OUTLIER_PORT` with `[vip.outlier]`),
+/// each with `backends` backends whose MACs are given; room for them and the tunnel
+/// VIPs' (`max_backends`); no health checks; no insert limit (the
 /// handshake cases measure the insert, which the default flood guard would skip above
 /// 100k inserts per second per CPU).
 pub fn config_text(backends: usize) -> String {
     let mut t = String::from(
-        "[dataplane]\ninterface = \"lo\"\nconntrack_insert_limit = 0\n\
+        "[dataplane]\ninterface = \"lo\"\nconntrack_insert_limit = 0\nmax_backends = 8192\n\
          [control]\nmetrics = \"off\"\n",
     );
     let vips = [
@@ -161,17 +162,20 @@ pub fn config_text(backends: usize) -> String {
         ("udp4", VIP4.to_string(), 53, "udp", false),
         ("tcp6", VIP6.to_string(), 80, "tcp", true),
         ("quic4", VIP4.to_string(), QUIC_PORT, "udp", false),
+        ("tcp4o", VIP4.to_string(), OUTLIER_PORT, "tcp", false),
     ];
     for (v, (name, address, port, proto, v6)) in vips.iter().enumerate() {
         t += &format!(
             "\n[[vip]]\nname = \"{name}\"\naddress = \"{address}\"\nport = {port}\n\
              protocol = \"{proto}\"\n{}[vip.health]\nkind = \"none\"\n",
-            if *name == "quic4" {
-                "quic = true\n"
-            } else {
-                ""
+            match *name {
+                "quic4" => "quic = true\n",
+                _ => "",
             }
         );
+        if *name == "tcp4o" {
+            t += "[vip.outlier]\n";
+        }
         // The QUIC VIP's backends count against `MAX_BACKENDS` with the others': a few
         // suffice (its short headers name theirs, the table is not read).
         let count = if *name == "quic4" {
@@ -198,6 +202,10 @@ pub fn config_text(backends: usize) -> String {
     }
     t
 }
+
+/// The port of "tcp4o" (on VIP4): a TCP VIP like "tcp4" with `[vip.outlier]`, whose
+/// SYNs read their embryonic slot to tell a retry (the `_outlier` cases).
+pub const OUTLIER_PORT: u16 = 83;
 
 /// The QUIC VIP's port (on VIP4): a UDP VIP with `quic = true`.
 pub const QUIC_PORT: u16 = 443;
@@ -455,6 +463,23 @@ fn cases() -> Vec<Case> {
                 "tcp_handshake",
                 "a handshake's SYN and ACK, a new tuple every call (the ACK makes the entry)",
                 frame(c4, v4, 40007, 80, syn),
+            )
+        },
+        Case {
+            new_source_per_call: true,
+            ..Case::new(
+                "tcp_syn_outlier",
+                "tcp_syn to a VIP with [vip.outlier]: the SYN reads its slot to tell a retry",
+                frame(c4, v4, 40011, OUTLIER_PORT, syn),
+            )
+        },
+        Case {
+            then: vec![frame(c4, v4, 40012, OUTLIER_PORT, ack)],
+            new_source_per_call: true,
+            ..Case::new(
+                "tcp_handshake_outlier",
+                "tcp_handshake to a VIP with [vip.outlier]",
+                frame(c4, v4, 40012, OUTLIER_PORT, syn),
             )
         },
         Case {
@@ -997,6 +1022,11 @@ pub fn run(opts: &Options) -> Result<Results> {
         "tcp_syn, tcp_handshake, tcp_short_connection: in the loop every call has a new \
          source address and port (a new flow); the handshake and the short connection are \
          per call, 2 and 5 packets. Under repeat the same SYN runs again (no entry either).",
+    );
+    table.note(
+        "tcp_syn_outlier, tcp_handshake_outlier: the same to a VIP with [vip.outlier] \
+         (port 83), whose SYN reads its embryonic slot to tell a client's retransmission; \
+         other VIPs' SYNs write the slot unread.",
     );
     table.note(
         "tcp_handshake_cluster: tcp_handshake on an instance loaded with [cluster]: every \
