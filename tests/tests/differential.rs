@@ -2,8 +2,8 @@
 //! (BPF_PROG_TEST_RUN) and through `lb_common::decide` (the decision the program runs,
 //! over `lb explain`'s tables), compared frame by frame: the verdict, the backend (the
 //! output frame's destination MAC, and a tunnel's outer destination), every outcome
-//! counter, the VIP's and backend's traffic counters, and what the frame left in the
-//! connection and embryonic tables.
+//! counter, the VIP's and backend's traffic and handshake counters, and what the frame
+//! left in the connection and embryonic tables.
 //!
 //! The program's maps are written by the agent's own code (config -> `Model` ->
 //! `TableWriter` -> `AyaDataplane`) and changed as the run goes: backends fail and come
@@ -26,7 +26,7 @@ use lb_common::{
     BackendInfo, FLOW_F_CLOSING, FLOW_F_LEARNED, FORWARD_GUE, FORWARD_IPIP, FORWARD_L2, FlowEntry,
     PROTO_TCP, PROTO_UDP, SourceKey, TunnelConfig,
     decide::{Choice, Packet, Verdict, memory::MemoryTables},
-    flow, stat,
+    flow, handshake, stat,
 };
 use lb_tests::program::{IFACE_MAC, Instance};
 use lb_userspace::{
@@ -570,6 +570,8 @@ struct Outcome {
     outer_dst: Option<[u8; 4]>,
     /// (packets, new flows) of the VIP and the backend.
     traffic: Option<((u64, u64), (u64, u64))>,
+    /// The backend's handshake counters that moved (`handshake::STARTED` ...).
+    handshakes: [u64; handshake::COUNT],
     entry: Option<FlowEntry>,
     embryo: lb_common::Embryo,
 }
@@ -623,6 +625,13 @@ fn predict(
         traffic: decision
             .ok()
             .map(|c| ((1, c.new_flow as u64), (1, c.new_flow as u64))),
+        handshakes: {
+            let mut moved = [0; handshake::COUNT];
+            if let Ok(choice) = decision {
+                handshake::add(&mut moved, choice.handshake);
+            }
+            moved
+        },
         entry: tables.flow(&key),
         embryo: tables.embryo(flow::embryo_place(&key).0),
     };
@@ -661,6 +670,8 @@ fn run(bed: &mut Bed, frame: &[u8], packet: &Packet, ids: (u32, u32)) -> (Outcom
     };
     let ((vp0, vn0), (bp0, bn0)) = traffic(&before);
     let ((vp1, vn1), (bp1, bn1)) = traffic(&after);
+    let handshakes = |c: &Counters| c.backends.get(&ids.1).map(|b| b.handshakes);
+    let (h0, h1) = (handshakes(&before), handshakes(&after));
     let key = packet.flow_key();
     let dataplane = &bed.instance.dataplane;
     let l3 = if packet.vlan { 18 } else { 14 };
@@ -671,6 +682,10 @@ fn run(bed: &mut Bed, frame: &[u8], packet: &Packet, ids: (u32, u32)) -> (Outcom
         mac: tx.then(|| out[..6].try_into().unwrap()),
         outer_dst: tunnelled.then(|| out[l3 + 16..l3 + 20].try_into().unwrap()),
         traffic: tx.then_some(((vp1 - vp0, vn1 - vn0), (bp1 - bp0, bn1 - bn0))),
+        handshakes: match (tx, h0, h1) {
+            (true, Some(h0), Some(h1)) => std::array::from_fn(|i| h1[i] - h0[i]),
+            _ => [0; handshake::COUNT],
+        },
         entry: dataplane.flow(&key).expect("read the entry"),
         embryo: dataplane
             .embryo(flow::embryo_place(&key).0)
