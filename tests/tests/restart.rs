@@ -231,6 +231,15 @@ fn detach_on_exit_removes_the_program_and_its_pins() {
         lb_tests::agent::run_lb(&bin, &["detach", "--config", config.to_str().unwrap()]).unwrap();
     assert!(out.success(), "lb detach: {}", out.stderr);
     assert!(!pins.path().exists(), "pins removed");
+    // Detached when `lb detach` returns, not once the kernel frees the pin's inode.
+    let link = lab
+        .lb()
+        .exec("ip", &["-d", "link", "show", lb_tests::lab::IFACE])
+        .expect("ip link");
+    assert!(
+        !link.contains("prog/xdp"),
+        "still attached after lb detach:\n{link}"
+    );
     let unbalanced = tcp_request(lab.client(), vip, Duration::from_millis(500));
     assert!(unbalanced.is_err(), "the VIP still answers after detach");
 }

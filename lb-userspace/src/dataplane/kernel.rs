@@ -131,7 +131,7 @@ impl AyaDataplane {
                  maps are kept where their layout matches",
                 dir.display()
             );
-            pins::remove_pin(&dir.join(pins::LINK_PIN))?;
+            pins::remove_link_pin(&dir.join(pins::LINK_PIN))?;
         }
         let link_mode = pins::pinned_link_mode(dir, &options);
         let found = pins::inspect_pins(dir, &mut options, defunct);
@@ -388,7 +388,7 @@ impl AyaDataplane {
         link_path: &Path,
         hints: &AttachHints,
     ) -> Result<Attachment, DataplaneError> {
-        let (attachment, id) = if pins::remove_pin(link_path)? {
+        let (attachment, id) = if pins::remove_link_pin(link_path)? {
             self.attach_link_when_free(interface, mode, hints)?
         } else {
             self.attach_link(interface, mode, hints)?
@@ -404,7 +404,7 @@ impl AyaDataplane {
         link_path: &Path,
         hints: &AttachHints,
     ) -> Result<Attachment, DataplaneError> {
-        pins::remove_pin(link_path)?;
+        pins::remove_link_pin(link_path)?;
         let removed = std::time::Instant::now();
         let native = self.attach_link_when_free(interface, XdpModeSetting::Native, hints);
         let (attachment, id) = match native {

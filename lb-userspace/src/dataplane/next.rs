@@ -36,6 +36,7 @@ const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_LINK_DETACH: libc::c_long = 34;
 const BPF_MAP_TYPE_PROG_ARRAY: u64 = 3;
 const BPF_PROG_TYPE_XDP: u32 = 6;
 /// `expected_attach_type` of an XDP program for an interface, as aya loads `lb_xdp`.
@@ -289,6 +290,15 @@ pub(super) fn obj_info(fd: BorrowedFd<'_>, info: &mut [u64]) -> io::Result<()> {
         info.as_mut_ptr() as u64,
     ];
     bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(drop)
+}
+
+/// Detaches link `fd` from its hook now. Dropping a link's last reference (its pin
+/// unlinked) detaches it only once the kernel frees the pin's inode, after an RCU grace
+/// period: later than the unlink returns.
+pub(super) fn link_detach(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // `union bpf_attr` for BPF_LINK_DETACH: link_fd u32.
+    let mut attr = [fd.as_raw_fd() as u32 as u64];
+    bpf(BPF_LINK_DETACH, &mut attr).map(drop)
 }
 
 fn bpf(command: libc::c_long, attr: &mut [u64]) -> io::Result<i64> {

@@ -319,6 +319,19 @@ pub(super) fn remove_pin(path: &Path) -> Result<bool, DataplaneError> {
     }
 }
 
+/// Removes a pinned link, detaching its program first, so that the hook is free when
+/// this returns (the unlink alone frees the link later: `next::link_detach`). A link
+/// that cannot be detached (its interface gone) is removed all the same.
+pub(super) fn remove_link_pin(path: &Path) -> Result<bool, DataplaneError> {
+    if let Ok(link) = super::next::obj_get(path) {
+        use std::os::fd::AsFd;
+        if let Err(error) = super::next::link_detach(link.as_fd()) {
+            tracing::debug!("{}: detach before unpinning: {error}", path.display());
+        }
+    }
+    remove_pin(path)
+}
+
 /// What `remove_pins` found and removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RemovedPins {
@@ -330,13 +343,13 @@ pub struct RemovedPins {
 
 /// Removes everything lb pinned in `dir` (the link first: that detaches the program).
 pub fn remove_pins(dir: &Path) -> Result<RemovedPins, DataplaneError> {
-    let mut link = remove_pin(&dir.join(LINK_PIN))?;
+    let mut link = remove_link_pin(&dir.join(LINK_PIN))?;
     // The links of the other interfaces (`dataplane.interfaces`).
     let prefix = format!("{LINK_PIN}-");
     if let Ok(entries) = std::fs::read_dir(dir) {
         for entry in entries.flatten() {
             if entry.file_name().to_string_lossy().starts_with(&prefix) {
-                link |= remove_pin(&entry.path())?;
+                link |= remove_link_pin(&entry.path())?;
             }
         }
     }
