@@ -226,12 +226,14 @@ fn detach_on_exit_removes_the_program_and_its_pins() {
     let vip = SocketAddr::new(lab.vip4(), 80);
     tcp_request(lab.client(), vip, TIMEOUT).expect("still balanced with no agent");
 
-    // `lb detach` removes it; the VIP is then no longer balanced.
+    // `lb detach` removes it; the VIP is then no longer balanced, even while another
+    // process (here this test) holds the link, which unpinning alone would leave attached.
+    let held = aya::programs::links::PinnedLink::from_pin(pins.path().join("link"))
+        .expect("open the pinned link");
     let out =
         lb_tests::agent::run_lb(&bin, &["detach", "--config", config.to_str().unwrap()]).unwrap();
     assert!(out.success(), "lb detach: {}", out.stderr);
     assert!(!pins.path().exists(), "pins removed");
-    // Detached when `lb detach` returns, not once the kernel frees the pin's inode.
     let link = lab
         .lb()
         .exec("ip", &["-d", "link", "show", lb_tests::lab::IFACE])
@@ -240,6 +242,7 @@ fn detach_on_exit_removes_the_program_and_its_pins() {
         !link.contains("prog/xdp"),
         "still attached after lb detach:\n{link}"
     );
+    drop(held);
     let unbalanced = tcp_request(lab.client(), vip, Duration::from_millis(500));
     assert!(unbalanced.is_err(), "the VIP still answers after detach");
 }

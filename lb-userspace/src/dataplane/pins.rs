@@ -320,8 +320,8 @@ pub(super) fn remove_pin(path: &Path) -> Result<bool, DataplaneError> {
 }
 
 /// Removes a pinned link, detaching its program first, so that the hook is free when
-/// this returns (the unlink alone frees the link later: `next::link_detach`). A link
-/// that cannot be detached (its interface gone) is removed all the same.
+/// this returns even if another process still holds the link (`next::link_detach`). A
+/// link that cannot be detached (its interface gone) is removed all the same.
 pub(super) fn remove_link_pin(path: &Path) -> Result<bool, DataplaneError> {
     if let Ok(link) = super::next::obj_get(path) {
         use std::os::fd::AsFd;
