@@ -12,7 +12,7 @@
 use core::ops::DerefMut;
 
 use crate::{
-    BACKEND_NONE, Embryo, FlowEntry, FlowKey, FlowTuple, PROTO_UDP, VIP_F_OUTLIER, VipInfo, VipKey,
+    BACKEND_NONE, Embryo, FlowEntry, FlowKey, FlowTuple, PROTO_UDP, VipInfo, VipKey,
     flow::{self, Lookup},
     handshake, maglev_slot,
     quic::{self, Header, ServerKey, Window},
@@ -331,16 +331,13 @@ pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict>
         None => (table_choice(tables, packet, &vip)?, Source::Table),
     };
     let handshake = match entry {
-        None => {
-            let retries = vip.flags & VIP_F_OUTLIER != 0;
-            remember(
-                tables,
-                packet,
-                (tag, retries),
-                backend_id,
-                embryo.as_deref_mut(),
-            )
-        }
+        None => remember(
+            tables,
+            packet,
+            (&vip, tag),
+            backend_id,
+            embryo.as_deref_mut(),
+        ),
         Some(entry) => {
             rewrite(tables, packet, key, entry, backend_id, now);
             // The entry is newer than the SYN now.
@@ -496,14 +493,12 @@ fn promote<T: Tables>(
 /// A first packet (a SYN, a new UDP flow, an ACK of a flow the connection table lost)
 /// is remembered for the flow's second packet, and makes no entry: a flood of spoofed
 /// first packets costs no established flow its entry. A RST ends a flow: it is never
-/// remembered. A SYN's handshake events for `backend_id`: with `retries` (a VIP with
-/// `[vip.outlier]`) the slot is read first to tell a retransmission from a first SYN;
-/// without, every SYN starts a handshake and the slot is written unread.
+/// remembered. A SYN's handshake events for `backend_id` (`handshake::syn`).
 #[inline(always)]
 fn remember<T: Tables>(
     tables: &T,
     packet: &Packet,
-    (tag, retries): (u32, bool),
+    (vip, tag): (&VipInfo, u32),
     backend_id: u32,
     embryo: Option<&mut Embryo>,
 ) -> handshake::Events {
@@ -512,14 +507,11 @@ fn remember<T: Tables>(
         && let Some(embryo) = embryo
     {
         let fresh = flow::embryo_for(tag, backend_id, packet.syn);
-        *embryo = if packet.syn && retries {
-            let (remembered, syn_events) = handshake::syn(tables, embryo, fresh);
+        *embryo = if packet.syn {
+            let (remembered, syn_events) = handshake::syn(tables, vip, embryo, fresh);
             events = syn_events;
             remembered
         } else {
-            if packet.syn {
-                events = handshake::event(handshake::STARTED);
-            }
             fresh
         };
         tables.count(stat::CT_EMBRYONIC);

@@ -10,7 +10,10 @@
 //! a flood of random tuples does not. The agent judges a backend only by handshakes
 //! seen twice: completed, or retried (`STARTED` is shown, never judged).
 
-use crate::{EMBRYO_F_COMPLETED, EMBRYO_F_RETRIED, EMBRYO_F_SYN, Embryo, decide::Tables};
+use crate::{
+    EMBRYO_F_COMPLETED, EMBRYO_F_RETRIED, EMBRYO_F_SYN, Embryo, VIP_F_OUTLIER, VipInfo,
+    decide::Tables,
+};
 
 /// `TrafficCounters::handshakes` index: the first SYN of a flow sent to the backend
 /// (spoofed SYNs included).
@@ -46,14 +49,21 @@ pub fn add(handshakes: &mut [u64; COUNT], events: Events) {
     }
 }
 
-/// A SYN about to be remembered as `fresh` in the embryonic slot that holds `old`: what
-/// the slot is to hold, and the events of `fresh`'s backend (a new handshake, or a retry
-/// of one still waiting). A retry is counted against the backend the flow waited on; if
-/// the table sends it elsewhere now (that backend left it), a new handshake starts there,
-/// and the retry, of another backend than the packet's, is counted on its own
-/// (`Tables::count_handshake`: rare, a table change during a handshake).
+/// A SYN to `vip` about to be remembered as `fresh` in the embryonic slot that holds
+/// `old`: what the slot is to hold, and the events of `fresh`'s backend (a new handshake,
+/// or a retry of one still waiting). A retry is counted against the backend the flow
+/// waited on; if the table sends it elsewhere now (that backend left it), a new handshake
+/// starts there, and the retry, of another backend than the packet's, is counted on its
+/// own (`Tables::count_handshake`: rare, a table change during a handshake).
+///
+/// Retries are told apart only for a VIP with `VIP_F_OUTLIER` (`[vip.outlier]`): `old`
+/// is read for nothing else, and reading it is a cache miss every spoofed SYN would pay.
+/// Elsewhere every SYN starts a handshake and `old` is never read.
 #[inline(always)]
-pub fn syn<T: Tables>(tables: &T, old: &Embryo, fresh: Embryo) -> (Embryo, Events) {
+pub fn syn<T: Tables>(tables: &T, vip: &VipInfo, old: &Embryo, fresh: Embryo) -> (Embryo, Events) {
+    if vip.flags & VIP_F_OUTLIER == 0 {
+        return (fresh, event(STARTED));
+    }
     let waiting =
         old.tag == fresh.tag && old.flags & (EMBRYO_F_SYN | EMBRYO_F_COMPLETED) == EMBRYO_F_SYN;
     if !waiting {
@@ -218,7 +228,7 @@ mod tests {
     }
 
     #[test]
-    fn without_outlier_a_syn_sent_again_starts_again_and_its_slot_is_not_read() {
+    fn without_outlier_a_syn_sent_again_starts_a_handshake_again() {
         let tables = tables_with(0, 0);
         for _ in 0..3 {
             tables.decide(&packet(1000, 2)).unwrap();

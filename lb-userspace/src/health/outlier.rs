@@ -79,11 +79,10 @@ const Z: f64 = 3.0;
 /// The Wilson score interval of the share of `judged` handshakes that completed: where
 /// the backend's true share lies, at confidence `Z`, given how few handshakes it had.
 fn success_interval(judged: Judged) -> (f64, f64) {
-    let n = judged.started as f64;
-    if n == 0.0 {
+    if judged.started == 0 {
         return (0.0, 1.0);
     }
-    let p = judged.completed as f64 / n;
+    let (n, p) = (judged.started as f64, success(judged));
     let z2 = Z * Z;
     let center = (p + z2 / (2.0 * n)) / (1.0 + z2 / n);
     let half = Z * (p * (1.0 - p) / n + z2 / (4.0 * n * n)).sqrt() / (1.0 + z2 / n);
@@ -480,12 +479,7 @@ mod tests {
     fn a_small_window_that_trails_its_peers_by_chance_is_not_ejected() {
         // Seen in CI: 60% of every backend's SYN-ACKs lost on the client side; one
         // backend's 2 s window at 2 of 6, the one peer that looked healthy at 10 of 12.
-        let settings = model(
-            4,
-            "min_handshakes = 5
-max_failure = 0.2",
-        )
-        .1;
+        let settings = model(4, "min_handshakes = 5\nmax_failure = 0.2").1;
         let chance = windows(&[(6, 2), (12, 10), (9, 5), (8, 4)]);
         assert_eq!(outliers(&settings, &chance), []);
         // Peers seen longer, and a backend that completes none of ten: its own failure.
@@ -494,6 +488,16 @@ max_failure = 0.2",
         // A backend that drops everything is told apart from five handshakes on.
         let dropping = windows(&[(5, 0), (15, 15), (14, 14), (16, 16)]);
         assert_eq!(outliers(&settings, &dropping).len(), 1);
+    }
+
+    #[test]
+    fn only_a_vip_with_outlier_asks_the_program_to_tell_retries() {
+        let (judged, _) = model(1, SETTINGS);
+        assert_ne!(judged.vips[0].flags() & lb_common::VIP_F_OUTLIER, 0);
+        let plain = Config::from_toml(&format!("{VIP}[[vip.backend]]\naddress = \"10.0.0.11\"\n"));
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        model.update(&plain.unwrap()).unwrap();
+        assert_eq!(model.vips[0].flags() & lb_common::VIP_F_OUTLIER, 0);
     }
 
     #[test]

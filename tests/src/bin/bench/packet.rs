@@ -170,12 +170,10 @@ pub fn config_text(backends: usize) -> String {
              protocol = \"{proto}\"\n{}[vip.health]\nkind = \"none\"\n",
             match *name {
                 "quic4" => "quic = true\n",
+                "tcp4o" => "[vip.outlier]\n",
                 _ => "",
             }
         );
-        if *name == "tcp4o" {
-            t += "[vip.outlier]\n";
-        }
         // The QUIC VIP's backends count against `MAX_BACKENDS` with the others': a few
         // suffice (its short headers name theirs, the table is not read).
         let count = if *name == "quic4" {
