@@ -12,10 +12,12 @@
 use core::ops::DerefMut;
 
 use crate::{
-    BACKEND_NONE, Embryo, FlowEntry, FlowKey, FlowTuple, PROTO_UDP, VipInfo, VipKey,
+    BACKEND_NONE, EMBRYO_F_SYN, Embryo, FlowEntry, FlowKey, FlowTuple, PROTO_UDP, VIP_F_STABLE,
+    VipInfo, VipKey,
     flow::{self, Lookup},
     handshake, maglev_slot,
     quic::{self, Header, ServerKey, Window},
+    slot::{self, Slot},
     stat, table_hash,
 };
 
@@ -173,6 +175,11 @@ pub enum Source {
     Embryo,
     /// The VIP's Maglev table.
     Table,
+    /// A stable slot of the VIP's Maglev table (`slot`): no entry is read or made.
+    StableSlot,
+    /// A changed slot's previous backend (`slot`): the flow has no entry and is not new,
+    /// so it began before the change moved its slot.
+    PreviousBackend,
     /// The server ID in a QUIC short header's destination connection ID.
     ConnectionId,
 }
@@ -204,8 +211,8 @@ pub trait Tables: Lookup {
     fn is_hot_source(&self, vip_id: u32, packet: &Packet) -> bool;
     /// Slots of each VIP table (`GLOBAL_MAGLEV_SIZE`).
     fn maglev_size(&self) -> u32;
-    /// The backend id in `slot` of `vip`'s live Maglev table (of `table_size` slots);
-    /// `BACKEND_NONE` for none.
+    /// The word in `slot` of `vip`'s live Maglev table (of `table_size` slots): a backend
+    /// id (`BACKEND_NONE` for none), or for a VIP with `VIP_F_STABLE` a `slot::word`.
     fn maglev(&self, vip: &VipInfo, table_size: u32, slot: u32) -> u32;
 
     /// Adds one to outcome counter `stat` (`LB_STATS`).
@@ -249,6 +256,11 @@ pub trait Tables: Lookup {
 /// goes where the first went and enters the flow into the connection table (a RST
 /// never creates an entry). An entry whose backend no longer serves it is re-written to
 /// the table's choice.
+///
+/// A VIP with `VIP_F_STABLE` reads its slot first for a TCP packet that is not a SYN: a
+/// stable slot sends it where the table says, with no entry read or made; a changed
+/// slot's flows take the path above, except that one with no entry that is not new goes
+/// to the slot's previous backend (`slot`).
 #[inline(always)]
 pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict> {
     // Most traffic of a host is not for a VIP: one array read and a key compare send it
@@ -273,9 +285,18 @@ pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict>
     {
         return Ok(choice);
     }
+    let slot = if vip.flags & VIP_F_STABLE != 0 && !packet.syn && !udp {
+        let slot = table_slot(tables, packet, &vip);
+        if slot.previous.is_none() {
+            return stable(tables, packet, &vip, key, slot.backend_id);
+        }
+        Some(slot)
+    } else {
+        None
+    };
     let mut entry = if packet.syn { None } else { tables.flow(key) };
     if packet.icmp_too_big {
-        return too_big(tables, packet, &vip, key, entry, now);
+        return too_big(tables, packet, &vip, (key, slot), entry, now);
     }
     let mut miss = if packet.syn {
         stat::CT_MISS_SYN
@@ -313,11 +334,16 @@ pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict>
     {
         return Ok(choice);
     }
+    let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
+    // A flow that began before its slot changed is no miss.
+    let previous = previous_backend(tables, &vip, slot, entry.is_none());
+    if previous.is_some() {
+        miss = stat::CT_PREVIOUS;
+    }
     tables.count(miss);
     if miss == stat::CT_MISS_NON_SYN {
         tables.capture(now);
     }
-    let new_flow = miss == stat::CT_MISS_SYN || miss == stat::CT_MISS_UDP;
 
     // An entry that gives way (reused, or its backend gone) to a connection whose SYN
     // came since: that connection goes where its SYN went.
@@ -328,7 +354,10 @@ pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict>
     };
     let (backend_id, by) = match reused_to {
         Some(backend_id) => (backend_id, Source::Embryo),
-        None => (table_choice(tables, packet, &vip)?, Source::Table),
+        None => match previous {
+            Some(backend_id) => (backend_id, Source::PreviousBackend),
+            None => (table_choice(tables, packet, &vip, slot)?, Source::Table),
+        },
     };
     let handshake = match entry {
         None => remember(
@@ -430,10 +459,11 @@ fn too_big<T: Tables>(
     tables: &T,
     packet: &Packet,
     vip: &VipInfo,
-    key: &FlowKey,
+    (key, slot): (&FlowKey, Option<Slot>),
     entry: Option<T::Entry>,
     now: u64,
 ) -> Result<Choice, Verdict> {
+    let no_entry = entry.is_none();
     let held = match entry {
         Some(entry) => flow::held(tables, &entry, packet.proto, vip.vip_id, now)
             .map(|backend_id| (backend_id, Source::Entry)),
@@ -445,10 +475,14 @@ fn too_big<T: Tables>(
                 .map(|backend_id| (backend_id, Source::Embryo))
         }
     };
+    let previous = || previous_backend(tables, vip, slot, no_entry);
     let (backend_id, by) = match held {
         Some(held) => held,
         None if packet.proto == PROTO_UDP => return Err(Verdict::pass(stat::PASS_OTHER_PROTO)),
-        None => (table_choice(tables, packet, vip)?, Source::Table),
+        None => match previous() {
+            Some(backend_id) => (backend_id, Source::PreviousBackend),
+            None => (table_choice(tables, packet, vip, slot)?, Source::Table),
+        },
     };
     tables.count(stat::SEEN_ICMP_TOO_BIG);
     Ok(choice(vip, backend_id, false, by))
@@ -555,22 +589,98 @@ fn may_insert<T: Tables>(tables: &T, now: u64) -> bool {
     false
 }
 
-/// The backend the VIP's Maglev table gives the packet's flow. A hot source of a src-ip
-/// VIP with hot sources is hashed per connection (`table_hash`).
+/// A TCP packet (not a SYN) in a stable slot (`slot`): to the slot's backend, with no
+/// entry read or made. A handshake's first ACK, which the embryonic table remembers, is
+/// still counted once as the flow's promotion (its handshake events, its source for the
+/// heavy hitters), as `promote` counts it where it makes an entry. A flow the embryonic
+/// table remembers on another backend goes there: its first packet came while the slot
+/// was changed, and the agent turned the slot stable before its second (the agent sees
+/// entries, not embryonic records).
 #[inline(always)]
-fn table_choice<T: Tables>(tables: &T, packet: &Packet, vip: &VipInfo) -> Result<u32, Verdict> {
-    match table_backend(tables, packet, vip) {
+fn stable<T: Tables>(
+    tables: &T,
+    packet: &Packet,
+    vip: &VipInfo,
+    key: &FlowKey,
+    backend_id: u32,
+) -> Result<Choice, Verdict> {
+    if packet.icmp_too_big && backend_id != BACKEND_NONE {
+        tables.count(stat::SEEN_ICMP_TOO_BIG);
+        return Ok(choice(vip, backend_id, false, Source::StableSlot));
+    }
+    let (index, tag) = flow::embryo_place(key);
+    let mut embryo = tables.embryo(index);
+    let remembered = embryo
+        .as_deref()
+        .and_then(|embryo| flow::remembered(tables, embryo, tag, vip.vip_id));
+    let (backend_id, by) = match remembered {
+        Some(remembered) if remembered != backend_id => (remembered, Source::Embryo),
+        _ if backend_id == BACKEND_NONE => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
+        _ => (backend_id, Source::StableSlot),
+    };
+    if packet.icmp_too_big {
+        tables.count(stat::SEEN_ICMP_TOO_BIG);
+        return Ok(choice(vip, backend_id, false, by));
+    }
+    tables.count(stat::CT_STABLE);
+    let mut handshake = 0;
+    if let Some(embryo) = embryo.as_deref_mut()
+        && embryo.tag == tag
+        && embryo.flags & EMBRYO_F_SYN != 0
+    {
+        tables.count(stat::CT_PROMOTED);
+        handshake = handshake::ack(packet.rst, embryo);
+        tables.new_source(vip.vip_id, packet);
+        // Counted: the flow's later packets do not count it again.
+        embryo.flags = 0;
+    }
+    Ok(Choice {
+        handshake,
+        ..choice(vip, backend_id, false, by)
+    })
+}
+
+/// A changed slot's previous backend (`slot`), for a flow with no entry (`no_entry`)
+/// that is not new: it began before the change moved its slot, so it stays where the
+/// slot sent it then, while that backend serves the VIP.
+#[inline(always)]
+fn previous_backend<T: Tables>(
+    tables: &T,
+    vip: &VipInfo,
+    slot: Option<Slot>,
+    no_entry: bool,
+) -> Option<u32> {
+    let previous = slot?.previous.filter(|_| no_entry)?;
+    let backend = tables.backend(previous)?;
+    flow::serves(backend, vip.vip_id).then_some(previous)
+}
+
+/// The backend the VIP's Maglev table gives the packet's flow (`slot`, when the caller
+/// read it already). A hot source of a src-ip VIP with hot sources is hashed per
+/// connection (`table_hash`).
+#[inline(always)]
+fn table_choice<T: Tables>(
+    tables: &T,
+    packet: &Packet,
+    vip: &VipInfo,
+    slot: Option<Slot>,
+) -> Result<u32, Verdict> {
+    let slot = match slot {
+        Some(slot) => slot,
+        None => table_slot(tables, packet, vip),
+    };
+    match slot.backend_id {
         BACKEND_NONE => Err(Verdict::drop(stat::DROP_NO_BACKEND)),
         id => Ok(id),
     }
 }
 
-/// `table_choice`'s lookup, `BACKEND_NONE` for none.
+/// The packet's slot of the VIP's Maglev table (`BACKEND_NONE` for none).
 #[inline(always)]
-fn table_backend<T: Tables>(tables: &T, packet: &Packet, vip: &VipInfo) -> u32 {
+fn table_slot<T: Tables>(tables: &T, packet: &Packet, vip: &VipInfo) -> Slot {
     let table_size = tables.maglev_size();
     let Some(tuple) = tables.flow_tuple(packet) else {
-        return BACKEND_NONE;
+        return Slot::stable(BACKEND_NONE);
     };
     let (hash, spread) = table_hash(tuple, vip.flags, || {
         tables.is_hot_source(vip.vip_id, packet)
@@ -578,7 +688,8 @@ fn table_backend<T: Tables>(tables: &T, packet: &Packet, vip: &VipInfo) -> u32 {
     if spread {
         tables.count(stat::HOT_SOURCE_SPREAD);
     }
-    tables.maglev(vip, table_size, maglev_slot(hash, table_size))
+    let word = tables.maglev(vip, table_size, maglev_slot(hash, table_size));
+    slot::read(word, vip.flags)
 }
 
 /// `Tables` in memory, for userspace: `lb explain` fills one with what the agent writes
@@ -1139,6 +1250,126 @@ mod tests {
             tables.decide(&udp),
             Err(Verdict::pass(stat::PASS_OTHER_PROTO))
         );
+    }
+
+    /// `tables` for a VIP with `VIP_F_STABLE`, every slot holding `slot`'s word.
+    fn stable_tables(slot: Slot) -> MemoryTables {
+        let mut tables = tables(0);
+        tables.vips.get_mut(&packet(0).vip_key()).unwrap().flags = VIP_F_STABLE;
+        tables.maglev.insert(VIP, vec![slot::word(slot); 7]);
+        tables
+    }
+
+    fn changed(backend_id: u32, previous: u32) -> Slot {
+        Slot {
+            backend_id,
+            previous: Some(previous),
+        }
+    }
+
+    #[test]
+    fn a_stable_slot_sends_tcp_where_the_table_says_and_makes_no_entry() {
+        let tables = stable_tables(Slot::stable(1));
+        let syn = tables.decide(&packet(SYN)).unwrap();
+        assert_eq!(
+            (syn.backend_id, syn.new_flow, syn.by),
+            (1, true, Source::Table)
+        );
+        assert_eq!(counted(&tables), ["ct_miss_syn", "ct_embryonic"]);
+        // The first ACK: counted once as the handshake's completion, no entry.
+        let ack = tables.decide(&packet(ACK)).unwrap();
+        assert_eq!((ack.backend_id, ack.by), (1, Source::StableSlot));
+        assert_eq!(ack.handshake, handshake::event(handshake::COMPLETED));
+        let source = SourceKey::new(VIP, v4(1), ADDR_FAMILY_V4);
+        assert_eq!(tables.sources().get(&source), Some(&1));
+        assert_eq!(counted(&tables), ["ct_promoted", "ct_stable"]);
+        assert_eq!(tables.flow(&packet(ACK).flow_key()), None, "no entry");
+        assert!(tables.exported().is_empty());
+        let next = tables.decide(&packet(ACK)).unwrap();
+        assert_eq!((next.backend_id, next.handshake), (1, 0));
+        assert_eq!(counted(&tables), ["ct_stable"]);
+        // A stale entry naming another backend is not read.
+        tables.set_flow(
+            &packet(ACK).flow_key(),
+            Some(flow::entry_for(0, false, NOW)),
+        );
+        assert_eq!(tables.decide(&packet(ACK)).unwrap().backend_id, 1);
+        // An ICMP too big goes where the table says.
+        let error = Packet {
+            icmp_too_big: true,
+            ..packet(ACK)
+        };
+        assert_eq!(tables.decide(&error).unwrap().backend_id, 1);
+        // A flow whose first packet came while the slot was changed, and went to the
+        // slot's previous backend: it stays there when the slot turns stable.
+        let mut changed_then = stable_tables(changed(1, 0));
+        let late = Packet {
+            src_port_be: 40003u16.to_be(),
+            ..packet(ACK)
+        };
+        assert_eq!(changed_then.decide(&late).unwrap().backend_id, 0);
+        let stable_word = slot::word(Slot::stable(1));
+        changed_then.maglev.insert(VIP, vec![stable_word; 7]);
+        let after = changed_then.decide(&late).unwrap();
+        assert_eq!((after.backend_id, after.by), (0, Source::Embryo));
+        // No backend: dropped.
+        let empty = stable_tables(Slot::stable(BACKEND_NONE));
+        assert_eq!(
+            empty.decide(&packet(ACK)),
+            Err(Verdict::drop(stat::DROP_NO_BACKEND))
+        );
+    }
+
+    #[test]
+    fn an_entryless_flow_in_a_changed_slot_stays_on_the_previous_backend() {
+        // The slot moved from backend 0 to 1: a flow that began before (no entry, no
+        // embryonic record) stays on 0, pinned by an entry at its second packet.
+        let tables = stable_tables(changed(1, 0));
+        let first = tables.decide(&packet(ACK)).unwrap();
+        assert_eq!((first.backend_id, first.by), (0, Source::PreviousBackend));
+        assert_eq!(counted(&tables), ["ct_embryonic", "ct_previous"]);
+        assert_eq!(
+            tables.flow(&packet(ACK).flow_key()),
+            None,
+            "one packet pins nothing"
+        );
+        let second = tables.decide(&packet(ACK)).unwrap();
+        assert_eq!((second.backend_id, second.by), (0, Source::Embryo));
+        assert_eq!(counted(&tables), ["ct_created", "ct_promoted"]);
+        let third = tables.decide(&packet(ACK)).unwrap();
+        assert_eq!((third.backend_id, third.by), (0, Source::Entry));
+        // A new connection takes the table's backend, and its entry holds it.
+        let new = Packet {
+            src_port_be: 40001u16.to_be(),
+            ..packet(SYN)
+        };
+        assert_eq!(tables.decide(&new).unwrap().backend_id, 1);
+        let ack = Packet { syn: false, ..new };
+        let promoted = tables.decide(&ack).unwrap();
+        assert_eq!((promoted.backend_id, promoted.by), (1, Source::Embryo));
+        assert_eq!(tables.flow(&ack.flow_key()).map(|e| e.backend_id), Some(1));
+        // A previous backend that no longer serves the VIP: the table's.
+        let failed = stable_tables(changed(1, 2));
+        assert_eq!(failed.decide(&packet(ACK)).unwrap().backend_id, 1);
+        // An ICMP too big about an entry-less flow: where its packets go.
+        let error = Packet {
+            icmp_too_big: true,
+            src_port_be: 40002u16.to_be(),
+            ..packet(ACK)
+        };
+        let too_big = tables.decide(&error).unwrap();
+        assert_eq!(
+            (too_big.backend_id, too_big.by),
+            (0, Source::PreviousBackend)
+        );
+    }
+
+    #[test]
+    fn other_vips_read_their_slots_as_plain_ids() {
+        // A word with a previous backend means a large id to a VIP without the flag: the
+        // flag, not the word, decides how a slot is read.
+        let tables = tables(slot::word(changed(1, 0)));
+        assert_eq!(tables.decide(&packet(SYN)).unwrap().backend_id, 1 << 16 | 1);
     }
 
     #[test]

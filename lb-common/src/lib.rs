@@ -17,6 +17,7 @@ pub mod flow;
 pub mod handshake;
 mod hash;
 pub mod quic;
+pub mod slot;
 pub use hash::{FlowTuple, finish as fmix32, flow_hash, stable_hash64, table_hash};
 
 use bytemuck::{Pod, Zeroable};
@@ -85,7 +86,7 @@ pub const MAP_NEXT: &str = "LB_NEXT";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 9;
+pub const LAYOUT_VERSION: u64 = 10;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -167,6 +168,10 @@ pub const VIP_F_HOT_SOURCES: u32 = 2;
 /// slot is written unread: the read is a cache miss a spoofed SYN would pay for nothing.
 /// (Bit 4 is `quic::VIP_F_QUIC`, bits 8-11 its server ID length.)
 pub const VIP_F_OUTLIER: u32 = 8;
+/// `VipInfo::flags`: the VIP has `stable_slots`: its slots carry `slot::word`s, and a TCP
+/// packet that is not a SYN in a slot no recent table change touched goes where the slot
+/// says, with no connection-table lookup and no entry (`slot`).
+pub const VIP_F_STABLE: u32 = 1 << 12;
 
 /// Value of `LB_VIPS`.
 #[repr(C)]
@@ -644,7 +649,15 @@ pub mod stat {
     /// Dropped: the interface that reaches the backend (`dataplane.interfaces`) is gone,
     /// or its redirect target is not set (XDP_REDIRECT refused).
     pub const DROP_NO_EGRESS: u32 = 39;
-    pub const COUNT: u32 = 40;
+    /// A TCP packet (not a SYN) of a `stable_slots` VIP sent where its stable slot says,
+    /// with no connection-table lookup (`slot`).
+    pub const CT_STABLE: u32 = 40;
+    /// A TCP packet (not a SYN) with no entry in a changed slot of a `stable_slots` VIP:
+    /// a flow that began before a table change moved its slot, sent to the slot's
+    /// previous backend (and pinned there by an entry at its next packet), not counted
+    /// as `ct_miss_non_syn`.
+    pub const CT_PREVIOUS: u32 = 41;
+    pub const COUNT: u32 = 42;
 
     /// Names for status and metrics, indexed like the constants above.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -688,6 +701,8 @@ pub mod stat {
         "quic_routed_by_cid",
         "quic_cid_unknown",
         "drop_no_egress",
+        "ct_stable",
+        "ct_previous",
     ];
 
     /// What a counter counts. Readers group counters by it (every drop, every pass),
@@ -741,9 +756,12 @@ pub mod stat {
             | DROP_NO_EGRESS => Kind::Drop,
             TX_IPIP..=TX_ICMP_TOO_BIG => Kind::Tx,
             SEEN_IPV4_OPTIONS | SEEN_VLAN | SEEN_ICMP_TOO_BIG => Kind::Seen,
-            CT_MISS_SYN..=CT_INSERT_SKIPPED | CT_EMBRYONIC | CT_PROMOTED | CT_REUSED => {
-                Kind::Conntrack
-            }
+            CT_MISS_SYN..=CT_INSERT_SKIPPED
+            | CT_EMBRYONIC
+            | CT_PROMOTED
+            | CT_REUSED
+            | CT_STABLE
+            | CT_PREVIOUS => Kind::Conntrack,
             CLUSTER_EXPORTED | CLUSTER_EXPORT_DROPPED => Kind::Cluster,
             QUIC_ROUTED_BY_CID | QUIC_CID_UNKNOWN => Kind::Quic,
             _ => Kind::Other,

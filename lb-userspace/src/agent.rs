@@ -35,7 +35,7 @@ use crate::{
     statefile,
     status::Start,
     tables::TableWriter,
-    writer::Writer,
+    writer::{Stabilizer, WriteFailed, Writer},
 };
 
 /// How often the neighbour table is re-read for backend MAC changes.
@@ -44,6 +44,11 @@ const NEIGHBOR_REFRESH: Duration = Duration::from_secs(1);
 const LOAD_REFRESH: Duration = Duration::from_millis(250);
 /// How often live flows are counted per backend (status, draining, least-flows).
 const FLOW_SCAN: Duration = Duration::from_secs(2);
+/// `stable_slots`: the writer is asked whether a changed slot may turn stable every
+/// quarter of the bound they wait (a slot waits at most a quarter longer than it must),
+/// within these.
+const STABILIZE_CHECK: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(250)..=Duration::from_secs(5);
 /// How long start-up waits for missing backend MACs before serving without them.
 const FIRST_RESOLVE_WAIT: Duration = Duration::from_secs(3);
 
@@ -620,6 +625,16 @@ async fn serve(
     flow_scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut scans = ScanPacer::default();
     let mut outliers = tokio::time::interval(crate::health::outlier::SAMPLE);
+    // Its own task: a scan for it waits neither for this loop nor this loop for it.
+    let stop_stabilizing = CancellationToken::new();
+    let (stabilizer, bound) = state.lock().expect("agent state poisoned").stabilizer();
+    tokio::spawn(stabilize_slots(
+        stabilizer,
+        flow_reader.clone(),
+        bound,
+        stop_stabilizing.clone(),
+    ));
+    let _stop_stabilizing = stop_stabilizing.drop_guard();
     loop {
         tokio::select! {
             _ = sigterm.recv() => return Ok(()),
@@ -824,6 +839,76 @@ async fn scan_and_sample(
     if let Some(save) = save {
         save.write();
     }
+}
+
+/// `stable_slots`: turns changed slots stable once they waited `bound`
+/// (`dataplane.flow_idle_timeout`) and no live entry holds them, until `stop` or the
+/// writer stops. Never under the agent's lock: the writer answers on its own thread.
+async fn stabilize_slots(
+    stabilizer: Stabilizer,
+    reader: Arc<FlowReader>,
+    bound: Duration,
+    stop: CancellationToken,
+) {
+    let (min, max) = STABILIZE_CHECK.into_inner();
+    let mut tick = tokio::time::interval((bound / 4).clamp(min, max));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if !stabilize_once(&stabilizer, &reader, bound).await {
+            return;
+        }
+    }
+}
+
+/// One look: the writer says whether a changed slot waited long enough (cheap, no map
+/// read); only then is the connection table read, off the writer's thread and the
+/// async workers, and handed to the writer. False once the writer stopped.
+async fn stabilize_once(
+    stabilizer: &Stabilizer,
+    reader: &Arc<FlowReader>,
+    bound: Duration,
+) -> bool {
+    let asked = stabilizer.clone();
+    match tokio::task::spawn_blocking(move || asked.due(Instant::now(), bound)).await {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false)) => return true,
+        // The writer stopped: the agent is stopping.
+        Ok(Err(_)) => return false,
+        Err(error) => {
+            tracing::warn!("stable slots: {error}");
+            return true;
+        }
+    }
+    let (stabilizer, reader) = (stabilizer.clone(), reader.clone());
+    let turned = tokio::task::spawn_blocking(move || {
+        // Taken before the read: an entry is judged live against when the scan began.
+        let scanned = (Instant::now(), monotonic_ns());
+        reader
+            .flows()
+            .map(|flows| stabilizer.stabilize(flows, scanned, bound))
+    })
+    .await;
+    match turned {
+        Ok(Ok(Ok(turned))) => {
+            for (vip, slots) in turned {
+                let address = lb_common::addr::from_map(&vip.addr, vip.family);
+                let vip = std::net::SocketAddr::new(address, u16::from_be(vip.port));
+                tracing::info!("stable slots: {slots} changed slot(s) of VIP {vip} turned stable");
+            }
+        }
+        Ok(Ok(Err(WriteFailed::Stopped))) => return false,
+        Ok(Ok(Err(error))) => tracing::warn!("stable slots: {error}"),
+        Ok(Err(error)) => tracing::warn!(
+            "stable slots: reading the connection table: {:#}",
+            anyhow::Error::from(error)
+        ),
+        Err(error) => tracing::warn!("stable slots: {error}"),
+    }
+    true
 }
 
 /// Makes sure `pin_dir` lies on a bpf filesystem: mounts one at /sys/fs/bpf when the

@@ -38,7 +38,7 @@ use crate::{
         AgentStatus, BackendStatus, DataplaneStatus, HotSource, InterfaceStatus, NextProgramStatus,
         Start, Status, VipStatus,
     },
-    tables::Desired,
+    tables::{ChangedSlots, Desired},
     telemetry::{Telemetry, source_address},
     writer::{Requested, Written},
 };
@@ -77,6 +77,8 @@ pub struct StatusSource {
     /// Explain's lookups of the connection, embryonic and hot-source tables (read side).
     pub(crate) lookups: Arc<FlowLookups>,
     pub(crate) counters: Arc<CounterReader>,
+    /// The changed slots of `stable_slots` VIPs, as the table writer last wrote them.
+    pub(crate) changed_slots: Arc<ChangedSlots>,
     pub(crate) telemetry: Telemetry,
     pub(crate) interface: Interface,
     pub(crate) interface_gone: Option<Instant>,
@@ -387,6 +389,12 @@ impl StatusSource {
             quic: vip.config.quic,
             quic_routed_by_cid: quic.routed_by_cid,
             quic_cid_unknown: quic.cid_unknown,
+            stable_slots: vip.config.stable_slots,
+            changed_slots: if vip.config.stable_slots {
+                self.changed_slots.of(vip.id)
+            } else {
+                0
+            },
             backends,
         }
     }

@@ -875,6 +875,16 @@ impl State {
         changed
     }
 
+    /// `stable_slots`: the writer's handle for turning changed slots stable, and the bound
+    /// they wait (`dataplane.flow_idle_timeout`, fixed at start), for the agent's task
+    /// that does it outside this lock.
+    pub fn stabilizer(&self) -> (crate::writer::Stabilizer, std::time::Duration) {
+        (
+            self.tables.stabilizer(),
+            self.config.dataplane.flow_idle_timeout,
+        )
+    }
+
     /// What a counter sample reads, to read outside this lock: the counters' read side
     /// and the backends to read.
     pub fn counters_to_sample(&self) -> (Arc<crate::dataplane::CounterReader>, Vec<u32>) {
@@ -975,6 +985,7 @@ impl State {
             requested: self.requested,
             lookups: self.tables.lookups(),
             counters: self.tables.counters(),
+            changed_slots: self.tables.changed_slots(),
             telemetry: self.telemetry.clone(),
             interface: self.interface.clone(),
             interface_gone: self.interface_gone,
@@ -2229,6 +2240,22 @@ mod tests {
     }
 
     #[test]
+    fn status_counts_the_slots_a_change_moved_on_a_vip_with_stable_slots() {
+        let mut file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        file.vips[0].stable_slots = true;
+        let mut shared = shared(file);
+        let vip = &shared.status().unwrap().vips[0];
+        assert!(vip.stable_slots);
+        assert_eq!(vip.changed_slots, 0, "a fresh table is all stable");
+        let moved = vip.backends[0].slots;
+        shared
+            .set_admin_state(&web(), "10.0.0.11".parse().unwrap(), AdminState::Drain)
+            .unwrap();
+        // The drained backend's slots moved; each names it until a scan.
+        assert_eq!(shared.status().unwrap().vips[0].changed_slots, moved);
+    }
+
+    #[test]
     fn hot_sources_are_written_to_the_data_path_and_shown() {
         let mut file = config("eth0", &["10.0.0.11", "10.0.0.12"]);
         file.vips[0].hash = crate::config::HashMode::SrcIp;
@@ -2787,7 +2814,7 @@ mod ownership_tests {
         tables::{ApplyReport, Desired},
         writer::TableWrites,
     };
-    use lb_common::{FlowEntry, FlowKey};
+    use lb_common::{FlowEntry, FlowKey, VipKey};
     use std::time::Duration;
     use test_support::{config, shared, shared_over};
 
@@ -2820,6 +2847,19 @@ mod ownership_tests {
             _next: Option<&NextProgram>,
         ) -> Result<Option<u32>, crate::dataplane::DataplaneError> {
             Ok(None)
+        }
+
+        fn stabilize_due(&self, _at: Instant, _bound: Duration) -> bool {
+            false
+        }
+
+        fn stabilize(
+            &mut self,
+            _flows: &[(FlowKey, FlowEntry)],
+            _scanned: (Instant, u64),
+            _bound: Duration,
+        ) -> Result<Vec<(VipKey, usize)>, crate::dataplane::DataplaneError> {
+            Ok(Vec::new())
         }
     }
 

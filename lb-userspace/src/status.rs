@@ -299,6 +299,14 @@ pub struct VipStatus {
     /// or down): balanced as UDP.
     #[serde(default)]
     pub quic_cid_unknown: u64,
+    /// `stable_slots = true`: TCP flows in slots no recent table change moved make no
+    /// connection-table entries.
+    #[serde(default)]
+    pub stable_slots: bool,
+    /// With `stable_slots`: the slots a table change moved, whose flows still make
+    /// entries until a scan finds they may turn stable (0 without `stable_slots`).
+    #[serde(default)]
+    pub changed_slots: usize,
     pub backends: Vec<BackendStatus>,
 }
 
@@ -644,6 +652,14 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
             vip.quic_routed_by_cid, vip.quic_cid_unknown
         );
     }
+    if vip.stable_slots {
+        let _ = writeln!(
+            out,
+            "  stable slots: {} changed slots (their flows make entries until a scan turns \
+             them stable)",
+            vip.changed_slots
+        );
+    }
     let _ = writeln!(
         out,
         "  {:<40} {:>6} {:<9} {:<8} {:<17} {:>6} {:>7} {:>10} {:>12} {:>9}  last check",
@@ -860,6 +876,8 @@ pub mod tests {
                 quic: false,
                 quic_routed_by_cid: 0,
                 quic_cid_unknown: 0,
+                stable_slots: false,
+                changed_slots: 0,
                 backends: vec![backend("10.0.0.11"), backend("10.0.0.12")],
             }],
             counters: BTreeMap::new(),
@@ -894,6 +912,22 @@ pub mod tests {
             serde_json::Value::Null
         );
         assert_eq!(json["vips"][0]["backends"][1]["server_id"], 8);
+    }
+
+    #[test]
+    fn a_vip_with_stable_slots_shows_its_changed_slots() {
+        let mut status = sample();
+        let text = render(&status);
+        assert!(!text.contains("stable slots"), "{text}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["vips"][0]["stable_slots"], false);
+        assert_eq!(json["vips"][0]["changed_slots"], 0);
+        (status.vips[0].stable_slots, status.vips[0].changed_slots) = (true, 12);
+        let text = render(&status);
+        assert!(text.contains("  stable slots: 12 changed slots"), "{text}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["vips"][0]["stable_slots"], true);
+        assert_eq!(json["vips"][0]["changed_slots"], 12);
     }
 
     #[test]

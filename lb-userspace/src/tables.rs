@@ -8,13 +8,24 @@
 //! Between the two sits the Maglev build: `TableInputs` is what the model says (cheap to
 //! take under the agent's lock), `TableBuilder` builds the tables from it outside the
 //! lock, rebuilding only VIPs whose inputs changed.
+//!
+//! A VIP with `stable_slots` (`VIP_F_STABLE`) gets slot words (`lb_common::slot`), not
+//! plain ids: the writer remembers which slots a table change moved (`StableSlots`) and
+//! writes each as changed, naming the backend it had, until `stabilize` finds that no
+//! live flow needs it to be and turns it stable in place.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use lb_common::{
-    BackendIdentity, BackendInfo, SourceKey, TABLE_GENERATIONS, TunnelConfig, VipInfo, VipKey,
+    BACKEND_NONE, BackendIdentity, BackendInfo, FlowEntry, FlowKey, SourceKey, TABLE_GENERATIONS,
+    TunnelConfig, VIP_F_STABLE, VipInfo, VipKey,
     maglev::{MaglevBackend, build_table},
+    maglev_slot,
     quic::ServerKey,
+    slot::{self, Slot},
+    table_hash,
 };
 
 use crate::dataplane::{Adopted, Dataplane, DataplaneError};
@@ -145,12 +156,131 @@ struct VipTables {
     switched_at: Option<std::time::Instant>,
 }
 
+/// A slot a table change moved, until `stabilize` turns it stable again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Mark {
+    /// The backend of the slot's last stable era: where its flows without an entry go.
+    previous: u32,
+    /// When a change last moved the slot: it may turn stable a bound after.
+    since: Instant,
+}
+
+/// A `stable_slots` VIP's slots as this writer wrote them last: the table (backend ids)
+/// and which slots a change moved.
+#[derive(Clone, Debug)]
+struct StableSlots {
+    plain: Vec<u32>,
+    marks: Vec<Option<Mark>>,
+}
+
+impl StableSlots {
+    /// A VIP with no live table: no flow of it has an entry, every slot is stable.
+    fn fresh(table: &[u32]) -> Self {
+        Self {
+            plain: table.to_vec(),
+            marks: vec![None; table.len()],
+        }
+    }
+
+    /// A VIP that turns stable over a live table (adopted from an older agent, or written
+    /// without the flag): every flow in it may hold an entry that the stable path would
+    /// not read, so every slot starts changed, naming its backend (or the previous
+    /// backend an adopted word names already). A slot with no backend has none to name.
+    fn over_live(live: &[Slot], now: Instant) -> Self {
+        Self {
+            plain: live.iter().map(|slot| slot.backend_id).collect(),
+            marks: live
+                .iter()
+                .map(|slot| {
+                    let previous = slot.previous.unwrap_or(slot.backend_id);
+                    (previous != BACKEND_NONE).then_some(Mark {
+                        previous,
+                        since: now,
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// Follows a new table: a moved stable slot turns changed, naming the backend it had
+    /// (one that had none stays stable: no flow of it has a backend to keep); a moved
+    /// changed slot keeps the backend it names and waits its bound again.
+    fn follow(&mut self, table: &[u32], now: Instant) {
+        for (slot, &id) in table.iter().enumerate() {
+            let old = self.plain[slot];
+            if id == old {
+                continue;
+            }
+            match &mut self.marks[slot] {
+                Some(mark) => mark.since = now,
+                None if old != BACKEND_NONE => {
+                    self.marks[slot] = Some(Mark {
+                        previous: old,
+                        since: now,
+                    })
+                }
+                None => {}
+            }
+            self.plain[slot] = id;
+        }
+    }
+
+    /// What slot `slot` holds in `LB_MAGLEV`.
+    fn word(&self, slot: usize) -> u32 {
+        slot::word(Slot {
+            backend_id: self.plain[slot],
+            previous: self.marks[slot].map(|mark| mark.previous),
+        })
+    }
+
+    fn words(&self) -> Vec<u32> {
+        (0..self.plain.len()).map(|slot| self.word(slot)).collect()
+    }
+
+    fn changed(&self) -> usize {
+        self.marks.iter().flatten().count()
+    }
+
+    /// The changed slots no table change moved for `bound` before `at`.
+    fn due(&self, at: Instant, bound: Duration) -> impl Iterator<Item = usize> + '_ {
+        self.marks
+            .iter()
+            .enumerate()
+            .filter_map(move |(slot, mark)| mark.filter(|m| m.since + bound <= at).map(|_| slot))
+    }
+}
+
+/// How many slots of each `stable_slots` VIP are changed (by vip id), as the table
+/// writer last wrote them: status reads it without waiting for the writer.
+#[derive(Debug, Default)]
+pub struct ChangedSlots(Mutex<HashMap<u32, usize>>);
+
+impl ChangedSlots {
+    /// The changed slots of VIP `vip_id` (0 for a VIP without `stable_slots`).
+    pub fn of(&self, vip_id: u32) -> usize {
+        self.0
+            .lock()
+            .expect("changed slots poisoned")
+            .get(&vip_id)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn set(&self, counts: HashMap<u32, usize>) {
+        *self.0.lock().expect("changed slots poisoned") = counts;
+    }
+}
+
 /// Remembers what was written, so the next `apply` writes only differences.
 #[derive(Debug)]
 pub struct TableWriter {
     table_size: u32,
     /// By vip id: kept after a VIP is removed, so a reused id knows its slots' contents.
     tables: HashMap<u32, VipTables>,
+    /// By vip id: the slots of the VIPs with `VIP_F_STABLE`.
+    stable: HashMap<u32, StableSlots>,
+    /// Their changed slots, for status.
+    changed: Arc<ChangedSlots>,
     vips: HashMap<VipKey, VipInfo>,
     backends: HashMap<u32, DesiredBackend>,
     /// What `LB_TUNNEL` was last written with; None: not yet by this agent.
@@ -167,6 +297,8 @@ impl TableWriter {
         Self {
             table_size,
             tables: HashMap::new(),
+            stable: HashMap::new(),
+            changed: Arc::default(),
             vips: HashMap::new(),
             backends: HashMap::new(),
             tunnel: None,
@@ -199,10 +331,39 @@ impl TableWriter {
         }
     }
 
+    /// How many slots of each `stable_slots` VIP are changed, kept up to date by every
+    /// `apply` and `stabilize`.
+    pub fn changed_slots(&self) -> Arc<ChangedSlots> {
+        self.changed.clone()
+    }
+
+    /// Makes the data path hold `desired`, now.
     pub fn apply<D: Dataplane + ?Sized>(
         &mut self,
         dataplane: &mut D,
         desired: &Desired,
+    ) -> Result<ApplyReport, DataplaneError> {
+        self.apply_at(dataplane, desired, Instant::now())
+    }
+
+    /// `apply`, with `now` the time a slot moved by this table is marked with.
+    pub fn apply_at<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        desired: &Desired,
+        now: Instant,
+    ) -> Result<ApplyReport, DataplaneError> {
+        let applied = self.write_all(dataplane, desired, now);
+        // Marks change before the writes that may fail: status follows them either way.
+        self.publish_changed();
+        applied
+    }
+
+    fn write_all<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        desired: &Desired,
+        now: Instant,
     ) -> Result<ApplyReport, DataplaneError> {
         let mut report = ApplyReport::default();
 
@@ -214,7 +375,7 @@ impl TableWriter {
         }
         // Backends before the tables that name them.
         self.write_backends(dataplane, desired, &mut report)?;
-        self.write_vips(dataplane, desired, &mut report)?;
+        self.write_vips(dataplane, desired, now, &mut report)?;
         self.remove_gone_vips(dataplane, desired, &mut report)?;
         self.write_hot_sources(dataplane, &desired.hot_sources)?;
         self.write_quic_ids(dataplane, &desired.quic_ids)?;
@@ -267,6 +428,7 @@ impl TableWriter {
         &mut self,
         dataplane: &mut D,
         desired: &Desired,
+        now: Instant,
         report: &mut ApplyReport,
     ) -> Result<(), DataplaneError> {
         for vip in &desired.vips {
@@ -275,44 +437,15 @@ impl TableWriter {
                 self.table_size as usize,
                 "table of the wrong size"
             );
+            let words = self.words_of(vip, now);
             let tables = self.tables.entry(vip.vip_id).or_default();
-            let unchanged = tables
-                .active
-                .and_then(|g| tables.contents[g as usize].as_ref())
-                .is_some_and(|active| *active == vip.table);
-            let generation = match (unchanged, tables.active) {
-                (true, Some(active)) => active,
-                (_, active) => {
-                    let target = active.map_or(0, |g| (g + 1) % TABLE_GENERATIONS);
-                    let base = VipInfo::table_base_for(vip.vip_id, target, self.table_size);
-                    let previous = tables.contents[target as usize].as_deref();
-                    let changes: Vec<(u32, u32)> = vip
-                        .table
-                        .iter()
-                        .enumerate()
-                        .filter(|(slot, id)| previous.is_none_or(|p| p[*slot] != **id))
-                        .map(|(slot, &id)| (base + slot as u32, id))
-                        .collect();
-                    // Unknown until the write completes: a failed write must not leave
-                    // later diffs trusting slots it may not have reached.
-                    tables.contents[target as usize] = None;
-                    // A packet that read the VIP's entry just before the last switch may
-                    // still be reading this generation: let it finish (XDP runs in
-                    // microseconds) before overwriting it.
-                    if let Some(switched) = tables.switched_at {
-                        let grace = std::time::Duration::from_millis(1);
-                        if let Some(rest) = grace.checked_sub(switched.elapsed()) {
-                            std::thread::sleep(rest);
-                        }
-                    }
-                    dataplane.write_slots(&changes)?;
-                    tables.switched_at = Some(std::time::Instant::now());
-                    report.slots_written += changes.len();
-                    report.tables_switched += 1;
-                    tables.contents[target as usize] = Some(vip.table.clone());
-                    target
-                }
-            };
+            let generation = write_table(
+                dataplane,
+                tables,
+                (vip.vip_id, self.table_size),
+                words,
+                report,
+            )?;
             let info = VipInfo {
                 vip_id: vip.vip_id,
                 generation,
@@ -322,6 +455,8 @@ impl TableWriter {
             if !self.vips.values().any(|v| v.vip_id == vip.vip_id) {
                 dataplane.reset_vip_counters(vip.vip_id)?;
             }
+            // After the words of the new generation: a packet reads the new flags only
+            // with the words written for them.
             if self.vips.get(&vip.key) != Some(&info) {
                 dataplane.set_vip(&vip.key, &info)?;
                 self.vips.insert(vip.key, info);
@@ -330,6 +465,174 @@ impl TableWriter {
         }
 
         Ok(())
+    }
+
+    /// What `vip`'s slots should hold: its table's backend ids, or for a VIP with
+    /// `VIP_F_STABLE` its slot words, following the moves since the last table.
+    fn words_of(&mut self, vip: &DesiredVip, now: Instant) -> Vec<u32> {
+        if vip.flags & VIP_F_STABLE == 0 {
+            self.stable.remove(&vip.vip_id);
+            return vip.table.clone();
+        }
+        if !self.stable.contains_key(&vip.vip_id) {
+            let start = match self.live_slots(vip.vip_id, &vip.table) {
+                Some(live) => StableSlots::over_live(&live, now),
+                None => StableSlots::fresh(&vip.table),
+            };
+            self.stable.insert(vip.vip_id, start);
+        }
+        let slots = self.stable.get_mut(&vip.vip_id).expect("inserted above");
+        slots.follow(&vip.table, now);
+        slots.words()
+    }
+
+    /// What the slots of the table VIP `vip_id` points at say, read with the flags it was
+    /// written for; None for a VIP without a live table. Where its contents are not known
+    /// (a write that failed), each slot is taken as holding `table`'s backend.
+    fn live_slots(&self, vip_id: u32, table: &[u32]) -> Option<Vec<Slot>> {
+        let active = self.tables.get(&vip_id)?.active?;
+        let flags = self
+            .vips
+            .values()
+            .find(|info| info.vip_id == vip_id)
+            .map_or(0, |info| info.flags);
+        let words = self.tables[&vip_id].contents[active as usize].as_ref();
+        Some(match words {
+            Some(words) => words.iter().map(|&word| slot::read(word, flags)).collect(),
+            None => table.iter().map(|&id| Slot::stable(id)).collect(),
+        })
+    }
+
+    /// Whether a changed slot has waited `bound` by `at`: a scan of the connection table
+    /// for `stabilize` would be worth making.
+    pub fn stabilize_due(&self, at: Instant, bound: Duration) -> bool {
+        self.stable
+            .values()
+            .any(|slots| slots.due(at, bound).next().is_some())
+    }
+
+    /// Turns stable each changed slot that no table change moved for `bound` before
+    /// `scanned` and where no live entry of `flows` names another backend than the
+    /// slot's: one word written in place in the live table. `flows` is the connection
+    /// table as read from `scanned` on (`scanned_ns` on the data path's clock); an entry
+    /// is live if seen within `bound` of that. Returns how many slots of which VIP turned
+    /// stable.
+    ///
+    /// An entry the scan cannot have seen was made after `scanned`, in a slot no change
+    /// had moved for `bound` by then: by a new flow (it names the table's backend), or by
+    /// one that came back to the previous backend after idling across the move, the
+    /// flows `stable_slots` may move.
+    pub fn stabilize<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        flows: &[(FlowKey, FlowEntry)],
+        scanned: (Instant, u64),
+        bound: Duration,
+    ) -> Result<Vec<(VipKey, usize)>, DataplaneError> {
+        let turned = self.stabilize_slots(dataplane, flows, scanned, bound);
+        self.publish_changed();
+        turned
+    }
+
+    fn stabilize_slots<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        flows: &[(FlowKey, FlowEntry)],
+        (scanned, scanned_ns): (Instant, u64),
+        bound: Duration,
+    ) -> Result<Vec<(VipKey, usize)>, DataplaneError> {
+        let mut due: HashMap<VipKey, (u32, HashSet<usize>)> = self
+            .stable
+            .iter()
+            .filter_map(|(&vip_id, slots)| {
+                let key = self.live_stable_key(vip_id)?;
+                let due: HashSet<usize> = slots.due(scanned, bound).collect();
+                (!due.is_empty()).then_some((key, (vip_id, due)))
+            })
+            .collect();
+        let bound_ns = bound.as_nanos() as u64;
+        for (key, entry) in flows {
+            let vip = VipKey {
+                addr: key.dst,
+                port: key.dst_port,
+                proto: key.proto,
+                family: key.family,
+            };
+            let Some((vip_id, slots)) = due.get_mut(&vip) else {
+                continue;
+            };
+            if scanned_ns.saturating_sub(entry.last_seen_ns) >= bound_ns {
+                continue;
+            }
+            // The slot the program hashes the flow to (no hot sources: `stable_slots`
+            // refuses them).
+            let (hash, _) = table_hash(&key.tuple(), self.vips[&vip].flags, || false);
+            let slot = maglev_slot(hash, self.table_size) as usize;
+            if entry.backend_id != self.stable[vip_id].plain[slot] {
+                slots.remove(&slot);
+            }
+        }
+        let mut turned = Vec::new();
+        for (key, (vip_id, slots)) in due {
+            if !slots.is_empty() {
+                self.turn_stable(dataplane, vip_id, &slots)?;
+                turned.push((key, slots.len()));
+            }
+        }
+        Ok(turned)
+    }
+
+    /// The key of stable VIP `vip_id` if the table it points at holds the words its marks
+    /// describe (not so after a failed write: the next `apply` writes them first).
+    fn live_stable_key(&self, vip_id: u32) -> Option<VipKey> {
+        let active = self.tables.get(&vip_id)?.active?;
+        let (key, info) = self.vips.iter().find(|(_, v)| v.vip_id == vip_id)?;
+        let words = self.tables[&vip_id].contents[active as usize].as_ref()?;
+        let holds = info.generation == active
+            && info.flags & VIP_F_STABLE != 0
+            && *words == self.stable.get(&vip_id)?.words();
+        holds.then_some(*key)
+    }
+
+    /// Turns `slots` of stable VIP `vip_id` stable: their words in the live table, in
+    /// place (a packet reads the old word or the new one), and the record of it.
+    fn turn_stable<D: Dataplane + ?Sized>(
+        &mut self,
+        dataplane: &mut D,
+        vip_id: u32,
+        slots: &HashSet<usize>,
+    ) -> Result<(), DataplaneError> {
+        let tables = self.tables.get_mut(&vip_id).expect("a live stable VIP");
+        let active = tables.active.expect("a live stable VIP");
+        let base = VipInfo::table_base_for(vip_id, active, self.table_size);
+        let stable = self.stable.get_mut(&vip_id).expect("a stable VIP");
+        let changes: Vec<(u32, u32)> = slots
+            .iter()
+            .map(|&slot| {
+                stable.marks[slot] = None;
+                (base + slot as u32, stable.word(slot))
+            })
+            .collect();
+        // Unknown until written (`live_stable_key` then skips the VIP until an apply).
+        let mut words = tables.contents[active as usize].take();
+        dataplane.write_slots(&changes)?;
+        if let Some(words) = &mut words {
+            for &(at, word) in &changes {
+                words[(at - base) as usize] = word;
+            }
+        }
+        tables.contents[active as usize] = words;
+        Ok(())
+    }
+
+    /// Publishes the changed slots of every stable VIP, for status.
+    fn publish_changed(&self) {
+        let counts = self
+            .stable
+            .iter()
+            .map(|(&vip_id, slots)| (vip_id, slots.changed()))
+            .collect();
+        self.changed.set(counts);
     }
 
     /// Removes the VIPs `desired` no longer has.
@@ -354,6 +657,8 @@ impl TableWriter {
                 && let Some(tables) = self.tables.get_mut(&info.vip_id)
             {
                 tables.active = None;
+                // Its flows went with it: a VIP that takes the id later starts stable.
+                self.stable.remove(&info.vip_id);
             }
             report.vips_removed += 1;
         }
@@ -411,11 +716,54 @@ impl TableWriter {
     }
 }
 
+/// Writes `words` into the VIP's generation no packet reads (only the slots that differ
+/// from what it holds), unless the live one holds them already; returns the generation
+/// the VIP is to point at.
+fn write_table<D: Dataplane + ?Sized>(
+    dataplane: &mut D,
+    tables: &mut VipTables,
+    (vip_id, table_size): (u32, u32),
+    words: Vec<u32>,
+    report: &mut ApplyReport,
+) -> Result<u32, DataplaneError> {
+    let live = tables
+        .active
+        .filter(|&g| tables.contents[g as usize].as_ref() == Some(&words));
+    if let Some(live) = live {
+        return Ok(live);
+    }
+    let target = tables.active.map_or(0, |g| (g + 1) % TABLE_GENERATIONS);
+    let base = VipInfo::table_base_for(vip_id, target, table_size);
+    let previous = tables.contents[target as usize].as_deref();
+    let changes: Vec<(u32, u32)> = words
+        .iter()
+        .enumerate()
+        .filter(|(slot, word)| previous.is_none_or(|p| p[*slot] != **word))
+        .map(|(slot, &word)| (base + slot as u32, word))
+        .collect();
+    // Unknown until the write completes: a failed write must not leave later diffs
+    // trusting slots it may not have reached.
+    tables.contents[target as usize] = None;
+    // A packet that read the VIP's entry just before the last switch may still be reading
+    // this generation: let it finish (XDP runs in microseconds) before overwriting it.
+    if let Some(switched) = tables.switched_at {
+        let grace = Duration::from_millis(1);
+        if let Some(rest) = grace.checked_sub(switched.elapsed()) {
+            std::thread::sleep(rest);
+        }
+    }
+    dataplane.write_slots(&changes)?;
+    tables.switched_at = Some(Instant::now());
+    report.slots_written += changes.len();
+    report.tables_switched += 1;
+    tables.contents[target as usize] = Some(words);
+    Ok(target)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::dataplane::{MemoryDataplane, Write};
-    use lb_common::BACKEND_NONE;
 
     const SIZE: u32 = 7;
 
@@ -709,5 +1057,284 @@ mod tests {
         want.quic_ids = [(id(7), 2)].into();
         writer.apply(&mut dp, &want).unwrap();
         assert_eq!(dp.quic_ids, want.quic_ids);
+    }
+
+    /// `desired`, the VIP with `stable_slots`.
+    fn stable(table: [u32; 7]) -> Desired {
+        let mut want = desired(table);
+        want.vips[0].flags = VIP_F_STABLE;
+        want
+    }
+
+    /// What `slot` of the live table says, read as the program reads it.
+    fn slot_of(dp: &MemoryDataplane, slot: u32) -> Slot {
+        slot::read(lookup(dp, &key(100), slot), dp.vips[&key(100)].flags)
+    }
+
+    fn changed(previous: u32, backend_id: u32) -> Slot {
+        Slot {
+            backend_id,
+            previous: Some(previous),
+        }
+    }
+
+    const BOUND: Duration = Duration::from_secs(10);
+    /// The data path's clock when the tests' scans begin.
+    const SCAN_NS: u64 = 1_000_000_000_000;
+
+    /// A connection-table entry of a flow to the VIP that hashes to `slot`, naming
+    /// `backend_id`, last seen `idle` before `SCAN_NS`.
+    fn flow_in(slot: u32, backend_id: u32, idle: Duration) -> (FlowKey, FlowEntry) {
+        let vip = std::net::SocketAddr::from(([10, 0, 0, 100], 80));
+        let key = (1024..)
+            .map(|port| {
+                let client = std::net::SocketAddr::from(([192, 0, 2, 1], port));
+                FlowKey::between(client, vip, lb_common::PROTO_TCP)
+            })
+            .find(|key| {
+                let (hash, _) = table_hash(&key.tuple(), VIP_F_STABLE, || false);
+                maglev_slot(hash, SIZE) == slot
+            })
+            .unwrap();
+        let entry = FlowEntry {
+            backend_id,
+            flags: 0,
+            last_seen_ns: SCAN_NS - idle.as_nanos() as u64,
+        };
+        (key, entry)
+    }
+
+    #[test]
+    fn a_fresh_stable_vip_writes_plain_ids_with_every_slot_stable() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        let want = stable([1, 2, 1, 2, BACKEND_NONE, 2, 1]);
+        writer.apply(&mut dp, &want).unwrap();
+        assert_ne!(dp.vips[&key(100)].flags & VIP_F_STABLE, 0);
+        for slot in 0..SIZE {
+            let id = want.vips[0].table[slot as usize];
+            assert_eq!(slot_of(&dp, slot), Slot::stable(id));
+        }
+        assert_eq!(
+            lookup(&dp, &key(100), 0),
+            1,
+            "a stable slot's word is the id"
+        );
+        assert_eq!(writer.changed_slots().of(3), 0);
+        assert!(!writer.stabilize_due(Instant::now() + BOUND * 2, BOUND));
+    }
+
+    #[test]
+    fn a_moved_slot_turns_changed_naming_its_stable_backend() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        let t0 = Instant::now();
+        writer
+            .apply_at(&mut dp, &stable([1, 2, 1, 2, BACKEND_NONE, 2, 1]), t0)
+            .unwrap();
+        let first = dp.vips[&key(100)].generation;
+        writer
+            .apply_at(&mut dp, &stable([1, 2, 1, 2, 3, 3, 3]), t0)
+            .unwrap();
+        assert_ne!(dp.vips[&key(100)].generation, first, "a new generation");
+        for slot in 0..4 {
+            assert_eq!(
+                slot_of(&dp, slot),
+                Slot::stable([1, 2, 1, 2][slot as usize])
+            );
+        }
+        // A slot that had no backend has no flow to keep: it stays stable.
+        assert_eq!(slot_of(&dp, 4), Slot::stable(3));
+        assert_eq!(slot_of(&dp, 5), changed(2, 3));
+        assert_eq!(slot_of(&dp, 6), changed(1, 3));
+        assert_eq!(writer.changed_slots().of(3), 2);
+    }
+
+    #[test]
+    fn a_changed_slot_moved_again_keeps_naming_its_stable_backend() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        let t0 = Instant::now();
+        writer.apply_at(&mut dp, &stable([1; 7]), t0).unwrap();
+        writer
+            .apply_at(&mut dp, &stable([1, 1, 1, 1, 1, 1, 2]), t0)
+            .unwrap();
+        // Moved again, and back: flows without an entry still go to backend 1.
+        writer
+            .apply_at(&mut dp, &stable([1, 1, 1, 1, 1, 1, 3]), t0 + BOUND)
+            .unwrap();
+        assert_eq!(slot_of(&dp, 6), changed(1, 3));
+        writer
+            .apply_at(&mut dp, &stable([1; 7]), t0 + BOUND)
+            .unwrap();
+        assert_eq!(slot_of(&dp, 6), changed(1, 1));
+        // The last move restarted its wait.
+        assert!(!writer.stabilize_due(t0 + BOUND * 2 - Duration::from_millis(1), BOUND));
+        assert!(writer.stabilize_due(t0 + BOUND * 2, BOUND));
+    }
+
+    #[test]
+    fn a_changed_slot_stays_changed_until_it_waited_the_bound() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        let t0 = Instant::now();
+        writer.apply_at(&mut dp, &stable([1; 7]), t0).unwrap();
+        writer
+            .apply_at(&mut dp, &stable([1, 1, 1, 1, 1, 2, 2]), t0)
+            .unwrap();
+        let early = t0 + BOUND - Duration::from_millis(1);
+        assert!(!writer.stabilize_due(early, BOUND));
+        dp.log.clear();
+        let turned = writer
+            .stabilize(&mut dp, &[], (early, SCAN_NS), BOUND)
+            .unwrap();
+        assert_eq!(turned, []);
+        assert!(dp.log.is_empty(), "{:?}", dp.log);
+        assert_eq!(slot_of(&dp, 5), changed(1, 2));
+        assert_eq!(writer.changed_slots().of(3), 2);
+    }
+
+    #[test]
+    fn a_scan_after_the_bound_turns_stable_the_slots_no_live_entry_holds() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        let t0 = Instant::now();
+        writer.apply_at(&mut dp, &stable([1; 7]), t0).unwrap();
+        let want = stable([1, 1, 1, 1, 2, 2, 2]);
+        writer.apply_at(&mut dp, &want, t0).unwrap();
+        let live = dp.vips[&key(100)];
+        let flows = [
+            // A live flow on the previous backend holds slot 4.
+            flow_in(4, 1, Duration::from_secs(1)),
+            // One idle past the bound does not hold slot 5.
+            flow_in(5, 1, BOUND + Duration::from_secs(1)),
+            // Nor does a live one on the table's own backend hold slot 6.
+            flow_in(6, 2, Duration::ZERO),
+        ];
+        let scanned = t0 + BOUND;
+        assert!(writer.stabilize_due(scanned, BOUND));
+        dp.log.clear();
+        let turned = writer
+            .stabilize(&mut dp, &flows, (scanned, SCAN_NS), BOUND)
+            .unwrap();
+        assert_eq!(turned, [(key(100), 2)]);
+        // In place, in the live table, with no switch.
+        let base = live.table_base(SIZE);
+        let [Write::Slots(written)] = &dp.log[..] else {
+            panic!("one write of slots: {:?}", dp.log);
+        };
+        let mut written = written.clone();
+        written.sort();
+        assert_eq!(written, [(base + 5, 2), (base + 6, 2)]);
+        assert_eq!(dp.vips[&key(100)], live);
+        assert_eq!(slot_of(&dp, 4), changed(1, 2));
+        assert_eq!(slot_of(&dp, 5), Slot::stable(2));
+        assert_eq!(slot_of(&dp, 6), Slot::stable(2));
+        assert_eq!(writer.changed_slots().of(3), 1);
+        // The writer's record follows: the same table again writes nothing.
+        assert_eq!(
+            writer.apply_at(&mut dp, &want, scanned).unwrap(),
+            ApplyReport::default()
+        );
+        // Once the flow holding slot 4 idles past the bound, it turns stable too.
+        let later = (scanned + BOUND, SCAN_NS + BOUND.as_nanos() as u64);
+        let turned = writer.stabilize(&mut dp, &flows, later, BOUND).unwrap();
+        assert_eq!(turned, [(key(100), 1)]);
+        assert_eq!(slot_of(&dp, 4), Slot::stable(2));
+        assert!(!writer.stabilize_due(later.0 + BOUND, BOUND));
+    }
+
+    #[test]
+    fn an_adopted_table_of_a_stable_vip_starts_with_every_slot_changed() {
+        // A first agent writes a stable VIP whose slot 6 a change moved.
+        let mut dp = MemoryDataplane::default();
+        let t0 = Instant::now();
+        let mut first = TableWriter::new(SIZE);
+        first
+            .apply_at(&mut dp, &stable([1, 2, 1, 2, 1, 2, 1]), t0)
+            .unwrap();
+        let want = stable([1, 2, 1, 2, 1, 2, 2]);
+        first.apply_at(&mut dp, &want, t0).unwrap();
+        let info = dp.vips[&key(100)];
+        let live = (0..SIZE).map(|slot| lookup(&dp, &key(100), slot)).collect();
+        let adopted = crate::dataplane::Adopted {
+            vips: vec![(key(100), info)],
+            backends: want
+                .backends
+                .iter()
+                .map(|(id, b)| (*id, b.info, b.identity))
+                .collect(),
+            tables: vec![(3, live)],
+            ..Default::default()
+        };
+        // A restarted agent cannot know since when: every slot waits a whole bound.
+        let mut writer = TableWriter::new(SIZE);
+        writer.adopt(&adopted);
+        let restarted = t0 + BOUND;
+        writer.apply_at(&mut dp, &want, restarted).unwrap();
+        for slot in 0..6 {
+            let id = want.vips[0].table[slot as usize];
+            assert_eq!(slot_of(&dp, slot), changed(id, id));
+        }
+        assert_eq!(slot_of(&dp, 6), changed(1, 2), "its previous backend kept");
+        assert_eq!(writer.changed_slots().of(3), 7);
+        assert!(!writer.stabilize_due(restarted + BOUND / 2, BOUND));
+        assert!(writer.stabilize_due(restarted + BOUND, BOUND));
+    }
+
+    #[test]
+    fn a_vip_that_turns_stable_over_its_live_table_starts_with_every_slot_changed() {
+        // Without the flag every flow has an entry, which the stable path would not read.
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        writer
+            .apply(&mut dp, &desired([1, 2, 1, 2, BACKEND_NONE, 2, 1]))
+            .unwrap();
+        dp.log.clear();
+        let want = stable([1, 2, 1, 2, BACKEND_NONE, 2, 2]);
+        writer.apply(&mut dp, &want).unwrap();
+        for slot in [0, 1, 2, 3, 5] {
+            let id = want.vips[0].table[slot as usize];
+            assert_eq!(slot_of(&dp, slot), changed(id, id));
+        }
+        assert_eq!(slot_of(&dp, 4), Slot::stable(BACKEND_NONE));
+        assert_eq!(slot_of(&dp, 6), changed(1, 2));
+        assert_eq!(writer.changed_slots().of(3), 6);
+        // The words first, then the flag that says how to read them.
+        assert!(
+            matches!(dp.log[..], [Write::Slots(_), Write::Vip(..)]),
+            "{:?}",
+            dp.log
+        );
+    }
+
+    #[test]
+    fn removing_stable_slots_writes_plain_ids_again() {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        writer
+            .apply(&mut dp, &stable([1, 2, 1, 2, BACKEND_NONE, 2, 1]))
+            .unwrap();
+        writer
+            .apply(&mut dp, &stable([1, 2, 1, 2, BACKEND_NONE, 2, 2]))
+            .unwrap();
+        dp.log.clear();
+        let plain = desired([1, 2, 1, 2, BACKEND_NONE, 2, 2]);
+        let report = writer.apply(&mut dp, &plain).unwrap();
+        assert_eq!(report.tables_switched, 1);
+        assert_eq!(dp.vips[&key(100)].flags & VIP_F_STABLE, 0);
+        for slot in 0..SIZE {
+            assert_eq!(
+                lookup(&dp, &key(100), slot),
+                plain.vips[0].table[slot as usize]
+            );
+        }
+        assert!(
+            matches!(dp.log[..], [Write::Slots(_), Write::Vip(..)]),
+            "{:?}",
+            dp.log
+        );
+        assert_eq!(writer.changed_slots().of(3), 0);
+        assert!(!writer.stabilize_due(Instant::now() + BOUND * 2, BOUND));
     }
 }

@@ -14,8 +14,9 @@
 //! replace each other, so a flapping backend costs one rebuild per write, not a queue of
 //! them. Each request gets a ticket; `wait` resolves once a write that includes it is
 //! done, for callers that answer only after the data path follows (control commands,
-//! reload). Writes that cannot be coalesced (a peer's entries, the next program) are run
-//! in the same thread in the order asked (`Writer::exec`, `Imports`).
+//! reload). Writes that cannot be coalesced (a peer's entries, the next program, turning
+//! changed slots stable) are run in the same thread in the order asked (`Writer::exec`,
+//! `Imports`, `Stabilizer`).
 //!
 //! Owns the write side of the data path; may call `tables` (build and diff) and
 //! `dataplane` (the maps).
@@ -24,16 +25,17 @@ use std::{
     collections::VecDeque,
     sync::{Arc, Condvar, Mutex, MutexGuard},
     thread::JoinHandle,
+    time::{Duration, Instant},
 };
 
-use lb_common::{FlowEntry, FlowKey};
+use lb_common::{FlowEntry, FlowKey, VipKey};
 use tokio::sync::watch;
 
 use crate::{
     dataplane::{
         CounterReader, Dataplane, DataplaneError, FlowLookups, FlowWriter, next::NextProgram,
     },
-    tables::{ApplyReport, Desired, TableBuilder, TableInputs, TableWriter},
+    tables::{ApplyReport, ChangedSlots, Desired, TableBuilder, TableInputs, TableWriter},
 };
 
 /// The data path as the agent holds it: reads that have no handle of their own (explain's
@@ -56,6 +58,18 @@ pub trait TableWrites: Send {
         &mut self,
         next: Option<&NextProgram>,
     ) -> Result<Option<u32>, DataplaneError>;
+    /// `stable_slots`: whether a changed slot has waited `bound` by `at`, so a scan of the
+    /// connection table for `stabilize` is worth making (`TableWriter::stabilize_due`).
+    fn stabilize_due(&self, at: Instant, bound: Duration) -> bool;
+    /// Turns stable the changed slots that waited `bound` and that no live entry of
+    /// `flows` (read from `scanned`: an instant and the data path's clock) holds; returns
+    /// how many slots of which VIP (`TableWriter::stabilize`).
+    fn stabilize(
+        &mut self,
+        flows: &[(FlowKey, FlowEntry)],
+        scanned: (Instant, u64),
+        bound: Duration,
+    ) -> Result<Vec<(VipKey, usize)>, DataplaneError>;
 }
 
 /// The write side over a data path (the kernel's, or the in-memory one of unit tests).
@@ -96,6 +110,21 @@ impl TableWrites for DataplaneWrites {
             .lock()
             .expect("data path poisoned")
             .set_next_program(next)
+    }
+
+    fn stabilize_due(&self, at: Instant, bound: Duration) -> bool {
+        self.tables.stabilize_due(at, bound)
+    }
+
+    fn stabilize(
+        &mut self,
+        flows: &[(FlowKey, FlowEntry)],
+        scanned: (Instant, u64),
+        bound: Duration,
+    ) -> Result<Vec<(VipKey, usize)>, DataplaneError> {
+        let mut dataplane = self.dataplane.lock().expect("data path poisoned");
+        self.tables
+            .stabilize(dataplane.as_mut(), flows, scanned, bound)
     }
 }
 
@@ -160,6 +189,8 @@ pub struct Writer {
     counters: Arc<CounterReader>,
     /// Explain's lookups of one flow, on the read side as the counters.
     lookups: Arc<FlowLookups>,
+    /// The changed slots of `stable_slots` VIPs, as the write side keeps them.
+    changed_slots: Arc<ChangedSlots>,
     written: watch::Receiver<Written>,
     /// The writer's thread; None when it writes in the caller's (unit tests).
     thread: Option<JoinHandle<()>>,
@@ -244,6 +275,36 @@ impl Imports {
     }
 }
 
+/// The agent's way to turn changed slots stable (`stable_slots`): asked on the writer's
+/// thread, with the connection table read off it (it can be large).
+#[derive(Clone)]
+pub struct Stabilizer(Arc<Inner>);
+
+impl Stabilizer {
+    /// Whether a changed slot has waited `bound` by `at` (cheap: no map is read). Blocks
+    /// until the writer's thread answers (behind a table write at most).
+    pub fn due(&self, at: Instant, bound: Duration) -> Result<bool, WriteFailed> {
+        self.0
+            .exec(move |writes| writes.stabilize_due(at, bound))
+            .map_err(|_| WriteFailed::Stopped)
+    }
+
+    /// Turns stable the changed slots that waited `bound` and that no live entry of
+    /// `flows` (the connection table, read from `scanned` on) holds; returns how many
+    /// slots of which VIP. Blocks until the writer's thread made the writes.
+    pub fn stabilize(
+        &self,
+        flows: Vec<(FlowKey, FlowEntry)>,
+        scanned: (Instant, u64),
+        bound: Duration,
+    ) -> Result<Vec<(VipKey, usize)>, WriteFailed> {
+        self.0
+            .exec(move |writes| writes.stabilize(&flows, scanned, bound))
+            .map_err(|_| WriteFailed::Stopped)?
+            .map_err(|error| WriteFailed::Write(format!("{:#}", anyhow::Error::from(error))))
+    }
+}
+
 impl Writer {
     /// A writer thread over `dataplane`, whose tables `tables` wrote last (`desired`);
     /// `flows`: the connection table's handle for the cluster's imports.
@@ -254,12 +315,14 @@ impl Writer {
         flows: Option<FlowWriter>,
     ) -> std::io::Result<Self> {
         let reads = Self::reads(dataplane);
+        let changed = tables.changed_slots();
         let writes = DataplaneWrites {
             tables,
             dataplane: reads.0.clone(),
             flows,
         };
         let (mut writer, work) = Self::parts(reads, Box::new(writes), desired, false);
+        writer.changed_slots = changed;
         let inner = writer.inner.clone();
         let thread = std::thread::Builder::new()
             .name("lb-table-writer".into())
@@ -272,12 +335,15 @@ impl Writer {
     /// wrote is there when it returns).
     pub fn inline(dataplane: Box<dyn Dataplane + Send>, tables: TableWriter) -> Self {
         let reads = Self::reads(dataplane);
+        let changed = tables.changed_slots();
         let writes = DataplaneWrites {
             tables,
             dataplane: reads.0.clone(),
             flows: None,
         };
-        Self::parts(reads, Box::new(writes), Desired::default(), true).0
+        let mut writer = Self::parts(reads, Box::new(writes), Desired::default(), true).0;
+        writer.changed_slots = changed;
+        writer
     }
 
     /// Unit tests: a writer whose writes go to `writes` (a fake), in the caller's thread;
@@ -350,6 +416,8 @@ impl Writer {
             dataplane,
             counters,
             lookups,
+            // A write side without a `TableWriter` (a fake) has no stable slots.
+            changed_slots: Arc::default(),
             written: receiver,
             thread: None,
         };
@@ -387,6 +455,17 @@ impl Writer {
     /// The cluster task's handle for its imports.
     pub fn imports(&self) -> Imports {
         Imports(self.inner.clone())
+    }
+
+    /// The agent's handle for turning changed slots stable.
+    pub fn stabilizer(&self) -> Stabilizer {
+        Stabilizer(self.inner.clone())
+    }
+
+    /// The changed slots of `stable_slots` VIPs, as last written (status reads them
+    /// without waiting for the writer).
+    pub fn changed_slots(&self) -> Arc<ChangedSlots> {
+        self.changed_slots.clone()
     }
 
     /// The newest request, to wait for outside the agent's lock.
@@ -610,5 +689,39 @@ mod tests {
         writer.requested().done().await.unwrap();
         assert!(writer.is_current());
         assert!(writer.desired().vips[0].table.iter().all(|&id| id == 3));
+    }
+
+    #[tokio::test]
+    async fn changed_slots_turn_stable_on_the_writers_thread() {
+        let writer = Writer::spawn(
+            Box::new(MemoryDataplane::default()),
+            TableWriter::new(7),
+            Desired::default(),
+            None,
+        )
+        .unwrap();
+        let stable = |members: &[u32]| {
+            let mut inputs = inputs(members);
+            inputs.vips[0].flags = lb_common::VIP_F_STABLE;
+            inputs
+        };
+        writer.request(stable(&[1, 2]));
+        writer.requested().done().await.unwrap();
+        writer.request(stable(&[1]));
+        writer.requested().done().await.unwrap();
+        let moved = writer.changed_slots().of(0);
+        assert!(moved > 0, "backend 2's slots moved to 1");
+        let bound = Duration::from_secs(10);
+        let stabilizer = writer.stabilizer();
+        let later = Instant::now() + bound;
+        let (due, turned) = tokio::task::spawn_blocking(move || {
+            let due = stabilizer.due(later, bound).unwrap();
+            (due, stabilizer.stabilize(Vec::new(), (later, 0), bound))
+        })
+        .await
+        .unwrap();
+        assert!(due);
+        assert_eq!(turned.unwrap()[0].1, moved);
+        assert_eq!(writer.changed_slots().of(0), 0);
     }
 }

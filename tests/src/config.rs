@@ -214,6 +214,8 @@ pub struct AgentConfig {
     pub maglev_table_size: Option<u32>,
     /// `None`: the agent's default.
     pub conntrack_entries: Option<u32>,
+    /// `dataplane.flow_idle_timeout`; `None`: the agent's default.
+    pub flow_idle_timeout: Option<Duration>,
     pub socket: PathBuf,
     /// A listen address, or "off".
     pub metrics: String,
@@ -251,6 +253,9 @@ impl AgentConfig {
         }
         if let Some(n) = self.conntrack_entries {
             let _ = writeln!(t, "conntrack_entries = {n}");
+        }
+        if let Some(d) = self.flow_idle_timeout {
+            let _ = writeln!(t, "flow_idle_timeout = {}", q(&dur(d)));
         }
         let _ = writeln!(t, "\n[control]");
         let _ = writeln!(t, "socket = {}", q(&self.socket.to_string_lossy()));
@@ -345,6 +350,7 @@ mod tests {
             xdp_mode: XdpMode::Native,
             maglev_table_size: None,
             conntrack_entries: Some(4096),
+            flow_idle_timeout: None,
             socket: "/tmp/x/lb.sock".into(),
             metrics: "off".into(),
             vips: vec![VipConfig {

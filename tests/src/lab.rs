@@ -461,6 +461,7 @@ impl Lab {
             xdp_mode,
             maglev_table_size: None,
             conntrack_entries: None,
+            flow_idle_timeout: None,
             socket: self.socket_path(),
             metrics: "off".into(),
             vips,

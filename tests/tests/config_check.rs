@@ -25,6 +25,7 @@ fn every_option() -> AgentConfig {
         xdp_mode: XdpMode::Generic,
         maglev_table_size: Some(251),
         conntrack_entries: Some(4096),
+        flow_idle_timeout: None,
         socket: "/tmp/lb-tests-config-check/lb.sock".into(),
         metrics: "off".into(),
         vips: vec![

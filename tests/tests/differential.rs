@@ -170,6 +170,26 @@ server_id = 2
 address = "10.0.0.73"
 mac = "02:00:00:00:07:49"
 server_id = 3
+
+# Stable slots: TCP in a stable slot takes no entry; the run moves slots (health, admin
+# state) and turns them stable again (`change`).
+[[vip]]
+name = "stable"
+address = "10.0.0.104"
+port = 80
+protocol = "tcp"
+stable_slots = true
+[vip.health]
+kind = "none"
+[[vip.backend]]
+address = "10.0.0.81"
+mac = "02:00:00:00:08:51"
+[[vip.backend]]
+address = "10.0.0.82"
+mac = "02:00:00:00:08:52"
+[[vip.backend]]
+address = "10.0.0.83"
+mac = "02:00:00:00:08:53"
 "#;
 
 /// The "tun" VIP's backends, as the data path gets them: behind IPIP and GUE (written
@@ -248,6 +268,7 @@ fn pool(rng: &mut Rng) -> Vec<Flow> {
         (v4(101), 443, PROTO_TCP),
         (v4(102), 80, PROTO_TCP),
         (v4(103), 443, PROTO_UDP),
+        (v4(104), 80, PROTO_TCP),
         // For no VIP: another port, the other protocol, another address.
         (v4(100), 81, PROTO_TCP),
         (v4(100), 80, PROTO_UDP),
@@ -256,7 +277,7 @@ fn pool(rng: &mut Rng) -> Vec<Flow> {
     ];
     let mut flows = Vec::new();
     for (server, server_port, proto) in servers {
-        let for_vip = flows.len() < 7 * 48;
+        let for_vip = flows.len() < 8 * 48;
         for _ in 0..if for_vip { 48 } else { 8 } {
             let client = match server {
                 IpAddr::V4(_) => v4(1 + rng.below(4) as u8),
@@ -470,6 +491,9 @@ struct Bed {
     instance: Instance,
     desired: Desired,
     hot: HashSet<SourceKey>,
+    /// The live words of each `stable_slots` VIP's table, by vip id, as the program reads
+    /// them (the writer marks changed slots, which `desired` does not hold).
+    words: std::collections::HashMap<u32, Vec<u32>>,
 }
 
 impl Bed {
@@ -481,6 +505,7 @@ impl Bed {
             instance,
             desired,
             hot: HashSet::new(),
+            words: Default::default(),
         };
         bed.sync();
         bed
@@ -522,6 +547,28 @@ impl Bed {
             src_v6: [0; 16],
         };
         self.instance.dataplane.set_tunnel(&tunnel).unwrap();
+        self.read_words();
+    }
+
+    /// Reads back the live table of every `stable_slots` VIP (`words`).
+    fn read_words(&mut self) {
+        let size = self.instance.config.dataplane.maglev_table_size;
+        let adopted = self
+            .instance
+            .dataplane
+            .adopted(size)
+            .expect("read the tables");
+        let stable = |id: &u32| {
+            self.desired
+                .vips
+                .iter()
+                .any(|v| v.vip_id == *id && v.flags & lb_common::VIP_F_STABLE != 0)
+        };
+        self.words = adopted
+            .tables
+            .into_iter()
+            .filter(|(id, _)| stable(id))
+            .collect();
     }
 
     fn vip(&self, name: &str) -> &lb_userspace::model::VipState {
@@ -551,6 +598,9 @@ impl Bed {
     ) -> MemoryTables {
         let idle = self.instance.config.dataplane.flow_idle_timeout;
         let mut tables = explain::decision_tables(&self.desired, idle, now);
+        for (id, words) in &self.words {
+            tables.maglev.insert(*id, words.clone());
+        }
         tables.hot_sources = self.hot.clone();
         let key = packet.flow_key();
         tables.set_flow(&key, entry);
@@ -735,6 +785,30 @@ fn change(bed: &mut Bed, rng: &mut Rng, flows: &[Flow]) -> Option<&'static str> 
             dataplane.insert_flow(&packet.flow_key(), &entry).unwrap();
             Some("entry written")
         }
+        68..73 => {
+            // The agent's scan, as if the bound had passed for every changed slot: the
+            // slots no live entry holds turn stable (in place, in the live table).
+            let flows = bed
+                .instance
+                .dataplane
+                .flow_reader()
+                .unwrap()
+                .flows()
+                .unwrap();
+            let idle = bed.instance.config.dataplane.flow_idle_timeout;
+            let later = std::time::Instant::now() + idle * 100;
+            let writer = &mut bed.instance.writer;
+            let turned = writer
+                .stabilize(
+                    &mut bed.instance.dataplane,
+                    &flows,
+                    (later, coarse_ns()),
+                    idle,
+                )
+                .expect("stabilize");
+            bed.read_words();
+            (!turned.is_empty()).then_some("slots stabilized")
+        }
         _ => None,
     }
 }
@@ -897,6 +971,15 @@ fn differential_the_program_and_lb_common_decide_agree_on_random_frames() {
         "no backend decided by a QUIC connection ID:\n{}",
         figures.report()
     );
+    // And the stable-slot VIP's frames took both paths: a stable slot, and a changed
+    // slot's previous backend.
+    for by in ["StableSlot", "PreviousBackend"] {
+        assert!(
+            figures.decided_by.contains_key(by),
+            "no backend decided by {by}:\n{}",
+            figures.report()
+        );
+    }
 }
 
 /// What the run did, for the report.

@@ -1053,3 +1053,131 @@ fn reload_refuses_each_setting_fixed_at_start_and_changes_nothing() {
     let s = spread_ok(&lab, 30, "after the refused reloads");
     assert_eq!(s.counts.len(), 3, "{}", s.table());
 }
+
+/// Issue 36, `stable_slots`: flows in stable slots make no connection-table entry, and
+/// a table change that moves their slot moves none of them. 20 long-lived connections
+/// open to a VIP with `stable_slots` and two backends (no entry made: `ct_created` 0,
+/// their packets counted `ct_stable`); a third backend is added at runtime, which moves
+/// about a third of the slots; every connection keeps exchanging data with the backend
+/// that greeted it (the ones in moved slots go to the slot's previous backend,
+/// `ct_previous`, and are pinned there by an entry) for longer than twice the idle
+/// bound, so the scan that turns changed slots stable again must leave the slots of
+/// live pinned flows changed. New connections reach the added backend. Once the
+/// connections close, every slot turns stable within the bound and a few scans.
+#[test]
+fn a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves() {
+    let test = "a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves";
+    let Some(bin) = require_e2e(test) else { return };
+    let idle = Duration::from_secs(3);
+    let mut lab = Lab::new(LabOptions {
+        backends: 3,
+        ..LabOptions::default()
+    })
+    .expect("build the lab");
+    lab.serve_tcp(PORT, false)
+        .expect("start the backends' tcp servers");
+    let mut vip = lab.vip(VIP_NAME, false, PORT, Protocol::Tcp, Health::None);
+    vip.backends.truncate(2);
+    vip.extra.push("stable_slots = true".into());
+    let mut config = lab.agent_config(XdpMode::Native, vec![vip]);
+    config.flow_idle_timeout = Some(idle);
+    lab.start_agent(&bin, &config).expect("start the agent");
+    let changed_slots = |s: &Value| {
+        vip_status(s)["changed_slots"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no vips[].changed_slots in lb status --json:\n{s:#}"))
+    };
+    assert_eq!(
+        changed_slots(&status(&lab)),
+        0,
+        "a fresh table is all stable"
+    );
+
+    let conns = open_conns(&lab, 20);
+    let chatter = Chatter::start(conns, CHAT_INTERVAL, CHAT_MAX);
+    assert!(
+        chatter.wait_rounds(3, Duration::from_secs(5)),
+        "the long-lived connections do not exchange data"
+    );
+    let st = status(&lab);
+    assert_eq!(
+        counter(&st, "ct_created"),
+        0,
+        "connections in stable slots made entries:\n{st:#}"
+    );
+    assert!(counter(&st, "ct_stable") > 0, "{st:#}");
+
+    let added = addr(&lab, 2);
+    ok(&lab, &["backend", "add", &target(&lab), &added]);
+    let a3 = lab.backend_addr(2, false);
+    let (st, _) = wait_status(
+        &lab,
+        Duration::from_secs(5),
+        "the added backend in the table, its slots changed",
+        |s| backend(s, a3).is_some_and(|b| b["in_table"] == true) && changed_slots(s) > 0,
+    );
+    let moved = changed_slots(&st);
+    let changed_at = Instant::now();
+    let s = spread_ok(&lab, 40, "after adding backend-3");
+    assert!(
+        count(&s, &lab.backend_name(2)) > 0,
+        "backend-3 got no new connection after it was added:\n{}",
+        s.table()
+    );
+    // Past twice the bound, with scans: live pinned flows keep their slots changed.
+    while changed_at.elapsed() < idle * 2 + SCAN_PERIOD {
+        sleep(Duration::from_millis(200));
+    }
+    let rounds = chatter.rounds();
+    let reports = chatter.stop();
+    assert_chat_intact(&lab, &reports, rounds);
+    let st = status(&lab);
+    // The connections whose slot moved are pinned to their backend by an entry (made
+    // at their first packets after the change).
+    let pinned = reports
+        .iter()
+        .filter(|r| {
+            let e = explain(&lab, r.local.expect("the connection's local address"));
+            explains_to(&e, "conntrack_backend", addr_of(&lab, &r.backend))
+        })
+        .count();
+    eprintln!(
+        "{pinned} of 20 connections pinned; counters: created {}, promoted {}, previous {}, \
+         hit {}, stable {}",
+        counter(&st, "ct_created"),
+        counter(&st, "ct_promoted"),
+        counter(&st, "ct_previous"),
+        counter(&st, "ct_hit"),
+        counter(&st, "ct_stable")
+    );
+    assert!(
+        pinned > 0,
+        "no connection was in a moved slot ({moved} slots moved): nothing was tested\n{st:#}"
+    );
+    assert_eq!(
+        counter(&st, "ct_miss_non_syn"),
+        0,
+        "non-SYN packets missed:\n{st:#}"
+    );
+    let held = changed_slots(&st);
+    assert!(
+        held > 0 && held < moved,
+        "after the bound, only the slots of live pinned flows stay changed: {held} of {moved}"
+    );
+    for (i, r) in reports.into_iter().enumerate() {
+        r.conn
+            .close()
+            .unwrap_or_else(|e| panic!("closing long-lived connection {i}: {e}"));
+    }
+    let (_, took) = wait_status(
+        &lab,
+        idle + SCAN_PERIOD * 4,
+        "every slot stable again once the connections closed",
+        |s| changed_slots(s) == 0,
+    );
+    eprintln!(
+        "{test}: {moved} slots moved, {pinned} of 20 connections in them, {held} slots \
+         held changed by live flows after the bound; all stable {took:?} after the close; \
+         {rounds} rounds intact"
+    );
+}

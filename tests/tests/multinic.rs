@@ -186,6 +186,7 @@ impl TwoArm {
             xdp_mode: mode,
             maglev_table_size: Some(251),
             conntrack_entries: Some(4096),
+            flow_idle_timeout: None,
             socket: self.socket(),
             metrics: "off".into(),
             vips: vec![vip],

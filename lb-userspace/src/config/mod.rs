@@ -259,6 +259,7 @@ impl Config {
         for (i, vip) in self.vips.iter().enumerate() {
             let at = format!("vip[{i}]");
             vip.validate(&at, self.dataplane.maglev_table_size)?;
+            self.validate_stable_slots(&at, vip)?;
             for (j, backend) in vip.backends.iter().enumerate() {
                 if let Some(&k) = vip_addresses.get(&backend.address) {
                     return Err(invalid(
@@ -299,6 +300,34 @@ impl Config {
                     ),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// A VIP's `stable_slots` against the other sections (its own rules are
+    /// `VipConfig::validate`'s).
+    fn validate_stable_slots(&self, at: &str, vip: &VipConfig) -> Result<(), ConfigError> {
+        if !vip.stable_slots {
+            return Ok(());
+        }
+        if self.cluster.is_some() {
+            return Err(invalid(
+                format!("{at}.stable_slots"),
+                "not yet supported with [cluster]: flows in stable slots make no \
+                 connection-table entries, so the peers would not learn them",
+            ));
+        }
+        // A slot's word names its backend in 16 bits (`lb_common::slot`).
+        let ids = lb_common::slot::MAX_ID + 1;
+        if self.dataplane.max_backends > ids {
+            return Err(invalid(
+                format!("{at}.stable_slots"),
+                format!(
+                    "needs dataplane.max_backends at most {ids} (it is {}): a stable \
+                     slot names its backend in 16 bits",
+                    self.dataplane.max_backends
+                ),
+            ));
         }
         Ok(())
     }
@@ -378,6 +407,7 @@ mod tests {
                 gue_port: None,
                 quic: false,
                 quic_server_id_len_setting: None,
+                stable_slots: false,
                 backends: vec![backend("10.0.0.11")],
             }]
         );

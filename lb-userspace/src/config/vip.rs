@@ -74,6 +74,11 @@ pub struct VipConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub quic_server_id_len_setting: Option<u32>,
+    /// TCP VIPs: a Maglev slot no recent table change touched sends its flows' packets
+    /// where the table says, with no connection-table entry; only slots a change moved
+    /// keep entries, until their flows idle (`lb_common::slot`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stable_slots: bool,
     /// A VIP may start with no backends; they can be added at run time.
     #[serde(rename = "backend", default)]
     pub backends: Vec<BackendConfig>,
@@ -281,6 +286,7 @@ impl VipConfig {
         self.validate_load(at)?;
         self.validate_outlier(at)?;
         self.validate_quic(at)?;
+        self.validate_stable_slots(at)?;
 
         if self.backends.len() >= maglev_table_size as usize {
             return Err(invalid(
@@ -364,6 +370,41 @@ impl VipConfig {
                     format!("{id} is already the server_id of backend[{first}] of this VIP"),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// `stable_slots`: only where every flow's slot is fixed by its tuple and nothing
+    /// counts the flows' entries. (`[cluster]` and `dataplane.max_backends` are checked
+    /// with the other sections: `Config::validate_stable_slots`.)
+    fn validate_stable_slots(&self, at: &str) -> Result<(), ConfigError> {
+        if !self.stable_slots {
+            return Ok(());
+        }
+        let field = format!("{at}.stable_slots");
+        if self.protocol != Protocol::Tcp {
+            return Err(invalid(
+                field,
+                format!(
+                    "only for TCP VIPs (the VIP's protocol is \"{}\"): a UDP flow has no \
+                     handshake to tell a new flow from an old one",
+                    self.protocol
+                ),
+            ));
+        }
+        if self.balance == Balance::LeastFlows {
+            return Err(invalid(
+                field,
+                "not with balance = \"least-flows\": its weights count connection-table \
+                 entries, which flows in stable slots do not make",
+            ));
+        }
+        if self.hot_source_share.is_some() {
+            return Err(invalid(
+                field,
+                "not with hot_source_share: a hot source's flows are hashed per \
+                 connection, so their slots move with the list of hot sources",
+            ));
         }
         Ok(())
     }
@@ -914,6 +955,76 @@ weight = 3
             }),
             "vip[0].backend"
         );
+    }
+
+    #[test]
+    fn stable_slots_are_off_by_default_and_a_tcp_vip_may_have_them() {
+        assert!(!minimal().vips[0].stable_slots);
+        let text = MINIMAL.replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nstable_slots = true",
+        );
+        let config = Config::from_toml(&text).unwrap();
+        assert!(config.vips[0].stable_slots);
+        // With src-ip hashing (no hot sources) and the largest id a slot word holds.
+        let mut config = minimal();
+        config.vips[0].stable_slots = true;
+        config.vips[0].hash = HashMode::SrcIp;
+        config.dataplane.max_backends = lb_common::slot::MAX_ID + 1;
+        config.validate().unwrap();
+    }
+
+    /// The field and the reason the minimal file with `stable_slots` is refused for once
+    /// `change` is made.
+    fn stable_slots_refusal(change: impl FnOnce(&mut Config)) -> (String, String) {
+        let mut config = minimal();
+        config.vips[0].stable_slots = true;
+        change(&mut config);
+        match config.validate() {
+            Err(ConfigError::Invalid { field, reason }) => (field, reason),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    /// Each refusal names the key and why.
+    #[test]
+    fn stable_slots_are_refused_where_flows_need_their_entries() {
+        let cluster = ClusterConfig {
+            peers: vec!["10.0.0.12".parse().unwrap()],
+            port: 4790,
+            key_file: "/etc/lb/cluster.key".into(),
+            address: None,
+            learn_timeout: Duration::from_secs(3),
+            transfer_rate: 250_000,
+        };
+        for ((field, reason), why) in [
+            (
+                stable_slots_refusal(|c| c.vips[0].protocol = Protocol::Udp),
+                "only for TCP VIPs",
+            ),
+            (
+                stable_slots_refusal(|c| c.vips[0].balance = Balance::LeastFlows),
+                "least-flows",
+            ),
+            (
+                stable_slots_refusal(|c| {
+                    c.vips[0].hash = HashMode::SrcIp;
+                    c.vips[0].hot_source_share = Some(0.1);
+                }),
+                "hot_source_share",
+            ),
+            (
+                stable_slots_refusal(|c| c.cluster = Some(cluster)),
+                "not yet supported with [cluster]",
+            ),
+            (
+                stable_slots_refusal(|c| c.dataplane.max_backends = lb_common::slot::MAX_ID + 2),
+                "max_backends at most 65535",
+            ),
+        ] {
+            assert_eq!(field, "vip[0].stable_slots", "{why}: {reason}");
+            assert!(reason.contains(why), "{why}: {reason}");
+        }
     }
 
     #[test]

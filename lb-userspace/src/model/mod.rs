@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use lb_common::{
     BACKEND_F_SERVES_FLOWS, BackendIdentity, BackendInfo, FORWARD_GUE, FORWARD_IPIP, MAX_BACKENDS,
-    MAX_VIPS, VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES, VIP_F_OUTLIER, VipKey, maglev::MaglevBackend,
-    quic::ServerKey,
+    MAX_VIPS, VIP_F_HASH_SRC_IP, VIP_F_HOT_SOURCES, VIP_F_OUTLIER, VIP_F_STABLE, VipKey,
+    maglev::MaglevBackend, quic::ServerKey,
 };
 use serde::{Deserialize, Serialize};
 
@@ -308,8 +308,9 @@ pub struct VipState {
 }
 
 impl VipState {
-    /// The VIP's `VIP_F_*` bits: how the program hashes its new flows, routes QUIC, and
-    /// whether it tells a retransmitted SYN from a first one (`[vip.outlier]`).
+    /// The VIP's `VIP_F_*` bits: how the program hashes its new flows, routes QUIC,
+    /// whether it tells a retransmitted SYN from a first one (`[vip.outlier]`), and
+    /// whether its slots carry slot words (`stable_slots`).
     pub fn flags(&self) -> u32 {
         let quic = if self.config.quic {
             lb_common::quic::vip_flags(self.config.quic_server_id_len())
@@ -321,7 +322,13 @@ impl VipState {
         } else {
             0
         };
+        let stable = if self.config.stable_slots {
+            VIP_F_STABLE
+        } else {
+            0
+        };
         quic | outlier
+            | stable
             | match self.config.hash {
                 HashMode::FiveTuple => 0,
                 HashMode::SrcIp if self.config.hot_source_share.is_some() => {
@@ -965,6 +972,22 @@ mod tests {
         for b in model.backends_mut() {
             b.mac = Some(MacAddr([2, 0, 0, 0, 0, b.id as u8]));
         }
+    }
+
+    #[test]
+    fn only_a_vip_with_stable_slots_asks_the_program_for_slot_words() {
+        let mut model = Model::new(7, 16, Duration::ZERO);
+        model.update(&config(&[("10.0.0.11", "")], "none")).unwrap();
+        assert_eq!(model.vips[0].flags() & VIP_F_STABLE, 0);
+        let mut stable = config(&[("10.0.0.11", "")], "none");
+        stable.vips[0].stable_slots = true;
+        model.update(&stable).unwrap();
+        assert_ne!(model.vips[0].flags() & VIP_F_STABLE, 0);
+        assert_ne!(
+            model.desired().vips[0].flags & VIP_F_STABLE,
+            0,
+            "the table writer is told"
+        );
     }
 
     #[test]

@@ -146,8 +146,9 @@ fn runs<'a>(cases: &'a [Case], variants: &[(String, std::path::PathBuf)]) -> Vec
     runs
 }
 
-/// A config with five VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80, IPv4 UDP 443
-/// with `quic`, at most 64 backends, and IPv4 TCP `OUTLIER_PORT` with `[vip.outlier]`),
+/// A config with six VIPs (IPv4 TCP 80, IPv4 UDP 53, IPv6 TCP 80, IPv4 UDP 443
+/// with `quic`, at most 64 backends, IPv4 TCP `OUTLIER_PORT` with `[vip.outlier]` and
+/// IPv4 TCP `STABLE_PORT` with `stable_slots`),
 /// each with `backends` backends whose MACs are given; room for them and the tunnel
 /// VIPs' (`max_backends`); no health checks; no insert limit (the
 /// handshake cases measure the insert, which the default flood guard would skip above
@@ -163,6 +164,7 @@ pub fn config_text(backends: usize) -> String {
         ("tcp6", VIP6.to_string(), 80, "tcp", true),
         ("quic4", VIP4.to_string(), QUIC_PORT, "udp", false),
         ("tcp4o", VIP4.to_string(), OUTLIER_PORT, "tcp", false),
+        ("tcp4s", VIP4.to_string(), STABLE_PORT, "tcp", false),
     ];
     for (v, (name, address, port, proto, v6)) in vips.iter().enumerate() {
         t += &format!(
@@ -171,6 +173,7 @@ pub fn config_text(backends: usize) -> String {
             match *name {
                 "quic4" => "quic = true\n",
                 "tcp4o" => "[vip.outlier]\n",
+                "tcp4s" => "stable_slots = true\n",
                 _ => "",
             }
         );
@@ -204,6 +207,11 @@ pub fn config_text(backends: usize) -> String {
 /// The port of "tcp4o" (on VIP4): a TCP VIP like "tcp4" with `[vip.outlier]`, whose
 /// SYNs read their embryonic slot to tell a retry (the `_outlier` cases).
 pub const OUTLIER_PORT: u16 = 83;
+
+/// The port of "tcp4s" (on VIP4): a TCP VIP like "tcp4" with `stable_slots`, whose
+/// flows in stable slots make no connection-table entry (the `_stable` cases; a fresh
+/// table has every slot stable).
+pub const STABLE_PORT: u16 = 84;
 
 /// The QUIC VIP's port (on VIP4): a UDP VIP with `quic = true`.
 pub const QUIC_PORT: u16 = 443;
@@ -478,6 +486,43 @@ fn cases() -> Vec<Case> {
                 "tcp_handshake_outlier",
                 "tcp_handshake to a VIP with [vip.outlier]",
                 frame(c4, v4, 40012, OUTLIER_PORT, syn),
+            )
+        },
+        Case {
+            then: vec![frame(c4, v4, 40013, STABLE_PORT, ack)],
+            new_source_per_call: true,
+            ..Case::new(
+                "tcp_handshake_stable",
+                "tcp_handshake to a VIP with stable_slots: the ACK makes no entry",
+                frame(c4, v4, 40013, STABLE_PORT, syn),
+            )
+        },
+        Case {
+            then: [TCP_ACK, TCP_ACK | TCP_PSH, TCP_ACK | TCP_FIN, TCP_ACK]
+                .map(|flags| frame(c4, v4, 40014, STABLE_PORT, L4::Tcp { flags }))
+                .into(),
+            new_source_per_call: true,
+            ..Case::new(
+                "tcp_short_connection_stable",
+                "tcp_short_connection to a VIP with stable_slots",
+                frame(c4, v4, 40014, STABLE_PORT, syn),
+            )
+        },
+        Case {
+            prime: Some(frame(c4, v4, 40015, STABLE_PORT, syn)),
+            ..Case::new(
+                "tcp_established_stable",
+                "tcp_established to a VIP with stable_slots (a stable slot: no lookup)",
+                frame(c4, v4, 40015, STABLE_PORT, ack),
+            )
+        },
+        Case {
+            prime: Some(frame(c4, v4, FLOWS_BASE_PORT, STABLE_PORT, syn)),
+            flows: MANY_FLOWS,
+            ..Case::new(
+                "tcp_established_16k_flows_stable",
+                "tcp_established_16k_flows to a VIP with stable_slots",
+                frame(c4, v4, FLOWS_BASE_PORT, STABLE_PORT, ack),
             )
         },
         Case {
@@ -1025,6 +1070,11 @@ pub fn run(opts: &Options) -> Result<Results> {
         "tcp_syn_outlier, tcp_handshake_outlier: the same to a VIP with [vip.outlier] \
          (port 83), whose SYN reads its embryonic slot to tell a client's retransmission; \
          other VIPs' SYNs write the slot unread.",
+    );
+    table.note(
+        "*_stable: the same to a VIP with stable_slots (port 84), every slot stable (a \
+         fresh table): a TCP packet that is not a SYN goes where its slot says, with no \
+         connection-table lookup and no entry.",
     );
     table.note(
         "tcp_handshake_cluster: tcp_handshake on an instance loaded with [cluster]: every \
