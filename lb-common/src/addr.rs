@@ -41,6 +41,17 @@ impl FlowKey {
         let ports = (self.src_port, self.dst_port);
         FlowTuple::of_map((&self.src, &self.dst), ports, self.proto, self.family)
     }
+
+    /// The key of the VIP the flow is to.
+    #[inline(always)]
+    pub fn vip_key(&self) -> crate::VipKey {
+        crate::VipKey {
+            addr: self.dst,
+            port: self.dst_port,
+            proto: self.proto,
+            family: self.family,
+        }
+    }
 }
 
 #[cfg(any(feature = "std", test))]

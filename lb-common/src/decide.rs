@@ -15,10 +15,10 @@ use crate::{
     BACKEND_NONE, EMBRYO_F_SYN, Embryo, FlowEntry, FlowKey, FlowTuple, PROTO_UDP, VIP_F_STABLE,
     VipInfo, VipKey,
     flow::{self, Lookup},
-    handshake, maglev_slot,
+    handshake,
     quic::{self, Header, ServerKey, Window},
     slot::{self, Slot},
-    stat, table_hash,
+    stat, table_place,
 };
 
 /// A parsed packet that may be for a VIP.
@@ -595,7 +595,8 @@ fn may_insert<T: Tables>(tables: &T, now: u64) -> bool {
 /// heavy hitters), as `promote` counts it where it makes an entry. A flow the embryonic
 /// table remembers on another backend goes there: its first packet came while the slot
 /// was changed, and the agent turned the slot stable before its second (the agent sees
-/// entries, not embryonic records).
+/// entries, not embryonic records). An ICMP "too big" about the flow goes where its
+/// packets go.
 #[inline(always)]
 fn stable<T: Tables>(
     tables: &T,
@@ -604,19 +605,18 @@ fn stable<T: Tables>(
     key: &FlowKey,
     backend_id: u32,
 ) -> Result<Choice, Verdict> {
-    if packet.icmp_too_big && backend_id != BACKEND_NONE {
-        tables.count(stat::SEEN_ICMP_TOO_BIG);
-        return Ok(choice(vip, backend_id, false, Source::StableSlot));
-    }
     let (index, tag) = flow::embryo_place(key);
     let mut embryo = tables.embryo(index);
-    let remembered = embryo
+    // Only a record naming another backend is asked whether that one serves: the usual
+    // packet reads no backend.
+    let elsewhere = embryo
         .as_deref()
+        .filter(|embryo| embryo.backend_id as u32 != backend_id)
         .and_then(|embryo| flow::remembered(tables, embryo, tag, vip.vip_id));
-    let (backend_id, by) = match remembered {
-        Some(remembered) if remembered != backend_id => (remembered, Source::Embryo),
-        _ if backend_id == BACKEND_NONE => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
-        _ => (backend_id, Source::StableSlot),
+    let (backend_id, by) = match elsewhere {
+        Some(remembered) => (remembered, Source::Embryo),
+        None if backend_id == BACKEND_NONE => return Err(Verdict::drop(stat::DROP_NO_BACKEND)),
+        None => (backend_id, Source::StableSlot),
     };
     if packet.icmp_too_big {
         tables.count(stat::SEEN_ICMP_TOO_BIG);
@@ -651,8 +651,7 @@ fn previous_backend<T: Tables>(
     no_entry: bool,
 ) -> Option<u32> {
     let previous = slot?.previous.filter(|_| no_entry)?;
-    let backend = tables.backend(previous)?;
-    flow::serves(backend, vip.vip_id).then_some(previous)
+    flow::backend_serving(tables, previous, vip.vip_id)
 }
 
 /// The backend the VIP's Maglev table gives the packet's flow (`slot`, when the caller
@@ -682,13 +681,13 @@ fn table_slot<T: Tables>(tables: &T, packet: &Packet, vip: &VipInfo) -> Slot {
     let Some(tuple) = tables.flow_tuple(packet) else {
         return Slot::stable(BACKEND_NONE);
     };
-    let (hash, spread) = table_hash(tuple, vip.flags, || {
+    let (_, place, spread) = table_place(tuple, vip.flags, table_size, || {
         tables.is_hot_source(vip.vip_id, packet)
     });
     if spread {
         tables.count(stat::HOT_SOURCE_SPREAD);
     }
-    let word = tables.maglev(vip, table_size, maglev_slot(hash, table_size));
+    let word = tables.maglev(vip, table_size, place);
     slot::read(word, vip.flags)
 }
 

@@ -50,7 +50,7 @@ pub fn serving(lookup: &impl Lookup, entry: &FlowEntry, vip_id: u32) -> Option<u
 
 /// Backend `backend_id`, if it may keep (or take) a flow of VIP `vip_id` (`serves`).
 #[inline(always)]
-fn backend_serving(lookup: &impl Lookup, backend_id: u32, vip_id: u32) -> Option<u32> {
+pub fn backend_serving(lookup: &impl Lookup, backend_id: u32, vip_id: u32) -> Option<u32> {
     match lookup.backend(backend_id) {
         Some(backend) if serves(backend, vip_id) => Some(backend_id),
         _ => None,

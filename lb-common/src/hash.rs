@@ -79,6 +79,21 @@ pub fn table_hash(flow: &FlowTuple, flags: u32, is_hot: impl FnOnce() -> bool) -
     (flow_hash(flow, src_only && !spread), spread)
 }
 
+/// Where a VIP's table of `table_size` slots puts a flow without a held backend:
+/// `table_hash`'s hash, the slot it indexes (`maglev_slot`), and whether the flow was
+/// spread. The program, `lb explain` and the agent's scan of stable slots all place a
+/// flow here.
+#[inline(always)]
+pub fn table_place(
+    flow: &FlowTuple,
+    flags: u32,
+    table_size: u32,
+    is_hot: impl FnOnce() -> bool,
+) -> (u32, u32, bool) {
+    let (hash, spread) = table_hash(flow, flags, is_hot);
+    (hash, crate::maglev_slot(hash, table_size), spread)
+}
+
 /// Odd multipliers of `vip_key_hash`, one per 64-bit word of the key.
 const VIP_K: [u64; 3] = [
     0x9e37_79b9_7f4a_7c15,

@@ -18,7 +18,7 @@ pub mod handshake;
 mod hash;
 pub mod quic;
 pub mod slot;
-pub use hash::{FlowTuple, finish as fmix32, flow_hash, stable_hash64, table_hash};
+pub use hash::{FlowTuple, finish as fmix32, flow_hash, stable_hash64, table_hash, table_place};
 
 use bytemuck::{Pod, Zeroable};
 use core::mem::size_of;

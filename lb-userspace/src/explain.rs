@@ -9,7 +9,7 @@ use std::{
 use lb_common::{
     BACKEND_NONE, FlowKey, FlowTuple, SourceKey, VIP_F_HOT_SOURCES, VipInfo,
     decide::{Packet, Source, memory::MemoryTables},
-    flow, maglev_slot, table_hash,
+    flow, table_place,
 };
 use serde::{Deserialize, Serialize};
 
@@ -261,8 +261,7 @@ pub fn table_choice(
     is_hot: impl FnOnce() -> bool,
 ) -> (u32, u32, u32, bool) {
     let tuple = flow_tuple(&VipTarget::of(&vip.config), source);
-    let (hash, spread) = table_hash(&tuple, vip.flags(), is_hot);
-    let slot = maglev_slot(hash, table.len() as u32);
+    let (hash, slot, spread) = table_place(&tuple, vip.flags(), table.len() as u32, is_hot);
     (hash, slot, table[slot as usize], spread)
 }
 

@@ -20,12 +20,11 @@ use std::time::{Duration, Instant};
 
 use lb_common::{
     BACKEND_NONE, BackendIdentity, BackendInfo, FlowEntry, FlowKey, SourceKey, TABLE_GENERATIONS,
-    TunnelConfig, VIP_F_STABLE, VipInfo, VipKey,
+    TunnelConfig, VIP_F_STABLE, VipInfo, VipKey, flow,
     maglev::{MaglevBackend, build_table},
-    maglev_slot,
     quic::ServerKey,
     slot::{self, Slot},
-    table_hash,
+    table_place,
 };
 
 use crate::dataplane::{Adopted, Dataplane, DataplaneError};
@@ -552,24 +551,19 @@ impl TableWriter {
             .collect();
         let bound_ns = bound.as_nanos() as u64;
         for (key, entry) in flows {
-            let vip = VipKey {
-                addr: key.dst,
-                port: key.dst_port,
-                proto: key.proto,
-                family: key.family,
-            };
+            let vip = key.vip_key();
             let Some((vip_id, slots)) = due.get_mut(&vip) else {
                 continue;
             };
-            if scanned_ns.saturating_sub(entry.last_seen_ns) >= bound_ns {
+            if flow::age(entry, scanned_ns) >= bound_ns {
                 continue;
             }
             // The slot the program hashes the flow to (no hot sources: `stable_slots`
             // refuses them).
-            let (hash, _) = table_hash(&key.tuple(), self.vips[&vip].flags, || false);
-            let slot = maglev_slot(hash, self.table_size) as usize;
-            if entry.backend_id != self.stable[vip_id].plain[slot] {
-                slots.remove(&slot);
+            let flags = self.vips[&vip].flags;
+            let (_, slot, _) = table_place(&key.tuple(), flags, self.table_size, || false);
+            if entry.backend_id != self.stable[vip_id].plain[slot as usize] {
+                slots.remove(&(slot as usize));
             }
         }
         let mut turned = Vec::new();
@@ -827,25 +821,29 @@ mod tests {
         assert_eq!(again, ApplyReport::default());
     }
 
-    #[test]
-    fn an_adopting_writer_writes_only_what_differs_from_the_maps() {
-        // A first agent writes its tables; a restarted one adopts what the maps hold.
-        let mut dp = MemoryDataplane::default();
-        let want = desired([1, 2, 1, 2, 1, 2, 1]);
-        TableWriter::new(SIZE).apply(&mut dp, &want).unwrap();
-        let info = dp.vips[&key(100)];
-        let live = (0..SIZE).map(|slot| lookup(&dp, &key(100), slot)).collect();
-        let adopted = crate::dataplane::Adopted {
-            vips: vec![(key(100), info)],
+    /// What a restarted agent adopts of `dp`, which a first agent wrote `want` into: the
+    /// VIP, the backends and the live table (VIP id 3).
+    fn adopted_from(dp: &MemoryDataplane, want: &Desired) -> crate::dataplane::Adopted {
+        let live = (0..SIZE).map(|slot| lookup(dp, &key(100), slot)).collect();
+        crate::dataplane::Adopted {
+            vips: vec![(key(100), dp.vips[&key(100)])],
             backends: want
                 .backends
                 .iter()
                 .map(|(id, b)| (*id, b.info, b.identity))
                 .collect(),
             tables: vec![(3, live)],
-            freed: Vec::new(),
-            egress: Default::default(),
-        };
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_adopting_writer_writes_only_what_differs_from_the_maps() {
+        // A first agent writes its tables; a restarted one adopts what the maps hold.
+        let mut dp = MemoryDataplane::default();
+        let want = desired([1, 2, 1, 2, 1, 2, 1]);
+        TableWriter::new(SIZE).apply(&mut dp, &want).unwrap();
+        let adopted = adopted_from(&dp, &want);
         let mut writer = TableWriter::new(SIZE);
         writer.adopt(&adopted);
         dp.log.clear();
@@ -864,7 +862,7 @@ mod tests {
         let changed = desired([1, 2, 1, 2, 1, 2, 2]);
         let report = writer.apply(&mut dp, &changed).unwrap();
         assert_eq!(report.tables_switched, 1);
-        assert_ne!(dp.vips[&key(100)].generation, info.generation);
+        assert_ne!(dp.vips[&key(100)].generation, adopted.vips[0].1.generation);
         for slot in 0..SIZE {
             assert_eq!(
                 lookup(&dp, &key(100), slot),
@@ -1091,10 +1089,7 @@ mod tests {
                 let client = std::net::SocketAddr::from(([192, 0, 2, 1], port));
                 FlowKey::between(client, vip, lb_common::PROTO_TCP)
             })
-            .find(|key| {
-                let (hash, _) = table_hash(&key.tuple(), VIP_F_STABLE, || false);
-                maglev_slot(hash, SIZE) == slot
-            })
+            .find(|key| table_place(&key.tuple(), VIP_F_STABLE, SIZE, || false).1 == slot)
             .unwrap();
         let entry = FlowEntry {
             backend_id,
@@ -1102,6 +1097,16 @@ mod tests {
             last_seen_ns: SCAN_NS - idle.as_nanos() as u64,
         };
         (key, entry)
+    }
+
+    /// A writer that wrote the stable VIP with every slot on backend 1, at the instant
+    /// returned: every slot stable.
+    fn all_on_one() -> (MemoryDataplane, TableWriter, Instant) {
+        let mut dp = MemoryDataplane::default();
+        let mut writer = TableWriter::new(SIZE);
+        let t0 = Instant::now();
+        writer.apply_at(&mut dp, &stable([1; 7]), t0).unwrap();
+        (dp, writer, t0)
     }
 
     #[test]
@@ -1152,10 +1157,7 @@ mod tests {
 
     #[test]
     fn a_changed_slot_moved_again_keeps_naming_its_stable_backend() {
-        let mut dp = MemoryDataplane::default();
-        let mut writer = TableWriter::new(SIZE);
-        let t0 = Instant::now();
-        writer.apply_at(&mut dp, &stable([1; 7]), t0).unwrap();
+        let (mut dp, mut writer, t0) = all_on_one();
         writer
             .apply_at(&mut dp, &stable([1, 1, 1, 1, 1, 1, 2]), t0)
             .unwrap();
@@ -1175,10 +1177,7 @@ mod tests {
 
     #[test]
     fn a_changed_slot_stays_changed_until_it_waited_the_bound() {
-        let mut dp = MemoryDataplane::default();
-        let mut writer = TableWriter::new(SIZE);
-        let t0 = Instant::now();
-        writer.apply_at(&mut dp, &stable([1; 7]), t0).unwrap();
+        let (mut dp, mut writer, t0) = all_on_one();
         writer
             .apply_at(&mut dp, &stable([1, 1, 1, 1, 1, 2, 2]), t0)
             .unwrap();
@@ -1196,10 +1195,7 @@ mod tests {
 
     #[test]
     fn a_scan_after_the_bound_turns_stable_the_slots_no_live_entry_holds() {
-        let mut dp = MemoryDataplane::default();
-        let mut writer = TableWriter::new(SIZE);
-        let t0 = Instant::now();
-        writer.apply_at(&mut dp, &stable([1; 7]), t0).unwrap();
+        let (mut dp, mut writer, t0) = all_on_one();
         let want = stable([1, 1, 1, 1, 2, 2, 2]);
         writer.apply_at(&mut dp, &want, t0).unwrap();
         let live = dp.vips[&key(100)];
@@ -1255,18 +1251,7 @@ mod tests {
             .unwrap();
         let want = stable([1, 2, 1, 2, 1, 2, 2]);
         first.apply_at(&mut dp, &want, t0).unwrap();
-        let info = dp.vips[&key(100)];
-        let live = (0..SIZE).map(|slot| lookup(&dp, &key(100), slot)).collect();
-        let adopted = crate::dataplane::Adopted {
-            vips: vec![(key(100), info)],
-            backends: want
-                .backends
-                .iter()
-                .map(|(id, b)| (*id, b.info, b.identity))
-                .collect(),
-            tables: vec![(3, live)],
-            ..Default::default()
-        };
+        let adopted = adopted_from(&dp, &want);
         // A restarted agent cannot know since when: every slot waits a whole bound.
         let mut writer = TableWriter::new(SIZE);
         writer.adopt(&adopted);

@@ -645,15 +645,20 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_burst_of_requests_is_written_once() {
-        let writer = Writer::spawn(
+    /// A writer thread over an empty in-memory data path, tables of 7 slots.
+    fn spawned() -> Writer {
+        Writer::spawn(
             Box::new(MemoryDataplane::default()),
             TableWriter::new(7),
             Desired::default(),
             None,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_requests_is_written_once() {
+        let writer = spawned();
         {
             // While the data path is busy, a backend flaps a hundred times.
             let _busy = writer.dataplane();
@@ -678,13 +683,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_is_written_before_it_is_done() {
-        let writer = Writer::spawn(
-            Box::new(MemoryDataplane::default()),
-            TableWriter::new(7),
-            Desired::default(),
-            None,
-        )
-        .unwrap();
+        let writer = spawned();
         writer.request(inputs(&[3]));
         writer.requested().done().await.unwrap();
         assert!(writer.is_current());
@@ -693,13 +692,7 @@ mod tests {
 
     #[tokio::test]
     async fn changed_slots_turn_stable_on_the_writers_thread() {
-        let writer = Writer::spawn(
-            Box::new(MemoryDataplane::default()),
-            TableWriter::new(7),
-            Desired::default(),
-            None,
-        )
-        .unwrap();
+        let writer = spawned();
         let stable = |members: &[u32]| {
             let mut inputs = inputs(members);
             inputs.vips[0].flags = lb_common::VIP_F_STABLE;

@@ -196,12 +196,7 @@ impl Directory {
     /// This node's entry for a peer's, at `now_ns` on the data path's clock, if this node
     /// has the VIP and the backend.
     pub fn learn(&self, entry: &Entry, now_ns: u64) -> Option<FlowEntry> {
-        let vip = VipKey {
-            addr: entry.key.dst,
-            port: entry.key.dst_port,
-            proto: entry.key.proto,
-            family: entry.key.family,
-        };
+        let vip = entry.key.vip_key();
         let backend_id = *self.by_backend.get(&(vip, entry.backend))?;
         // Older than the refresh granularity: the first packet here refreshes the entry,
         // which clears the learned flag (`lb_common::flow::follow`).

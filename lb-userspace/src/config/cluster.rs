@@ -134,14 +134,7 @@ mod tests {
         assert_eq!(minimal().cluster, None, "nothing is shared by default");
         let with = |change: fn(&mut ClusterConfig)| {
             move |c: &mut Config| {
-                let mut cluster = ClusterConfig {
-                    peers: vec!["10.0.0.12".parse().unwrap()],
-                    port: 4790,
-                    key_file: "/etc/lb/cluster.key".into(),
-                    address: None,
-                    learn_timeout: Duration::from_secs(3),
-                    transfer_rate: 250_000,
-                };
+                let mut cluster = cluster_section();
                 change(&mut cluster);
                 c.cluster = Some(cluster);
             }

@@ -3,7 +3,7 @@
 
 use std::net::Ipv4Addr;
 
-use super::{AdminState, BackendConfig, Config, ConfigError};
+use super::{AdminState, BackendConfig, ClusterConfig, Config, ConfigError};
 
 /// The example from product.md, verbatim.
 pub(super) const EXAMPLE: &str = r#"
@@ -99,5 +99,17 @@ pub(super) fn refused_field(text: &str) -> String {
     match Config::from_toml(text) {
         Err(ConfigError::Invalid { field, .. }) => field,
         other => panic!("expected a validation error, got {other:?}"),
+    }
+}
+
+/// A `[cluster]` section with one peer and the defaults.
+pub(super) fn cluster_section() -> ClusterConfig {
+    ClusterConfig {
+        peers: vec!["10.0.0.12".parse().unwrap()],
+        port: 4790,
+        key_file: "/etc/lb/cluster.key".into(),
+        address: None,
+        learn_timeout: std::time::Duration::from_secs(3),
+        transfer_rate: 250_000,
     }
 }

@@ -989,14 +989,7 @@ weight = 3
     /// Each refusal names the key and why.
     #[test]
     fn stable_slots_are_refused_where_flows_need_their_entries() {
-        let cluster = ClusterConfig {
-            peers: vec!["10.0.0.12".parse().unwrap()],
-            port: 4790,
-            key_file: "/etc/lb/cluster.key".into(),
-            address: None,
-            learn_timeout: Duration::from_secs(3),
-            transfer_rate: 250_000,
-        };
+        let cluster = cluster_section();
         for ((field, reason), why) in [
             (
                 stable_slots_refusal(|c| c.vips[0].protocol = Protocol::Udp),
