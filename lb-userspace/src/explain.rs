@@ -17,7 +17,7 @@ use crate::{
     config::{Forward, Protocol},
     dataplane::Lookups,
     model::{Model, VipState},
-    tables::Desired,
+    tables::{Desired, SlotWords},
 };
 
 /// `VIP:PORT/PROTO`, as `lb explain` and `lb drain` take it. In the control API's JSON
@@ -271,9 +271,24 @@ pub struct View<'a> {
     pub model: &'a Model,
     pub desired: &'a Desired,
     pub flows: &'a dyn Lookups,
+    /// The live words of `stable_slots` VIPs' tables (`desired` holds backend ids): which
+    /// slots a change moved, and the backend each names.
+    pub slot_words: &'a SlotWords,
     pub flow_idle: Duration,
     /// `dataplane.interfaces`, in order: a backend's `egress` is a position in it.
     pub interfaces: &'a [String],
+}
+
+impl View<'_> {
+    /// `decision_tables`, with VIP `vip_id`'s live slot words where it has
+    /// `stable_slots`.
+    fn tables(&self, vip_id: u32, now_ns: u64) -> MemoryTables {
+        let mut tables = decision_tables(self.desired, self.flow_idle, now_ns);
+        if let Some(words) = self.slot_words.of(vip_id) {
+            tables.maglev.insert(vip_id, words.to_vec());
+        }
+        tables
+    }
 }
 
 /// What the program's decisions read, as the agent writes it (`LB_VIPS`,
@@ -355,7 +370,7 @@ pub fn explain(
     // What the program does with the flow's next packet that is not a SYN (neither FIN
     // nor RST), decided by the program's own code over the tables as they are. On a
     // copy: explain writes nothing.
-    let mut tables = decision_tables(view.desired, view.flow_idle, now_ns);
+    let mut tables = view.tables(vip.id, now_ns);
     tables.set_flow(&key, entry);
     let (index, _) = flow::embryo_place(&key);
     tables.set_embryo(index, view.flows.embryo(index)?);
@@ -598,6 +613,7 @@ mod tests {
             model,
             desired,
             flows: dataplane,
+            slot_words: &SlotWords::default(),
             flow_idle: Duration::from_secs(30),
             interfaces: &[],
         };
@@ -650,6 +666,7 @@ mod tests {
                 model,
                 desired: &desired,
                 flows: &dataplane,
+                slot_words: &SlotWords::default(),
                 flow_idle: Duration::from_secs(30),
                 interfaces,
             };
@@ -666,6 +683,53 @@ mod tests {
         }
         assert_eq!(explained(&model, &interfaces).as_deref(), Some("eth1"));
         assert_eq!(explained(&model, &interfaces[..1]), None);
+    }
+
+    /// `stable_slots`: explain reads the live slot words, so a flow with no entry in a
+    /// slot a change moved goes, as the program sends it, to the slot's previous backend.
+    #[test]
+    fn a_flow_in_a_moved_stable_slot_is_explained_to_its_previous_backend() {
+        let text = two_backends("tcp", 80).replace(
+            "protocol = \"tcp\"",
+            "protocol = \"tcp\"\nstable_slots = true",
+        );
+        let (mut model, desired) = model_of(&text);
+        let mut dataplane = MemoryDataplane::default();
+        let mut writer = crate::tables::TableWriter::new(7);
+        writer.apply(&mut dataplane, &desired).unwrap();
+        let request = ExplainRequest {
+            vip: "10.0.0.100:80/tcp".parse().unwrap(),
+            source: CLIENT.parse().unwrap(),
+            quic_cid: None,
+        };
+        let explained = |(model, dataplane): (&Model, &MemoryDataplane), words: &SlotWords| {
+            let view = View {
+                model,
+                desired: &model.desired(),
+                flows: dataplane,
+                slot_words: words,
+                flow_idle: Duration::from_secs(30),
+                interfaces: &[],
+            };
+            explain(&view, &request, SECOND).unwrap()
+        };
+        let before = explained((&model, &dataplane), &writer.slot_words());
+        let home = before.table_backend.clone().unwrap();
+        assert_eq!(before.next_packet_backend.as_deref(), Some(home.as_str()));
+        // The flow's backend drains: its slots move, naming it.
+        for backend in &mut model.vips[0].backends {
+            if backend.config.address.to_string() == home {
+                backend.config.state = crate::config::AdminState::Drain;
+            }
+        }
+        let moved = model.desired();
+        writer.apply(&mut dataplane, &moved).unwrap();
+        let after = explained((&model, &dataplane), &writer.slot_words());
+        assert_ne!(after.table_backend.as_deref(), Some(home.as_str()));
+        assert_eq!(after.next_packet_backend.as_deref(), Some(home.as_str()));
+        // Read as plain ids, the table would send it elsewhere.
+        let plain = explained((&model, &dataplane), &SlotWords::default());
+        assert_eq!(plain.next_packet_backend, after.table_backend);
     }
 
     #[test]
@@ -827,6 +891,7 @@ mod tests {
                 model: &model,
                 desired: &desired,
                 flows: dataplane,
+                slot_words: &SlotWords::default(),
                 flow_idle: Duration::from_secs(30),
                 interfaces: &[],
             };
@@ -860,6 +925,7 @@ mod tests {
             model: &plain,
             desired: &plain_desired,
             flows: &dataplane,
+            slot_words: &SlotWords::default(),
             flow_idle: Duration::from_secs(30),
             interfaces: &[],
         };
@@ -903,6 +969,7 @@ mod tests {
                 model: &model,
                 desired: &desired,
                 flows: &MemoryDataplane::default(),
+                slot_words: &SlotWords::default(),
                 flow_idle: Duration::from_secs(30),
                 interfaces: &[],
             };

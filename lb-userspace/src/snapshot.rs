@@ -38,7 +38,7 @@ use crate::{
         AgentStatus, BackendStatus, DataplaneStatus, HotSource, InterfaceStatus, NextProgramStatus,
         Start, Status, VipStatus,
     },
-    tables::{ChangedSlots, Desired},
+    tables::{Desired, SlotWords},
     telemetry::{Telemetry, source_address},
     writer::{Requested, Written},
 };
@@ -77,8 +77,8 @@ pub struct StatusSource {
     /// Explain's lookups of the connection, embryonic and hot-source tables (read side).
     pub(crate) lookups: Arc<FlowLookups>,
     pub(crate) counters: Arc<CounterReader>,
-    /// The changed slots of `stable_slots` VIPs, as the table writer last wrote them.
-    pub(crate) changed_slots: Arc<ChangedSlots>,
+    /// The slot words of `stable_slots` VIPs, as the table writer last wrote them.
+    pub(crate) slot_words: Arc<SlotWords>,
     pub(crate) telemetry: Telemetry,
     pub(crate) interface: Interface,
     pub(crate) interface_gone: Option<Instant>,
@@ -143,6 +143,7 @@ impl StatusSource {
             model: &self.model,
             desired: &desired,
             flows: self.lookups.as_ref(),
+            slot_words: &self.slot_words,
             flow_idle: self.config.dataplane.flow_idle_timeout,
             interfaces: &self.config.dataplane.interfaces,
         };
@@ -390,11 +391,7 @@ impl StatusSource {
             quic_routed_by_cid: quic.routed_by_cid,
             quic_cid_unknown: quic.cid_unknown,
             stable_slots: vip.config.stable_slots,
-            changed_slots: if vip.config.stable_slots {
-                self.changed_slots.of(vip.id)
-            } else {
-                0
-            },
+            changed_slots: self.slot_words.changed(vip.id),
             backends,
         }
     }

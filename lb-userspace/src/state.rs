@@ -985,7 +985,7 @@ impl State {
             requested: self.requested,
             lookups: self.tables.lookups(),
             counters: self.tables.counters(),
-            changed_slots: self.tables.changed_slots(),
+            slot_words: self.tables.slot_words(),
             telemetry: self.telemetry.clone(),
             interface: self.interface.clone(),
             interface_gone: self.interface_gone,

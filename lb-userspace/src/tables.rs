@@ -236,10 +236,6 @@ impl StableSlots {
         (0..self.plain.len()).map(|slot| self.word(slot)).collect()
     }
 
-    fn changed(&self) -> usize {
-        self.marks.iter().flatten().count()
-    }
-
     /// The changed slots no table change moved for `bound` before `at`.
     fn due(&self, at: Instant, bound: Duration) -> impl Iterator<Item = usize> + '_ {
         self.marks
@@ -249,24 +245,29 @@ impl StableSlots {
     }
 }
 
-/// How many slots of each `stable_slots` VIP are changed (by vip id), as the table
-/// writer last wrote them: status reads it without waiting for the writer.
+/// The slot words of each `stable_slots` VIP (by vip id) as the table writer last wrote
+/// them: status counts their changed slots and `lb explain` reads a flow's, neither
+/// waiting for the writer.
 #[derive(Debug, Default)]
-pub struct ChangedSlots(Mutex<HashMap<u32, usize>>);
+pub struct SlotWords(Mutex<HashMap<u32, Arc<Vec<u32>>>>);
 
-impl ChangedSlots {
-    /// The changed slots of VIP `vip_id` (0 for a VIP without `stable_slots`).
-    pub fn of(&self, vip_id: u32) -> usize {
-        self.0
-            .lock()
-            .expect("changed slots poisoned")
-            .get(&vip_id)
-            .copied()
-            .unwrap_or(0)
+impl SlotWords {
+    /// The words of VIP `vip_id`'s live table; None for a VIP without `stable_slots`.
+    pub fn of(&self, vip_id: u32) -> Option<Arc<Vec<u32>>> {
+        let words = self.0.lock().expect("slot words poisoned");
+        words.get(&vip_id).cloned()
     }
 
-    fn set(&self, counts: HashMap<u32, usize>) {
-        *self.0.lock().expect("changed slots poisoned") = counts;
+    /// How many slots of VIP `vip_id` are changed (0 for a VIP without `stable_slots`).
+    pub fn changed(&self, vip_id: u32) -> usize {
+        self.of(vip_id).map_or(0, |words| {
+            let changed = |word: &&u32| slot::read(**word, VIP_F_STABLE).previous.is_some();
+            words.iter().filter(changed).count()
+        })
+    }
+
+    fn set(&self, words: HashMap<u32, Arc<Vec<u32>>>) {
+        *self.0.lock().expect("slot words poisoned") = words;
     }
 }
 
@@ -278,8 +279,8 @@ pub struct TableWriter {
     tables: HashMap<u32, VipTables>,
     /// By vip id: the slots of the VIPs with `VIP_F_STABLE`.
     stable: HashMap<u32, StableSlots>,
-    /// Their changed slots, for status.
-    changed: Arc<ChangedSlots>,
+    /// Their words, for status and `lb explain`.
+    words: Arc<SlotWords>,
     vips: HashMap<VipKey, VipInfo>,
     backends: HashMap<u32, DesiredBackend>,
     /// What `LB_TUNNEL` was last written with; None: not yet by this agent.
@@ -297,7 +298,7 @@ impl TableWriter {
             table_size,
             tables: HashMap::new(),
             stable: HashMap::new(),
-            changed: Arc::default(),
+            words: Arc::default(),
             vips: HashMap::new(),
             backends: HashMap::new(),
             tunnel: None,
@@ -330,10 +331,10 @@ impl TableWriter {
         }
     }
 
-    /// How many slots of each `stable_slots` VIP are changed, kept up to date by every
-    /// `apply` and `stabilize`.
-    pub fn changed_slots(&self) -> Arc<ChangedSlots> {
-        self.changed.clone()
+    /// The words of each `stable_slots` VIP, kept up to date by every `apply` and
+    /// `stabilize`.
+    pub fn slot_words(&self) -> Arc<SlotWords> {
+        self.words.clone()
     }
 
     /// Makes the data path hold `desired`, now.
@@ -354,7 +355,7 @@ impl TableWriter {
     ) -> Result<ApplyReport, DataplaneError> {
         let applied = self.write_all(dataplane, desired, now);
         // Marks change before the writes that may fail: status follows them either way.
-        self.publish_changed();
+        self.publish_words();
         applied
     }
 
@@ -529,7 +530,7 @@ impl TableWriter {
         bound: Duration,
     ) -> Result<Vec<(VipKey, usize)>, DataplaneError> {
         let turned = self.stabilize_slots(dataplane, flows, scanned, bound);
-        self.publish_changed();
+        self.publish_words();
         turned
     }
 
@@ -619,14 +620,14 @@ impl TableWriter {
         Ok(())
     }
 
-    /// Publishes the changed slots of every stable VIP, for status.
-    fn publish_changed(&self) {
-        let counts = self
+    /// Publishes the words of every stable VIP, for status and `lb explain`.
+    fn publish_words(&self) {
+        let words = self
             .stable
             .iter()
-            .map(|(&vip_id, slots)| (vip_id, slots.changed()))
+            .map(|(&vip_id, slots)| (vip_id, Arc::new(slots.words())))
             .collect();
-        self.changed.set(counts);
+        self.words.set(words);
     }
 
     /// Removes the VIPs `desired` no longer has.
@@ -1125,7 +1126,7 @@ mod tests {
             1,
             "a stable slot's word is the id"
         );
-        assert_eq!(writer.changed_slots().of(3), 0);
+        assert_eq!(writer.slot_words().changed(3), 0);
         assert!(!writer.stabilize_due(Instant::now() + BOUND * 2, BOUND));
     }
 
@@ -1152,7 +1153,7 @@ mod tests {
         assert_eq!(slot_of(&dp, 4), Slot::stable(3));
         assert_eq!(slot_of(&dp, 5), changed(2, 3));
         assert_eq!(slot_of(&dp, 6), changed(1, 3));
-        assert_eq!(writer.changed_slots().of(3), 2);
+        assert_eq!(writer.slot_words().changed(3), 2);
     }
 
     #[test]
@@ -1190,7 +1191,7 @@ mod tests {
         assert_eq!(turned, []);
         assert!(dp.log.is_empty(), "{:?}", dp.log);
         assert_eq!(slot_of(&dp, 5), changed(1, 2));
-        assert_eq!(writer.changed_slots().of(3), 2);
+        assert_eq!(writer.slot_words().changed(3), 2);
     }
 
     #[test]
@@ -1226,7 +1227,7 @@ mod tests {
         assert_eq!(slot_of(&dp, 4), changed(1, 2));
         assert_eq!(slot_of(&dp, 5), Slot::stable(2));
         assert_eq!(slot_of(&dp, 6), Slot::stable(2));
-        assert_eq!(writer.changed_slots().of(3), 1);
+        assert_eq!(writer.slot_words().changed(3), 1);
         // The writer's record follows: the same table again writes nothing.
         assert_eq!(
             writer.apply_at(&mut dp, &want, scanned).unwrap(),
@@ -1262,7 +1263,7 @@ mod tests {
             assert_eq!(slot_of(&dp, slot), changed(id, id));
         }
         assert_eq!(slot_of(&dp, 6), changed(1, 2), "its previous backend kept");
-        assert_eq!(writer.changed_slots().of(3), 7);
+        assert_eq!(writer.slot_words().changed(3), 7);
         assert!(!writer.stabilize_due(restarted + BOUND / 2, BOUND));
         assert!(writer.stabilize_due(restarted + BOUND, BOUND));
     }
@@ -1284,7 +1285,7 @@ mod tests {
         }
         assert_eq!(slot_of(&dp, 4), Slot::stable(BACKEND_NONE));
         assert_eq!(slot_of(&dp, 6), changed(1, 2));
-        assert_eq!(writer.changed_slots().of(3), 6);
+        assert_eq!(writer.slot_words().changed(3), 6);
         // The words first, then the flag that says how to read them.
         assert!(
             matches!(dp.log[..], [Write::Slots(_), Write::Vip(..)]),
@@ -1319,7 +1320,7 @@ mod tests {
             "{:?}",
             dp.log
         );
-        assert_eq!(writer.changed_slots().of(3), 0);
+        assert_eq!(writer.slot_words().changed(3), 0);
         assert!(!writer.stabilize_due(Instant::now() + BOUND * 2, BOUND));
     }
 }

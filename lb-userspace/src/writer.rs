@@ -35,7 +35,7 @@ use crate::{
     dataplane::{
         CounterReader, Dataplane, DataplaneError, FlowLookups, FlowWriter, next::NextProgram,
     },
-    tables::{ApplyReport, ChangedSlots, Desired, TableBuilder, TableInputs, TableWriter},
+    tables::{ApplyReport, Desired, SlotWords, TableBuilder, TableInputs, TableWriter},
 };
 
 /// The data path as the agent holds it: reads that have no handle of their own (explain's
@@ -189,8 +189,8 @@ pub struct Writer {
     counters: Arc<CounterReader>,
     /// Explain's lookups of one flow, on the read side as the counters.
     lookups: Arc<FlowLookups>,
-    /// The changed slots of `stable_slots` VIPs, as the write side keeps them.
-    changed_slots: Arc<ChangedSlots>,
+    /// The slot words of `stable_slots` VIPs, as the write side keeps them.
+    slot_words: Arc<SlotWords>,
     written: watch::Receiver<Written>,
     /// The writer's thread; None when it writes in the caller's (unit tests).
     thread: Option<JoinHandle<()>>,
@@ -315,14 +315,14 @@ impl Writer {
         flows: Option<FlowWriter>,
     ) -> std::io::Result<Self> {
         let reads = Self::reads(dataplane);
-        let changed = tables.changed_slots();
+        let words = tables.slot_words();
         let writes = DataplaneWrites {
             tables,
             dataplane: reads.0.clone(),
             flows,
         };
         let (mut writer, work) = Self::parts(reads, Box::new(writes), desired, false);
-        writer.changed_slots = changed;
+        writer.slot_words = words;
         let inner = writer.inner.clone();
         let thread = std::thread::Builder::new()
             .name("lb-table-writer".into())
@@ -335,14 +335,14 @@ impl Writer {
     /// wrote is there when it returns).
     pub fn inline(dataplane: Box<dyn Dataplane + Send>, tables: TableWriter) -> Self {
         let reads = Self::reads(dataplane);
-        let changed = tables.changed_slots();
+        let words = tables.slot_words();
         let writes = DataplaneWrites {
             tables,
             dataplane: reads.0.clone(),
             flows: None,
         };
         let mut writer = Self::parts(reads, Box::new(writes), Desired::default(), true).0;
-        writer.changed_slots = changed;
+        writer.slot_words = words;
         writer
     }
 
@@ -417,7 +417,7 @@ impl Writer {
             counters,
             lookups,
             // A write side without a `TableWriter` (a fake) has no stable slots.
-            changed_slots: Arc::default(),
+            slot_words: Arc::default(),
             written: receiver,
             thread: None,
         };
@@ -462,10 +462,10 @@ impl Writer {
         Stabilizer(self.inner.clone())
     }
 
-    /// The changed slots of `stable_slots` VIPs, as last written (status reads them
-    /// without waiting for the writer).
-    pub fn changed_slots(&self) -> Arc<ChangedSlots> {
-        self.changed_slots.clone()
+    /// The slot words of `stable_slots` VIPs, as last written (status and `lb explain`
+    /// read them without waiting for the writer).
+    pub fn slot_words(&self) -> Arc<SlotWords> {
+        self.slot_words.clone()
     }
 
     /// The newest request, to wait for outside the agent's lock.
@@ -702,7 +702,7 @@ mod tests {
         writer.requested().done().await.unwrap();
         writer.request(stable(&[1]));
         writer.requested().done().await.unwrap();
-        let moved = writer.changed_slots().of(0);
+        let moved = writer.slot_words().changed(0);
         assert!(moved > 0, "backend 2's slots moved to 1");
         let bound = Duration::from_secs(10);
         let stabilizer = writer.stabilizer();
@@ -715,6 +715,6 @@ mod tests {
         .unwrap();
         assert!(due);
         assert_eq!(turned.unwrap()[0].1, moved);
-        assert_eq!(writer.changed_slots().of(0), 0);
+        assert_eq!(writer.slot_words().changed(0), 0);
     }
 }

@@ -1230,6 +1230,7 @@ fn explain_flow(fixture: &Fixture, request: &ExplainRequest) -> explain::Explana
         model: &fixture.model,
         desired: &desired,
         flows: &fixture.dataplane,
+        slot_words: &fixture.writer.slot_words(),
         flow_idle: fixture.config.dataplane.flow_idle_timeout,
         interfaces: &fixture.config.dataplane.interfaces,
     };

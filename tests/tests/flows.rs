@@ -1134,13 +1134,16 @@ fn a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves() {
     let st = status(&lab);
     // The connections whose slot moved are pinned to their backend by an entry (made
     // at their first packets after the change).
-    let pinned = reports
-        .iter()
-        .filter(|r| {
-            let e = explain(&lab, r.local.expect("the connection's local address"));
-            explains_to(&e, "conntrack_backend", addr_of(&lab, &r.backend))
-        })
-        .count();
+    let mut pinned = 0;
+    for r in &reports {
+        let local = r.local.expect("the connection's local address");
+        let (e, home) = (explain(&lab, local), addr_of(&lab, &r.backend));
+        assert!(
+            explains_to(&e, "next_packet_backend", home),
+            "the connection from {local} was greeted by {home}, but lb explain says:\n{e:#}"
+        );
+        pinned += usize::from(explains_to(&e, "conntrack_backend", home));
+    }
     eprintln!(
         "{pinned} of 20 connections pinned; counters: created {}, promoted {}, previous {}, \
          hit {}, stable {}",
