@@ -86,7 +86,7 @@ pub const MAP_NEXT: &str = "LB_NEXT";
 pub const MAP_BACKEND_IDS: &str = "LB_BACKEND_IDS";
 /// Bumped whenever a map's key, value or meaning changes: a restarted agent adopts pinned
 /// maps only of its own layout (and sizes), and otherwise replaces them.
-pub const LAYOUT_VERSION: u64 = 10;
+pub const LAYOUT_VERSION: u64 = 11;
 /// Global set at load time: how many flows (source ports) the benchmark generator
 /// (`xdp_bench_tx`, in the test object `lb-test-xdp`) cycles through.
 pub const GLOBAL_BENCH_FLOWS: &str = "BENCH_FLOWS";
@@ -257,9 +257,12 @@ impl BackendInfo {
     }
 }
 
-/// Value of `LB_TUNNEL` (one entry): what every encapsulation needs besides the
-/// backend. Written by the agent at start and on every reload (so a reload can change
-/// the source), read by the program for each tunnelled packet.
+/// Value of `LB_TUNNEL` (one entry): what the program needs to know of the interface:
+/// what every encapsulation needs besides the backend, and whether a frame's length may
+/// be read from its first buffer. Written by the agent at start, on every reload (so a
+/// reload can change the source) and when the interface changes (its MTU, its
+/// addresses); read by the program for each tunnelled packet, and `linear_frames` for
+/// each forwarded one.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct TunnelConfig {
@@ -274,8 +277,14 @@ pub struct TunnelConfig {
     /// Outer IPv6 source (`dataplane.tunnel_source6`, else the interface's global
     /// address); all zero: none, as for `src_v4`.
     pub src_v6: [u8; 16],
+    /// Non-zero: every frame the program sees is in one buffer (one interface, attached
+    /// in native mode, its MTU at most the single-buffer limit), so a frame's length is
+    /// `data_end - data`. 0, the safe default (generic mode, jumbo frames, several
+    /// interfaces, or not yet attached): the program asks the kernel
+    /// (`bpf_xdp_get_buff_len`), a helper call per forwarded packet.
+    pub linear_frames: u32,
 }
-const _: () = assert!(size_of::<TunnelConfig>() == 24);
+const _: () = assert!(size_of::<TunnelConfig>() == 28);
 
 /// Entries of `LB_VIP_SLOTS`.
 pub const VIP_SLOTS: u32 = 4096;

@@ -72,7 +72,8 @@ pub static LB_EGRESS_STATS: PerCpuArray<PacketCounters> =
     PerCpuArray::with_max_entries(MAX_EGRESS, 0);
 
 /// 0 -> TunnelConfig: outer source addresses and the interface MTU, for tunnelled
-/// backends. Written by the agent (start, reload).
+/// backends, and whether frames come in one buffer. Written by the agent (start, reload,
+/// interface changes).
 #[map(name = "LB_TUNNEL")]
 pub static LB_TUNNEL: Array<TunnelConfig> = Array::with_max_entries(1, 0);
 

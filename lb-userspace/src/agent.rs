@@ -21,8 +21,8 @@ use crate::{
     config::Config,
     control,
     dataplane::{
-        AttachHints, AttachTarget, AyaDataplane, Dataplane, EgressPort, FlowReader, Found,
-        LoadOptions, next::NextProgram, remove_pins,
+        AttachHints, AttachTarget, AttachedMode, AyaDataplane, Dataplane, EgressPort, FlowReader,
+        Found, LoadOptions, next::NextProgram, remove_pins,
     },
     doctor::{self, Level},
     explain::monotonic_ns,
@@ -345,7 +345,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     ports::prepare(&mut dataplane, &mut model, &ports, &interface)?;
     resolve_first_macs(&neighbors, &mut model).await;
     let mut desired = model.desired();
-    desired.tunnel = state::tunnel_config(config, &interface);
+    desired.tunnel = state::tunnel_config(config, &interface, None);
     let report = writer.apply(&mut dataplane, &desired)?;
     tracing::info!(
         "tables written: {} slots, {} table switches, {} backends",
@@ -355,6 +355,7 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
     );
     let next_program = next.as_ref().map(crate::status::NextProgramStatus::from);
     let attached = attach_chained(&mut dataplane, config, &interface, &hints, &mut ports, next)?;
+    desired.tunnel = tunnel_once_attached(&mut dataplane, config, &interface, attached.mode)?;
     let tables = Writer::spawn(Box::new(dataplane), writer, desired, flow_writer)
         .context("starting the table writer")?;
     let cluster =
@@ -373,6 +374,22 @@ async fn start(config: &Config) -> anyhow::Result<Started> {
         announcer,
         cluster,
     })
+}
+
+/// `LB_TUNNEL` written again once the program is attached in `mode`: until then frames
+/// are taken as possibly in several buffers; where none can be (native mode, an MTU one
+/// buffer holds), the program reads a frame's length without a helper call.
+fn tunnel_once_attached(
+    dataplane: &mut AyaDataplane,
+    config: &Config,
+    interface: &crate::neighbor::Interface,
+    mode: AttachedMode,
+) -> anyhow::Result<lb_common::TunnelConfig> {
+    let tunnel = state::tunnel_config(config, interface, Some(mode));
+    dataplane
+        .set_tunnel(&tunnel)
+        .context("writing the interface's settings")?;
+    Ok(tunnel)
 }
 
 /// The load-time options for `interface`, and `dataplane.next_program` opened (checked by

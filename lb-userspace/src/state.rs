@@ -468,7 +468,7 @@ impl State {
     /// What the tables are built from at `now`: the model's, and the tunnel settings.
     fn inputs_at(&self, now: Instant) -> TableInputs {
         TableInputs {
-            tunnel: tunnel_config(&self.config, &self.interface),
+            tunnel: tunnel_config(&self.config, &self.interface, self.mode),
             hot_sources: self.telemetry.hot.hot.keys().copied().collect(),
             ..self.model.table_inputs_at(now)
         }
@@ -1034,8 +1034,9 @@ impl State {
             self.interface.addresses = now.addresses;
             self.interface.mtu = now.mtu;
             // The default tunnel sources are the interface's addresses; the MTU bounds
-            // tunnelled packets.
-            if tunnel_config(&self.config, &self.interface) != self.last_inputs.tunnel {
+            // tunnelled packets, and says whether frames fit in one buffer.
+            let tunnel = tunnel_config(&self.config, &self.interface, self.mode);
+            if tunnel != self.last_inputs.tunnel {
                 self.sync();
             } else {
                 self.publish();
@@ -1288,12 +1289,25 @@ pub fn reload(
     Ok((changes, written))
 }
 
-/// `LB_TUNNEL` as `config` and `interface` make it: the outer sources
-/// (`Config::tunnel_source_for`; all zero: none of that family) and the interface MTU.
-pub fn tunnel_config(config: &Config, interface: &Interface) -> TunnelConfig {
+/// `LB_TUNNEL` as `config` and `interface`, attached in `mode` (None: not yet), make it:
+/// the outer sources (`Config::tunnel_source_for`; all zero: none of that family), the
+/// interface MTU, and whether every frame comes in one buffer. That holds only for one
+/// interface in native mode at most `SINGLE_BUFFER_MTU`: generic mode hands the program
+/// what GRO merged, in several buffers, and so does a driver above that MTU. An MTU
+/// raised later is followed (`interface_change`); frames bigger than one buffer that
+/// arrive before the agent writes this again count only their first buffer's bytes.
+pub fn tunnel_config(
+    config: &Config,
+    interface: &Interface,
+    mode: Option<AttachedMode>,
+) -> TunnelConfig {
     let source = |family: IpAddr| config.tunnel_source_for(family, &interface.addresses);
+    let linear = config.dataplane.interfaces.len() <= 1
+        && mode == Some(AttachedMode::Native)
+        && interface.mtu <= crate::dataplane::SINGLE_BUFFER_MTU;
     let mut tunnel = TunnelConfig {
         mtu: interface.mtu,
+        linear_frames: linear as u32,
         ..TunnelConfig::default()
     };
     if let Ok(IpAddr::V4(v4)) = source(Ipv4Addr::UNSPECIFIED.into()) {
@@ -3248,6 +3262,49 @@ mod tunnel_tests {
         assert_eq!(hop.address, "10.0.0.1");
         assert_eq!(hop.mac.as_deref(), Some("02:00:00:00:00:fe"));
         assert_eq!(status.vips[0].forward, crate::config::Forward::Ipip);
+    }
+
+    #[test]
+    fn frames_are_read_as_one_buffer_only_where_none_can_come_in_several() {
+        let one = config("ipip", &["10.1.0.11"]);
+        let mut interface = Interface {
+            name: "eth0".into(),
+            index: 1,
+            mac: MacAddr([2, 0, 0, 0, 0, 1]),
+            addresses: vec!["10.0.0.2".parse().unwrap()],
+            mtu: 1500,
+        };
+        let linear = |config: &Config, interface: &Interface, mode| {
+            tunnel_config(config, interface, mode).linear_frames
+        };
+        let native = Some(AttachedMode::Native);
+        assert_eq!(linear(&one, &interface, native), 1);
+        assert_eq!(
+            linear(&one, &interface, Some(AttachedMode::Generic)),
+            0,
+            "generic mode hands the program what GRO merged"
+        );
+        assert_eq!(linear(&one, &interface, None), 0, "not attached yet");
+        interface.mtu = crate::dataplane::SINGLE_BUFFER_MTU;
+        assert_eq!(linear(&one, &interface, native), 1);
+        interface.mtu += 1;
+        assert_eq!(linear(&one, &interface, native), 0, "jumbo frames");
+        interface.mtu = 1500;
+        let mut two = one.clone();
+        two.dataplane.interfaces = vec!["eth0".into(), "eth1".into()];
+        assert_eq!(linear(&two, &interface, native), 0, "several interfaces");
+
+        // The agent follows the MTU: raised above one buffer, the tables say so.
+        let mut state = agent(one);
+        state.interface_attached(interface.clone(), AttachedMode::Native);
+        assert_eq!(state.tables.desired().tunnel.linear_frames, 1);
+        let jumbo = Interface {
+            mtu: 9000,
+            ..interface
+        };
+        assert_eq!(state.interface_change(Some(jumbo)), InterfaceChange::None);
+        let tunnel = state.tables.desired().tunnel;
+        assert_eq!((tunnel.mtu, tunnel.linear_frames), (9000, 0));
     }
 
     #[test]

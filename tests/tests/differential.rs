@@ -545,6 +545,7 @@ impl Bed {
             src_v4: [10, 0, 0, 2],
             mtu: 1500,
             src_v6: [0; 16],
+            linear_frames: 1,
         };
         self.instance.dataplane.set_tunnel(&tunnel).unwrap();
         self.read_words();

@@ -1173,6 +1173,29 @@ fn syn_counts_a_new_flow_for_the_vip_and_backend() {
     });
 }
 
+/// An established flow's segment to the VIP's port 80 from port `src`, with `payload`
+/// bytes of data (a frame of 14 + 20 + 20 + 8 + `payload` bytes).
+fn segment(src: u16, payload: u32) -> Vec<u8> {
+    let mut frame = ipv4(
+        VIP,
+        L4::Tcp {
+            src,
+            dst: 80,
+            flags: TCP_ACK,
+        },
+    );
+    frame.extend((0..payload).map(|i| (i % 251) as u8));
+    let ip_len = (frame.len() - 14) as u16;
+    frame[16..18].copy_from_slice(&ip_len.to_be_bytes());
+    frame
+}
+
+/// The bytes the program counted for the web VIP's backend `backend_id`.
+fn backend_bytes(fixture: &Fixture, backend_id: u32) -> u64 {
+    let counters = fixture.dataplane.counters(&[], &[backend_id]).unwrap();
+    counters.backends[&backend_id].bytes
+}
+
 /// A jumbo frame (MTU 9000) arrives in several buffers: BPF_PROG_TEST_RUN puts what
 /// exceeds a page less headroom (about 3.5 KB) in fragments, as a multi-buffer driver
 /// does. The headers are in the first buffer; the program forwards the whole frame and
@@ -1183,23 +1206,9 @@ fn a_jumbo_frame_in_several_buffers_is_forwarded_whole() {
         "a_jumbo_frame_in_several_buffers_is_forwarded_whole",
         |fixture| {
             let (_, backend_id) = web_ids(fixture);
-            let bytes = |f: &Fixture| {
-                f.dataplane.counters(&[], &[backend_id]).unwrap().backends[&backend_id].bytes
-            };
-            // An established flow's segment: 14 + 20 + 20 + 8 + 8952 = 9014 bytes.
-            let mut frame = ipv4(
-                VIP,
-                L4::Tcp {
-                    src: 40123,
-                    dst: 80,
-                    flags: TCP_ACK,
-                },
-            );
-            frame.extend((0..8952u32).map(|i| (i % 251) as u8));
-            let ip_len = (frame.len() - 14) as u16;
-            frame[16..18].copy_from_slice(&ip_len.to_be_bytes());
+            let frame = segment(40123, 8952);
             assert_eq!(frame.len(), 9014);
-            let before = bytes(fixture);
+            let before = backend_bytes(fixture, backend_id);
             let result = run(fixture, &frame);
             assert_eq!(
                 action_name(result.action),
@@ -1215,10 +1224,37 @@ fn a_jumbo_frame_in_several_buffers_is_forwarded_whole() {
                 describe_difference(&want, &result.output)
             );
             assert_eq!(
-                bytes(fixture) - before,
+                backend_bytes(fixture, backend_id) - before,
                 frame.len() as u64,
                 "the backend's bytes count the whole frame"
             );
+        },
+    );
+}
+
+/// Where the agent says every frame comes in one buffer (`TunnelConfig::linear_frames`:
+/// one interface, native mode, an MTU one buffer holds), the program reads a frame's
+/// length from that buffer instead of asking the kernel, and counts it the same.
+#[test]
+fn a_frame_in_one_buffer_is_counted_whole_without_asking_the_kernel() {
+    with_fixture(
+        "a_frame_in_one_buffer_is_counted_whole_without_asking_the_kernel",
+        |fixture| {
+            let (_, backend_id) = web_ids(fixture);
+            let frame = segment(40124, 1400);
+            let linear = lb_common::TunnelConfig {
+                linear_frames: 1,
+                ..Default::default()
+            };
+            fixture.dataplane.set_tunnel(&linear).unwrap();
+            let before = backend_bytes(fixture, backend_id);
+            let result = run(fixture, &frame);
+            // The fixture is shared: the default again (ask the kernel), as the agent
+            // writes it before it knows the mode.
+            fixture.dataplane.set_tunnel(&Default::default()).unwrap();
+            assert_eq!(action_name(result.action), action_name(XDP_TX));
+            let counted = backend_bytes(fixture, backend_id) - before;
+            assert_eq!(counted, frame.len() as u64);
         },
     );
 }

@@ -340,6 +340,7 @@ fn tunnel_config(mtu: u32) -> TunnelConfig {
         src_v4: TUNNEL_SRC4,
         mtu,
         src_v6: v6(TUNNEL_SRC6),
+        linear_frames: 0,
     }
 }
 

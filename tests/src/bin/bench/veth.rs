@@ -160,7 +160,7 @@ pub fn run(opts: &Options) -> Result<Results> {
     let gen_ifindex = gen_ns.run(|| nix::net::if_::if_nametoindex(IFACE))??;
     let mut lb = Instance::load(&config_text())?;
     // The tunnels' next hop is gen too: the sink counts the wrapped frames.
-    make_tunnels(&mut lb, GEN_MAC)?;
+    make_tunnels(&mut lb, GEN_MAC, true)?;
     let mut swap_ebpf = load_program("xdp_mac_swap")?;
     let mut runs: Vec<Value> = Vec::new();
     let mut table = Table::new(
