@@ -153,7 +153,7 @@ pub(super) fn loaded_xdp<'a>(
         .ok_or(error(aya::programs::ProgramError::NotLoaded))?
         .try_into()
         .map_err(error)?;
-    program.load().map_err(error)?;
+    super::load_program(program).map_err(error)?;
     Ok(program)
 }
 

@@ -275,7 +275,7 @@ impl AyaDataplane {
             .ok_or(aya::programs::ProgramError::NotLoaded)
             .and_then(|p| p.try_into())
             .map_err(lb_xdp_error)?;
-        program.load().map_err(lb_xdp_error)?;
+        super::load_program(program).map_err(lb_xdp_error)?;
         Ok(ebpf)
     }
 

@@ -375,6 +375,26 @@ fn syscall_error(
     }))
 }
 
+/// Loads `program` into the kernel, again when the verifier gave up with EAGAIN: it
+/// stops when a signal is pending for the loading thread (a child's SIGCHLD, a SIGHUP),
+/// and libbpf retries the same way, up to 5 tries. A test run once failed so.
+pub(crate) fn load_program(
+    program: &mut aya::programs::Xdp,
+) -> Result<(), aya::programs::ProgramError> {
+    const TRIES: u32 = 5;
+    let mut tries = 1;
+    loop {
+        match program.load() {
+            Err(aya::programs::ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && tries < TRIES =>
+            {
+                tries += 1;
+            }
+            loaded => return loaded,
+        }
+    }
+}
+
 /// Another handle on the map `map` (`name`): a duplicated descriptor, for a reader or
 /// writer apart from the data path's own handle.
 fn dup_map(
