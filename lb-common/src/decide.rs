@@ -268,23 +268,11 @@ pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict>
     let Some(vip) = tables.vip(&packet.vip_key()) else {
         return Err(Verdict::pass(stat::PASS_NOT_VIP));
     };
-    // Coarse time: entries age in seconds.
-    let now = tables.now_ns();
     let Some(key) = tables.flow_key(packet) else {
         return Err(Verdict::pass(stat::PASS_NOT_VIP));
     };
-    // A SYN reads no entry (the lookup would be most of what a spoofed SYN costs): it
-    // takes the table, and an entry an earlier connection left on its tuple gives way
-    // at the new connection's next packet (`flow::follow`'s `CT_REUSED`).
     let udp = packet.proto == PROTO_UDP;
-    // A QUIC short header goes where its connection ID says, whatever its 5-tuple.
-    if udp
-        && !packet.icmp_too_big
-        && vip.flags & quic::VIP_F_QUIC != 0
-        && let Some(choice) = by_connection_id(tables, packet, &vip, key, now)
-    {
-        return Ok(choice);
-    }
+    // Before the clock: a packet in a stable slot needs neither it nor an entry.
     let slot = if vip.flags & VIP_F_STABLE != 0 && !packet.syn && !udp {
         let slot = table_slot(tables, packet, &vip);
         if slot.previous.is_none() {
@@ -294,6 +282,19 @@ pub fn decide<T: Tables>(tables: &T, packet: &Packet) -> Result<Choice, Verdict>
     } else {
         None
     };
+    // Coarse time: entries age in seconds.
+    let now = tables.now_ns();
+    // A QUIC short header goes where its connection ID says, whatever its 5-tuple.
+    if udp
+        && !packet.icmp_too_big
+        && vip.flags & quic::VIP_F_QUIC != 0
+        && let Some(choice) = by_connection_id(tables, packet, &vip, key, now)
+    {
+        return Ok(choice);
+    }
+    // A SYN reads no entry (the lookup would be most of what a spoofed SYN costs): it
+    // takes the table, and an entry an earlier connection left on its tuple gives way
+    // at the new connection's next packet (`flow::follow`'s `CT_REUSED`).
     let mut entry = if packet.syn { None } else { tables.flow(key) };
     if packet.icmp_too_big {
         return too_big(tables, packet, &vip, (key, slot), entry, now);

@@ -1234,7 +1234,10 @@ fn a_jumbo_frame_in_several_buffers_is_forwarded_whole() {
 
 /// Where the agent says every frame comes in one buffer (`TunnelConfig::linear_frames`:
 /// one interface, native mode, an MTU one buffer holds), the program reads a frame's
-/// length from that buffer instead of asking the kernel, and counts it the same.
+/// length from that buffer instead of asking the kernel, and counts it the same. That
+/// it reads the buffer shows in the frame the flag is wrong for: a jumbo frame in
+/// several buffers then counts its first buffer only (why the agent clears the flag
+/// above `SINGLE_BUFFER_MTU`).
 #[test]
 fn a_frame_in_one_buffer_is_counted_whole_without_asking_the_kernel() {
     with_fixture(
@@ -1249,12 +1252,22 @@ fn a_frame_in_one_buffer_is_counted_whole_without_asking_the_kernel() {
             fixture.dataplane.set_tunnel(&linear).unwrap();
             let before = backend_bytes(fixture, backend_id);
             let result = run(fixture, &frame);
+            let jumbo = segment(40125, 8952);
+            let jumbo_before = backend_bytes(fixture, backend_id);
+            let jumbo_result = run(fixture, &jumbo);
             // The fixture is shared: the default again (ask the kernel), as the agent
             // writes it before it knows the mode.
             fixture.dataplane.set_tunnel(&Default::default()).unwrap();
             assert_eq!(action_name(result.action), action_name(XDP_TX));
-            let counted = backend_bytes(fixture, backend_id) - before;
+            let counted = jumbo_before - before;
             assert_eq!(counted, frame.len() as u64);
+            assert_eq!(action_name(jumbo_result.action), action_name(XDP_TX));
+            let first_buffer = backend_bytes(fixture, backend_id) - jumbo_before;
+            assert!(
+                first_buffer < jumbo.len() as u64 && first_buffer >= 54,
+                "a multi-buffer frame counted {first_buffer} bytes with the flag set: the \
+                 program did not take the first buffer's length"
+            );
         },
     );
 }
