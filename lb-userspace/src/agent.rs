@@ -21,8 +21,8 @@ use crate::{
     config::Config,
     control,
     dataplane::{
-        AttachHints, AttachTarget, AttachedMode, AyaDataplane, Dataplane, EgressPort, FlowReader,
-        Found, LoadOptions, next::NextProgram, remove_pins,
+        AttachHints, AttachTarget, AttachedMode, AyaDataplane, CounterReader, Dataplane,
+        EgressPort, FlowReader, Found, LoadOptions, next::NextProgram, remove_pins,
     },
     doctor::{self, Level},
     explain::monotonic_ns,
@@ -35,6 +35,7 @@ use crate::{
     statefile,
     status::Start,
     tables::TableWriter,
+    turnover,
     writer::{Stabilizer, WriteFailed, Writer},
 };
 
@@ -644,11 +645,21 @@ async fn serve(
     let mut outliers = tokio::time::interval(crate::health::outlier::SAMPLE);
     // Its own task: a scan for it waits neither for this loop nor this loop for it.
     let stop_stabilizing = CancellationToken::new();
-    let (stabilizer, bound) = state.lock().expect("agent state poisoned").stabilizer();
+    let (stabilizer, idle, conntrack_entries, counters) = {
+        let state = state.lock().expect("agent state poisoned");
+        let (stabilizer, idle, conntrack_entries) = state.stabilizer();
+        (
+            stabilizer,
+            idle,
+            conntrack_entries,
+            state.counters_to_sample().0,
+        )
+    };
     tokio::spawn(stabilize_slots(
         stabilizer,
         flow_reader.clone(),
-        bound,
+        SampledTurnover::new(conntrack_entries, counters),
+        idle,
         stop_stabilizing.clone(),
     ));
     let _stop_stabilizing = stop_stabilizing.drop_guard();
@@ -858,26 +869,76 @@ async fn scan_and_sample(
     }
 }
 
-/// `stable_slots`: turns changed slots stable once they waited `bound`
-/// (`dataplane.flow_idle_timeout`) and no live entry holds them, until `stop` or the
-/// writer stops. Never under the agent's lock: the writer answers on its own thread.
+/// `stable_slots`: turns changed slots stable once they waited `idle`
+/// (`dataplane.flow_idle_timeout`) and the connection table's turnover (`turnover`),
+/// and no live entry holds them, until `stop` or the writer stops. Never under the
+/// agent's lock: the writer answers on its own thread.
 async fn stabilize_slots(
     stabilizer: Stabilizer,
     reader: Arc<FlowReader>,
-    bound: Duration,
+    mut turnover: SampledTurnover,
+    idle: Duration,
     stop: CancellationToken,
 ) {
     let (min, max) = STABILIZE_CHECK.into_inner();
-    let mut tick = tokio::time::interval((bound / 4).clamp(min, max));
+    let mut tick = tokio::time::interval((idle / 4).clamp(min, max));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let Some(bound) = turnover.bound(idle).await else {
+            continue;
+        };
         if !stabilize_once(&stabilizer, &reader, bound).await {
             return;
         }
+    }
+}
+
+/// The connection table's turnover (`turnover::Turnover`), sampled from the data path's
+/// counters at each look of the stabilizer.
+struct SampledTurnover {
+    counters: Arc<CounterReader>,
+    conntrack_entries: u32,
+    /// Made at the first reading, which tells how many CPUs count.
+    turnover: Option<turnover::Turnover>,
+}
+
+impl SampledTurnover {
+    fn new(conntrack_entries: u32, counters: Arc<CounterReader>) -> Self {
+        Self {
+            counters,
+            conntrack_entries,
+            turnover: None,
+        }
+    }
+
+    /// Takes a sample; the bound a changed slot waits now (`Turnover::bound`), None
+    /// while none may turn stable (or the counters could not be read).
+    async fn bound(&mut self, idle: Duration) -> Option<Duration> {
+        let counters = self.counters.clone();
+        let read = tokio::task::spawn_blocking(move || counters.counters(&[], &[])).await;
+        let entries = match read {
+            Ok(Ok(counters)) => counters.entries_per_cpu,
+            Ok(Err(error)) => {
+                let error = anyhow::Error::from(error);
+                tracing::warn!("stable slots: reading the counters: {error:#}");
+                return None;
+            }
+            Err(error) => {
+                tracing::warn!("stable slots: {error}");
+                return None;
+            }
+        };
+        let now = Instant::now();
+        let conntrack_entries = self.conntrack_entries;
+        let turnover = self
+            .turnover
+            .get_or_insert_with(|| turnover::Turnover::new(conntrack_entries, entries.len()));
+        turnover.record(now, entries);
+        turnover.bound(now, idle)
     }
 }
 

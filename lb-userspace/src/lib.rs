@@ -31,6 +31,7 @@ pub mod status;
 pub mod tables;
 pub mod telemetry;
 pub mod top;
+pub mod turnover;
 pub mod writer;
 
 #[cfg(test)]

@@ -840,8 +840,15 @@ impl State {
     }
 
     /// Marks drained what is done draining; returns whether any was.
+    ///
+    /// A `stable_slots` VIP's flows in stable slots have no entry to count: one that was
+    /// active just before the drain makes its entry (in its slot, changed by the drain)
+    /// only when it sends again. Its entry would have counted as active for
+    /// `flow_idle_timeout` after its last packet, so such a drain ends no sooner than
+    /// that after it began.
     fn finish_drains(&mut self, now: Instant) -> bool {
         let last_scan = self.telemetry.last_scan;
+        let idle = self.config.dataplane.flow_idle_timeout;
         let mut changed = false;
         for vip in &mut self.model.vips {
             for b in &mut vip.backends {
@@ -852,7 +859,10 @@ impl State {
                     continue;
                 }
                 let flows = self.telemetry.flows_of(b.id);
-                let counted_since = last_scan.is_some_and(|scan| scan > started);
+                let unseen_flows_idle =
+                    !vip.config.stable_slots || now.duration_since(started) >= idle;
+                let counted_since =
+                    last_scan.is_some_and(|scan| scan > started) && unseen_flows_idle;
                 let timed_out = now.duration_since(started) >= vip.config.drain_timeout;
                 if (counted_since && flows == 0) || timed_out {
                     b.drained = true;
@@ -875,13 +885,15 @@ impl State {
         changed
     }
 
-    /// `stable_slots`: the writer's handle for turning changed slots stable, and the bound
-    /// they wait (`dataplane.flow_idle_timeout`, fixed at start), for the agent's task
-    /// that does it outside this lock.
-    pub fn stabilizer(&self) -> (crate::writer::Stabilizer, std::time::Duration) {
+    /// `stable_slots`: the writer's handle for turning changed slots stable, the least
+    /// they wait (`dataplane.flow_idle_timeout`, fixed at start) and the connection
+    /// table's size (`turnover::Turnover`), for the agent's task that does it outside
+    /// this lock.
+    pub fn stabilizer(&self) -> (crate::writer::Stabilizer, std::time::Duration, u32) {
         (
             self.tables.stabilizer(),
             self.config.dataplane.flow_idle_timeout,
+            self.config.dataplane.conntrack_entries,
         )
     }
 
@@ -1852,6 +1864,27 @@ mod tests {
             .map(|b| b.config.address.to_string())
             .collect();
         assert_eq!(left, ["10.0.0.12"]);
+    }
+
+    #[test]
+    fn a_stable_slots_drain_waits_out_the_flows_that_have_no_entry_to_count() {
+        let mut config = config("eth0", &["10.0.0.11", "10.0.0.12"]);
+        config.vips[0].stable_slots = true;
+        let mut shared = shared(config);
+        let idle = shared.config.dataplane.flow_idle_timeout;
+        shared
+            .set_admin_state(&web(), "10.0.0.11".parse().unwrap(), AdminState::Drain)
+            .unwrap();
+        let scanned = Instant::now();
+        shared.telemetry.last_scan = Some(scanned);
+        shared.advance_drains(scanned + idle / 2).unwrap();
+        assert_eq!(
+            shared.model.vips[0].backends[0].admin_word(),
+            "draining",
+            "no entry counted, but a flow in a stable slot may still send and make one"
+        );
+        shared.advance_drains(scanned + idle).unwrap();
+        assert_eq!(shared.model.vips[0].backends[0].admin_word(), "drained");
     }
 
     #[test]

@@ -214,6 +214,34 @@ fn spread_ok(lab: &Lab, n: usize, when: &str) -> Spread {
     s
 }
 
+/// `n` new connections to the VIP from a client thread pinned to `cpu`: their packets
+/// meet the program on that CPU (a veth runs its peer's XDP where the sender runs).
+fn spread_on_cpu(lab: &Lab, n: usize, cpu: usize) -> Spread {
+    let addr = vip_addr(lab);
+    let s = lb_tests::client::spread_with(
+        lab.client(),
+        n,
+        move |i| {
+            if i == 0 {
+                let mut set = nix::sched::CpuSet::new();
+                set.set(cpu).map_err(std::io::Error::other)?;
+                nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+                    .map_err(std::io::Error::other)?;
+            }
+            lb_tests::client::tcp_request_here(addr, Duration::from_secs(2))
+        },
+        || false,
+    )
+    .expect("spread");
+    assert_eq!(s.failures, 0, "on CPU {cpu}: {:?}\n{}", s.errors, s.table());
+    s
+}
+
+/// The CPUs this machine has online.
+fn num_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 fn count(s: &Spread, name: &str) -> usize {
     s.counts.get(name).copied().unwrap_or(0)
 }
@@ -1063,7 +1091,10 @@ fn reload_refuses_each_setting_fixed_at_start_and_changes_nothing() {
 /// `ct_previous`, and are pinned there by an entry) for longer than twice the idle
 /// bound, so the scan that turns changed slots stable again must leave the slots of
 /// live pinned flows changed. New connections reach the added backend. Once the
-/// connections close, every slot turns stable within the bound and a few scans.
+/// connections close, the moved slots stay changed past the bound while the connection
+/// table has not turned over (an idle flow there would still have had its entry without
+/// the setting: `turnover`), and turn stable once enough new connections came after the
+/// change (the table is made small for it: `conntrack_entries = 256`, 128 per CPU).
 #[test]
 fn a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves() {
     let test = "a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves";
@@ -1081,6 +1112,7 @@ fn a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves() {
     vip.extra.push("stable_slots = true".into());
     let mut config = lab.agent_config(XdpMode::Native, vec![vip]);
     config.flow_idle_timeout = Some(idle);
+    config.conntrack_entries = Some(256);
     lab.start_agent(&bin, &config).expect("start the agent");
     let changed_slots = |s: &Value| {
         vip_status(s)["changed_slots"]
@@ -1118,16 +1150,27 @@ fn a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves() {
     );
     let moved = changed_slots(&st);
     let changed_at = Instant::now();
-    let s = spread_ok(&lab, 40, "after adding backend-3");
+    // Fewer new connections than a CPU's share of the table: it cannot have turned over.
+    let s = spread_ok(&lab, 20, "after adding backend-3");
     assert!(
         count(&s, &lab.backend_name(2)) > 0,
         "backend-3 got no new connection after it was added:\n{}",
         s.table()
     );
-    // Past twice the bound, with scans: live pinned flows keep their slots changed.
+    // Past twice the bound, with scans: no slot turns stable before the connection table
+    // turned over (an idle flow in it would still have had its entry without the setting).
     while changed_at.elapsed() < idle * 2 + SCAN_PERIOD {
         sleep(Duration::from_millis(200));
     }
+    assert_eq!(
+        changed_slots(&status(&lab)),
+        moved,
+        "moved slots turned stable before the connection table turned over"
+    );
+    // The table turned over by new connections: the slots without live pinned flows
+    // turn stable, the others stay changed.
+    let mut opened = turn_over(&lab, |s| changed_slots(s) < moved);
+    let held = changed_slots(&status(&lab));
     let rounds = chatter.rounds();
     let reports = chatter.stop();
     assert_chat_intact(&lab, &reports, rounds);
@@ -1162,25 +1205,41 @@ fn a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves() {
         0,
         "non-SYN packets missed:\n{st:#}"
     );
-    let held = changed_slots(&st);
     assert!(
         held > 0 && held < moved,
-        "after the bound, only the slots of live pinned flows stay changed: {held} of {moved}"
+        "after the turnover, only the slots of live pinned flows stay changed: {held} of {moved}"
     );
     for (i, r) in reports.into_iter().enumerate() {
         r.conn
             .close()
             .unwrap_or_else(|e| panic!("closing long-lived connection {i}: {e}"));
     }
-    let (_, took) = wait_status(
-        &lab,
-        idle + SCAN_PERIOD * 4,
-        "every slot stable again once the connections closed",
-        |s| changed_slots(s) == 0,
-    );
+    // Their entries count until the table turned over once more.
+    opened += turn_over(&lab, |s| changed_slots(s) == 0);
     eprintln!(
         "{test}: {moved} slots moved, {pinned} of 20 connections in them, {held} slots \
-         held changed by live flows after the bound; all stable {took:?} after the close; \
-         {rounds} rounds intact"
+         held changed by live flows after the turnover; all stable after the close and \
+         {opened} new connections in all; {rounds} rounds intact"
     );
+}
+
+/// Opens new connections to the VIP in batches, on each CPU in turn (an entry lives on
+/// the list of the CPU that made it), until `done` holds for the status: the
+/// connection table of `a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves`
+/// (256 entries, 128 per CPU) turns over. Returns how many it opened.
+fn turn_over(lab: &Lab, done: impl Fn(&Value) -> bool) -> usize {
+    let cpus = num_cpus();
+    let mut opened = 0;
+    while !done(&status(lab)) {
+        assert!(
+            opened < 2000,
+            "not done after {opened} new connections turned the 256-entry table over:\n{:#}",
+            status(lab)
+        );
+        spread_on_cpu(lab, 100, (opened / 100) % cpus);
+        opened += 100;
+        // A look of the stabilizer (every `idle / 4`) samples the counters, the next scans.
+        sleep(SCAN_PERIOD);
+    }
+    opened
 }

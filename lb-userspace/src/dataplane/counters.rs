@@ -72,14 +72,26 @@ impl CounterMaps<'_> {
 
     /// The outcome counters (indexed by `stat`), summed over CPUs.
     pub fn outcomes(&self) -> Result<Vec<u64>, DataplaneError> {
+        Ok(self.outcomes_and_entries()?.0)
+    }
+
+    /// The outcome counters, and per CPU the flows that made an entry or would have
+    /// made one outside a stable slot (`Counters::entries_per_cpu`).
+    fn outcomes_and_entries(&self) -> Result<(Vec<u64>, Vec<u64>), DataplaneError> {
         let per_cpu = self.stats.get(&0, 0).map_err(in_map(MAP_STATS))?;
         let mut sums = vec![0u64; stat::COUNT as usize];
+        let mut entries = Vec::new();
         for outcomes in per_cpu.iter() {
             for (sum, count) in sums.iter_mut().zip(outcomes.counts) {
                 *sum += count;
             }
+            let counts = &outcomes.counts;
+            entries.push(
+                counts[stat::CT_PROMOTED as usize]
+                    .saturating_sub(counts[stat::CT_INSERT_SKIPPED as usize]),
+            );
         }
-        Ok(sums)
+        Ok((sums, entries))
     }
 
     pub fn counters(
@@ -87,8 +99,10 @@ impl CounterMaps<'_> {
         vip_ids: &[u32],
         backend_ids: &[u32],
     ) -> Result<Counters, DataplaneError> {
+        let (outcomes, entries_per_cpu) = self.outcomes_and_entries()?;
         let mut counters = Counters {
-            outcomes: self.outcomes()?,
+            outcomes,
+            entries_per_cpu,
             ..Counters::default()
         };
         for &id in vip_ids {
