@@ -26,6 +26,9 @@
 #define CHUNKS 10         // a case's calls in a round come in chunks, programs alternating
 #define WARMUP 50         // untimed calls before each chunk
 #define PKT_LEN (14 + 20 + 20)
+#define PKT6_LEN (14 + 40 + 20)
+#define UDP_LEN (14 + 20 + 8)
+#define MAX_PKT PKT6_LEN
 #define MAX_ROUNDS 64
 // lb_common::stat indices; the count is read from LB_STATS's value size
 #define CT_CREATED 21
@@ -40,13 +43,15 @@ struct ctl_value { uint8_t mac[8]; };
 
 enum { P_EMPTY, P_LB, P_KATRAN, NPROGS };
 static const char *prog_name[NPROGS] = {"empty", "lb", "katran"};
-enum { C_SYN_NEW, C_EST, C_NONVIP, C_SYN_SAME, C_HANDSHAKE, C_EST16K, NCASES };
+enum { C_SYN_NEW, C_EST, C_NONVIP, C_SYN_SAME, C_HANDSHAKE, C_EST16K, C_UDP_EST, C_V6_EST, NCASES };
 static const char *case_name[NCASES] = {"syn_new_flow", "established", "non_vip", "same_syn",
-					 "handshake", "established_16k"}; // handshake: a new SYN and its first ACK, the two calls' sum
+					 "handshake", "established_16k", "udp_established",
+					 "ipv6_established"}; // handshake: a new SYN and its first ACK, the two calls' sum
 #define FLOWS16K 16384
 static uint64_t next16k[NPROGS]; // each program cycles the same 16k established flows
 
 static int prog_fd[NPROGS];
+static int pkt_len = PKT_LEN; // of the frame make_case made last
 static int katran_stats_fd, katran_lru_fd, lb_flood_fd = -1, lb_stats_fd = -1, lb_stat_count;
 static int ncpus, cpu;
 static uint64_t next_flow[NPROGS]; // each program sees the same sequence of new flows
@@ -68,9 +73,49 @@ static uint16_t csum(uint32_t sum, const void *p, int n)
 	return ~sum;
 }
 
+// Ethernet + IPv6 + TCP, no options, valid checksums; dst MAC is irrelevant.
+static void make_pkt6(uint8_t *p, const char *saddr, uint16_t sport, const char *daddr, uint8_t flags)
+{
+	static const uint8_t macs[12] = {2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2};
+	memset(p, 0, PKT6_LEN);
+	memcpy(p, macs, 12);
+	p[12] = 0x86, p[13] = 0xdd;
+	uint8_t *ip = p + 14;
+	ip[0] = 0x60, ip[4] = 0, ip[5] = 20, ip[6] = IPPROTO_TCP, ip[7] = 64;
+	inet_pton(AF_INET6, saddr, ip + 8);
+	inet_pton(AF_INET6, daddr, ip + 24);
+	struct tcphdr *th = (void *)(ip + 40);
+	th->source = htons(sport), th->dest = htons(80), th->seq = htonl(1), th->doff = 5;
+	th->window = htons(65535);
+	((uint8_t *)th)[13] = flags;
+	if (flags & 0x10) th->ack_seq = htonl(1);
+	uint32_t sum = 0;
+	for (int i = 0; i < 16; i++) sum += ((uint16_t *)(ip + 8))[i];
+	sum += htons(20) + htons(IPPROTO_TCP);
+	th->check = csum(sum, th, 20);
+	pkt_len = PKT6_LEN;
+}
+
+// Ethernet + IPv4 (DF) + UDP to port 80 with no payload; checksum 0 (none).
+static void make_udp(uint8_t *p, uint32_t saddr, uint16_t sport, uint32_t daddr)
+{
+	static const uint8_t macs[12] = {2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2};
+	memset(p, 0, UDP_LEN);
+	memcpy(p, macs, 12);
+	p[12] = 0x08;
+	struct iphdr *ip = (void *)(p + 14);
+	ip->version = 4, ip->ihl = 5, ip->tot_len = htons(28), ip->frag_off = htons(0x4000);
+	ip->ttl = 64, ip->protocol = IPPROTO_UDP, ip->saddr = saddr, ip->daddr = daddr;
+	ip->check = csum(0, ip, 20);
+	uint16_t *udp = (void *)(ip + 1);
+	udp[0] = htons(sport), udp[1] = htons(80), udp[2] = htons(8), udp[3] = 0;
+	pkt_len = UDP_LEN;
+}
+
 // Ethernet + IPv4 (DF) + TCP, no options, valid checksums; dst MAC is irrelevant.
 static void make_pkt(uint8_t *p, uint32_t saddr, uint16_t sport, uint32_t daddr, uint8_t flags)
 {
+	pkt_len = PKT_LEN;
 	static const uint8_t macs[12] = {2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2};
 	memset(p, 0, PKT_LEN);
 	memcpy(p, macs, 12);
@@ -107,6 +152,8 @@ static void make_case(uint8_t *p, int c, int prog, uint8_t flags_override)
 		make_pkt(p, ip4("10.98.0.1"), 20000 + k, vip, flags_override ? flags_override : 0x10);
 		break;
 	}
+	case C_UDP_EST: make_udp(p, ip4("10.99.0.4"), 40004, vip); break;
+	case C_V6_EST: make_pkt6(p, "fd00:99::1", 40005, "fd00:200::1", flags_override ? flags_override : 0x10); break;
 	case C_HANDSHAKE: { // flags_override 0x10: the ACK of the last SYN made
 		uint64_t k = flags_override ? next_flow[prog] - 1 : next_flow[prog]++;
 		make_pkt(p, htonl(ntohl(ip4("10.101.0.0")) + k / 60000), 1024 + k % 60000, vip,
@@ -120,19 +167,25 @@ static void make_case(uint8_t *p, int c, int prog, uint8_t flags_override)
 static uint32_t run_once(int p, int c, const uint8_t *pkt)
 {
 	uint8_t out[256];
-	LIBBPF_OPTS(bpf_test_run_opts, o, .data_in = pkt, .data_size_in = PKT_LEN,
+	LIBBPF_OPTS(bpf_test_run_opts, o, .data_in = pkt, .data_size_in = pkt_len,
 		    .data_out = out, .data_size_out = sizeof(out), .repeat = 1);
 	if (bpf_prog_test_run_opts(prog_fd[p], &o)) die("BPF_PROG_TEST_RUN");
 	int vip = p != P_EMPTY && c != C_NONVIP;
 	uint32_t want_ret = vip ? 3 /* XDP_TX */ : 2 /* XDP_PASS */;
-	uint32_t want_len = vip && p == P_KATRAN ? PKT_LEN + 20 /* IPIP */ : PKT_LEN;
+	int v6 = c == C_V6_EST;
+	uint32_t want_len = pkt_len + (vip && p == P_KATRAN ? (v6 ? 40 /* ip6ip6 */ : 20 /* IPIP */) : 0);
 	int ok = o.retval == want_ret && o.data_size_out == want_len;
-	if (ok && vip && p == P_LB) // dst MAC := a backend's 02:00:00:00:01:xx
-		ok = !memcmp(out, "\x02\0\0\0\x01", 5) && out[5] >= 1 && out[5] <= REALS;
-	if (ok && vip && p == P_KATRAN) { // outer IPv4 to a real 10.200.0.101-200
+	// dst MAC := a backend's 02:00:00:00:0N:xx, N = 1 (the TCP VIP), 2 (IPv6), 3 (UDP)
+	uint8_t vip_mac = v6 ? 2 : c == C_UDP_EST ? 3 : 1;
+	if (ok && vip && p == P_LB)
+		ok = !memcmp(out, "\x02\0\0\0", 4) && out[4] == vip_mac && out[5] >= 1 && out[5] <= REALS;
+	if (ok && vip && p == P_KATRAN && !v6) { // outer IPv4 to a real 10.200.0.101-200
 		uint32_t d = ntohl(*(uint32_t *)(out + 14 + 16)) - ntohl(ip4("10.200.0.100"));
 		ok = out[14 + 9] == IPPROTO_IPIP && d >= 1 && d <= REALS;
 	}
+	if (ok && vip && p == P_KATRAN && v6) // outer IPv6 (ip6ip6) to a real fd00:200::101-200
+		ok = out[14 + 6] == IPPROTO_IPV6 && out[14 + 24] == 0xfd && out[14 + 39] >= 1 &&
+		     out[14 + 39] <= REALS && out[14 + 38] == 1;
 	if (!ok) {
 		fprintf(stderr, "%s/%s: unexpected verdict %u, %u bytes\n", prog_name[p], case_name[c],
 			o.retval, o.data_size_out);
@@ -184,11 +237,16 @@ static double median(double *v, int n)
 // neither flood guard (Katran 125k/s/CPU, lb 100k/s/CPU) trips; both checks still run.
 static void chunk(int p, int c, uint32_t *durs, int n)
 {
-	uint8_t pkt[PKT_LEN];
+	uint8_t pkt[MAX_PKT];
 	if (p == P_KATRAN) zero_percpu(katran_stats_fd, MAX_VIPS + NEW_CONN_RATE_CNTR, 16);
 	if (p == P_LB) zero_percpu(lb_flood_fd, 0, 16);
-	if (c == C_EST) { // open the flow with its SYN (untimed); then the same ACK
+	if (c == C_EST || c == C_V6_EST) { // open the flow with its SYN (untimed); then the same ACK
 		make_case(pkt, c, p, 0x02);
+		run_once(p, c, pkt);
+	}
+	if (c == C_UDP_EST) { // open the flow (untimed): lb makes its entry at the second datagram
+		make_case(pkt, c, p, 0);
+		run_once(p, c, pkt);
 		run_once(p, c, pkt);
 	}
 	make_case(pkt, c, p, 0);
@@ -249,11 +307,27 @@ static void setup_katran(const char *path)
 		struct real_definition r = {.dst = {htonl(ntohl(ip4("10.200.0.100")) + id)}};
 		if (bpf_map_update_elem(map_fd(obj, "reals"), &id, &r, BPF_ANY)) die("reals");
 	}
-	int rings = map_fd(obj, "ch_rings");
-	for (uint32_t pos = 0; pos < RING_SIZE; pos++) {
-		uint32_t id = pos % REALS + 1;
-		if (bpf_map_update_elem(rings, &pos, &id, BPF_ANY)) die("ch_rings");
+	// The UDP VIP (vip_num 1) on the same reals; the IPv6 VIP (vip_num 2) on 100 IPv6
+	// reals fd00:200::1:1-100 (ids 101-200, F_IPV6: ip6ip6).
+	struct vip_definition udp = {.vip = {ip4("10.200.0.1")}, .port = htons(80), .proto = IPPROTO_UDP};
+	struct vip_meta udp_meta = {.flags = 0, .vip_num = 1};
+	if (bpf_map_update_elem(map_fd(obj, "vip_map"), &udp, &udp_meta, BPF_ANY)) die("vip_map");
+	struct vip_definition v6 = {.port = htons(80), .proto = IPPROTO_TCP};
+	inet_pton(AF_INET6, "fd00:200::1", v6.vip);
+	struct vip_meta v6_meta = {.flags = 0, .vip_num = 2};
+	if (bpf_map_update_elem(map_fd(obj, "vip_map"), &v6, &v6_meta, BPF_ANY)) die("vip_map");
+	for (uint32_t id = REALS + 1; id <= 2 * REALS; id++) {
+		struct real_definition r = {.dst = {htonl(0xfd000200), 0, 0, htonl(0x100 + id - REALS)},
+					    .flags = 1 /* F_IPV6 */};
+		if (bpf_map_update_elem(map_fd(obj, "reals"), &id, &r, BPF_ANY)) die("reals");
 	}
+	int rings = map_fd(obj, "ch_rings");
+	for (uint32_t vip_num = 0; vip_num < 3; vip_num++)
+		for (uint32_t pos = 0; pos < RING_SIZE; pos++) {
+			uint32_t id = pos % REALS + 1 + (vip_num == 2 ? REALS : 0);
+			uint32_t key = vip_num * RING_SIZE + pos;
+			if (bpf_map_update_elem(rings, &key, &id, BPF_ANY)) die("ch_rings");
+		}
 	struct ctl_value mac = {.mac = {2, 0, 0, 0, 0, 0xfe}};
 	uint32_t zero = 0;
 	if (bpf_map_update_elem(map_fd(obj, "ctl_array"), &zero, &mac, BPF_ANY)) die("ctl_array");
@@ -332,7 +406,7 @@ int main(int argc, char **argv)
 	// The 16k flows opened once (untimed): a SYN and its ACK each, the rate windows reset
 	// as they go so that no flood guard skips one.
 	for (int p = P_LB; p <= P_KATRAN; p++) {
-		uint8_t pkt[PKT_LEN];
+		uint8_t pkt[MAX_PKT];
 		for (int k = 0; k < FLOWS16K; k++) {
 			if (k % 1000 == 0) {
 				zero_percpu(katran_stats_fd, MAX_VIPS + NEW_CONN_RATE_CNTR, 16);

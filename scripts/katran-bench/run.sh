@@ -56,32 +56,43 @@ if [ -z "$EMPTY_OBJ" ]; then
 fi
 gcc -O2 -Wall -o "$WORK/memlat" "$HERE/memlat.c"
 
-# 4. lb in namespace kb-lb (veth kb-lb0 <-> kb-peer0 in kb-peer), generic XDP, one VIP
-#    10.200.0.1:80/tcp with 100 backends of fixed MACs and no health checks.
+# 4. lb in namespace kb-lb (veth kb-lb0 <-> kb-peer0 in kb-peer), XDP in $XDP_MODE, three
+#    VIPs (10.200.0.1:80/tcp, 10.200.0.1:80/udp, [fd00:200::1]:80/tcp) with 100 backends
+#    each, of fixed MACs, and no health checks.
 mkdir -p $BPFFS && { mountpoint -q $BPFFS || mount -t bpf bpf $BPFFS; }
 ip netns add kb-lb && ip netns add kb-peer
 ip link add kb-lb0 netns kb-lb type veth peer name kb-peer0 netns kb-peer
 ip -n kb-lb addr add 10.200.0.2/24 dev kb-lb0 && ip -n kb-peer addr add 10.200.0.3/24 dev kb-peer0
+ip -n kb-lb addr add fd00:200::2/64 dev kb-lb0 nodad
 ip -n kb-lb link set kb-lb0 up && ip -n kb-peer link set kb-peer0 up
 {
 	printf '[dataplane]\ninterface = "kb-lb0"\nxdp_mode = "%s"\npin_path = "%s/lb"\n\n' "$XDP_MODE" $BPFFS
 	printf '[control]\nsocket = "%s/lb.sock"\nmetrics = "off"\n\n' "$WORK"
-	printf '[[vip]]\nname = "bench"\naddress = "10.200.0.1"\nport = 80\nprotocol = "tcp"\n\n'
-	[ "$STABLE_SLOTS" = 1 ] && printf 'stable_slots = true\n'
-	printf '[vip.health]\nkind = "none"\n'
-	for i in $(seq 1 100); do
-		printf '\n[[vip.backend]]\naddress = "10.200.0.%d"\nmac = "02:00:00:00:01:%02x"\n' $((100 + i)) "$i"
-	done
+	# The TCP VIP (backends' MACs 02:00:00:00:01:xx), the same address's UDP port 80
+	# (03:xx) and an IPv6 TCP VIP (02:xx), each with 100 backends.
+	vip() { # name address protocol backend-address-format backend-offset mac-byte
+		printf '[[vip]]\nname = "%s"\naddress = "%s"\nport = 80\nprotocol = "%s"\n' "$1" "$2" "$3"
+		if [ "$STABLE_SLOTS" = 1 ] && [ "$3" = tcp ]; then printf 'stable_slots = true\n'; fi
+		printf '\n[vip.health]\nkind = "none"\n'
+		for i in $(seq 1 100); do
+			printf '\n[[vip.backend]]\naddress = "'"$4"'"\nmac = "02:00:00:00:%s:%02x"\n' \
+				$((i + $5)) "$6" "$i"
+		done
+		printf '\n'
+	}
+	vip bench 10.200.0.1 tcp '10.200.0.%d' 100 01
+	vip bench-udp 10.200.0.1 udp '10.200.0.%d' 100 03
+	vip bench6 fd00:200::1 tcp 'fd00:200::1:%x' 0 02
 } > "$WORK/lb.toml"
 "$LB" check --config "$WORK/lb.toml"
 [ "$XDP_MODE" = native ] && nsenter --net=/run/netns/kb-peer "$LB" peer attach kb-peer0 --pin-path $BPFFS/peer
 ip netns exec kb-lb "$LB" run --config "$WORK/lb.toml" --detach-on-exit > "$WORK/lb.log" 2>&1 &
 LB_PID=$!
-lb_ready() { # the link is pinned and all 100 backends hold Maglev slots
+lb_ready() { # the link is pinned and all 300 backends hold Maglev slots
 	[ -e $BPFFS/lb/link ] && "$LB" status --socket "$WORK/lb.sock" --json 2>/dev/null | python3 -c '
 import json, sys
 b = [b for v in json.load(sys.stdin)["vips"] for b in v["backends"]]
-sys.exit(not (len(b) == 100 and all(x["in_table"] and x["slots"] > 0 for x in b)))'
+sys.exit(not (len(b) == 300 and all(x["in_table"] and x["slots"] > 0 for x in b)))'
 }
 for _ in $(seq 100); do lb_ready && break; sleep 0.2; done
 lb_ready || { echo "lb did not get ready; see $WORK/lb.log" >&2; exit 1; }
