@@ -73,66 +73,66 @@ static uint16_t csum(uint32_t sum, const void *p, int n)
 	return ~sum;
 }
 
-// Ethernet + IPv6 + TCP, no options, valid checksums; dst MAC is irrelevant.
-static void make_pkt6(uint8_t *p, const char *saddr, uint16_t sport, const char *daddr, uint8_t flags)
+// The Ethernet header (dst MAC irrelevant) of a frame of `len` bytes, zeroed after it.
+static void eth(uint8_t *p, int len, uint16_t type)
 {
 	static const uint8_t macs[12] = {2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2};
-	memset(p, 0, PKT6_LEN);
+	memset(p, 0, len);
 	memcpy(p, macs, 12);
-	p[12] = 0x86, p[13] = 0xdd;
-	uint8_t *ip = p + 14;
-	ip[0] = 0x60, ip[4] = 0, ip[5] = 20, ip[6] = IPPROTO_TCP, ip[7] = 64;
-	inet_pton(AF_INET6, saddr, ip + 8);
-	inet_pton(AF_INET6, daddr, ip + 24);
-	struct tcphdr *th = (void *)(ip + 40);
-	th->source = htons(sport), th->dest = htons(80), th->seq = htonl(1), th->doff = 5;
-	th->window = htons(65535);
-	((uint8_t *)th)[13] = flags;
-	if (flags & 0x10) th->ack_seq = htonl(1);
-	uint32_t sum = 0;
-	for (int i = 0; i < 16; i++) sum += ((uint16_t *)(ip + 8))[i];
-	sum += htons(20) + htons(IPPROTO_TCP);
-	th->check = csum(sum, th, 20);
-	pkt_len = PKT6_LEN;
+	p[12] = type >> 8, p[13] = type & 0xff;
+	pkt_len = len;
 }
 
-// Ethernet + IPv4 (DF) + UDP to port 80 with no payload; checksum 0 (none).
-static void make_udp(uint8_t *p, uint32_t saddr, uint16_t sport, uint32_t daddr)
+// An IPv4 header (DF, TTL 64, checksum) carrying `l4_len` bytes of `proto`.
+static struct iphdr *ip4hdr(uint8_t *p, uint8_t proto, int l4_len, uint32_t saddr, uint32_t daddr)
 {
-	static const uint8_t macs[12] = {2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2};
-	memset(p, 0, UDP_LEN);
-	memcpy(p, macs, 12);
-	p[12] = 0x08;
 	struct iphdr *ip = (void *)(p + 14);
-	ip->version = 4, ip->ihl = 5, ip->tot_len = htons(28), ip->frag_off = htons(0x4000);
-	ip->ttl = 64, ip->protocol = IPPROTO_UDP, ip->saddr = saddr, ip->daddr = daddr;
+	ip->version = 4, ip->ihl = 5, ip->tot_len = htons(20 + l4_len), ip->frag_off = htons(0x4000);
+	ip->ttl = 64, ip->protocol = proto, ip->saddr = saddr, ip->daddr = daddr;
 	ip->check = csum(0, ip, 20);
-	uint16_t *udp = (void *)(ip + 1);
-	udp[0] = htons(sport), udp[1] = htons(80), udp[2] = htons(8), udp[3] = 0;
-	pkt_len = UDP_LEN;
+	return ip;
 }
 
-// Ethernet + IPv4 (DF) + TCP, no options, valid checksums; dst MAC is irrelevant.
-static void make_pkt(uint8_t *p, uint32_t saddr, uint16_t sport, uint32_t daddr, uint8_t flags)
+// A TCP header without options to port 80; `sum`: its pseudo-header's sum.
+static void tcphdr(void *at, uint16_t sport, uint8_t flags, uint32_t sum)
 {
-	pkt_len = PKT_LEN;
-	static const uint8_t macs[12] = {2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2};
-	memset(p, 0, PKT_LEN);
-	memcpy(p, macs, 12);
-	p[12] = 0x08;
-	struct iphdr *ip = (void *)(p + 14);
-	ip->version = 4, ip->ihl = 5, ip->tot_len = htons(40), ip->frag_off = htons(0x4000);
-	ip->ttl = 64, ip->protocol = IPPROTO_TCP, ip->saddr = saddr, ip->daddr = daddr;
-	ip->check = csum(0, ip, 20);
-	struct tcphdr *th = (void *)(ip + 1);
+	struct tcphdr *th = at;
 	th->source = htons(sport), th->dest = htons(80), th->seq = htonl(1), th->doff = 5;
 	th->window = htons(65535);
 	((uint8_t *)th)[13] = flags; // 0x02 SYN, 0x10 ACK
 	if (flags & 0x10) th->ack_seq = htonl(1);
-	uint32_t ph[3] = {saddr, daddr, htonl((IPPROTO_TCP << 16) | 20)};
+	th->check = csum(sum + htons(20) + htons(IPPROTO_TCP), th, 20);
+}
+
+// Ethernet + IPv4 + TCP, valid checksums.
+static void make_pkt(uint8_t *p, uint32_t saddr, uint16_t sport, uint32_t daddr, uint8_t flags)
+{
+	eth(p, PKT_LEN, 0x0800);
+	struct iphdr *ip = ip4hdr(p, IPPROTO_TCP, 20, saddr, daddr);
 	uint32_t sum = 0;
-	for (int i = 0; i < 6; i++) sum += ((uint16_t *)ph)[i];
-	th->check = csum(sum, th, 20);
+	for (int i = 0; i < 4; i++) sum += ((uint16_t *)&ip->saddr)[i];
+	tcphdr(ip + 1, sport, flags, sum);
+}
+
+// Ethernet + IPv6 + TCP, valid checksums.
+static void make_pkt6(uint8_t *p, const char *saddr, uint16_t sport, const char *daddr, uint8_t flags)
+{
+	eth(p, PKT6_LEN, 0x86dd);
+	uint8_t *ip = p + 14;
+	ip[0] = 0x60, ip[4] = 0, ip[5] = 20, ip[6] = IPPROTO_TCP, ip[7] = 64;
+	inet_pton(AF_INET6, saddr, ip + 8);
+	inet_pton(AF_INET6, daddr, ip + 24);
+	uint32_t sum = 0;
+	for (int i = 0; i < 16; i++) sum += ((uint16_t *)(ip + 8))[i];
+	tcphdr(ip + 40, sport, flags, sum);
+}
+
+// Ethernet + IPv4 + UDP to port 80 with no payload; checksum 0 (none).
+static void make_udp(uint8_t *p, uint32_t saddr, uint16_t sport, uint32_t daddr)
+{
+	eth(p, UDP_LEN, 0x0800);
+	uint16_t *udp = (void *)(ip4hdr(p, IPPROTO_UDP, 8, saddr, daddr) + 1);
+	udp[0] = htons(sport), udp[1] = htons(80), udp[2] = htons(8), udp[3] = 0;
 }
 
 static void make_case(uint8_t *p, int c, int prog, uint8_t flags_override)
