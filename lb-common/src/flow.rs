@@ -7,8 +7,8 @@
 //! more (one `LB_BACKENDS` element for a followed entry, none for an idle UDP one).
 
 use crate::{
-    BACKEND_F_SERVES_FLOWS, BackendInfo, EMBRYO_F_SYN, EMBRYONIC_SLOTS, Embryo, FLOW_F_CLOSING,
-    FLOW_F_LEARNED, FlowEntry, FlowKey, LAST_SEEN_GRANULARITY_NS, PROTO_UDP, stat,
+    ADDR_FAMILY_V4, BACKEND_F_SERVES_FLOWS, BackendInfo, EMBRYO_F_SYN, EMBRYONIC_SLOTS, Embryo,
+    FLOW_F_CLOSING, FLOW_F_LEARNED, FlowEntry, FlowKey, LAST_SEEN_GRANULARITY_NS, PROTO_UDP, stat,
 };
 
 /// What a decision reads besides the entry: in the kernel, its maps and load-time
@@ -139,7 +139,9 @@ pub fn entry_for(backend_id: u32, closing: bool, now: u64) -> FlowEntry {
 /// Where a flow's `Embryo` lives in `LB_EMBRYONIC` (the index), and what tells it from
 /// another flow's on the same slot (the tag, never 0: an empty slot is all zeroes). Two
 /// independent folds of the key, not the Maglev hash: a VIP hashed by source would give
-/// every flow of a client one slot, and the tag would repeat the index's bits.
+/// every flow of a client one slot, and the tag would repeat the index's bits. An IPv4
+/// key folds its two address words only: the other six are zero, and each fold is a
+/// multiply in one dependent chain (every SYN and every packet in a stable slot pays it).
 #[inline(always)]
 pub fn embryo_place(key: &FlowKey) -> (u32, u32) {
     let word = |bytes: &[u8; 16], i: usize| {
@@ -148,13 +150,20 @@ pub fn embryo_place(key: &FlowKey) -> (u32, u32) {
     let ports = (key.src_port as u32) << 16 | key.dst_port as u32;
     let mut tag = ports ^ key.proto as u32;
     let mut index = ports.rotate_left(16) ^ key.proto as u32;
-    for i in [0, 4, 8, 12] {
+    let mut fold = |i: usize| {
         for (n, w) in [word(&key.src, i), word(&key.dst, i)]
             .into_iter()
             .enumerate()
         {
             tag ^= w.rotate_left(n as u32 * 11);
             index = (index ^ w).wrapping_mul(0x9e37_79b1);
+        }
+    };
+    if key.family == ADDR_FAMILY_V4 {
+        fold(0);
+    } else {
+        for i in [0, 4, 8, 12] {
+            fold(i);
         }
     }
     ((index >> 16) & (EMBRYONIC_SLOTS - 1), tag | 1)
@@ -404,6 +413,24 @@ mod tests {
         let mut other_vip = key(1000);
         other_vip.dst[3] = 101;
         assert_ne!(embryo_place(&other_vip).1, embryo_place(&key(1000)).1);
+        // Many clients on one port spread too, over IPv4 (two address words folded) and
+        // over IPv6 (all eight).
+        for family in [crate::ADDR_FAMILY_V4, crate::ADDR_FAMILY_V6] {
+            let slots: std::collections::HashSet<u32> = (0..4096u16)
+                .map(|client| {
+                    let mut key = key(40000);
+                    key.family = family;
+                    let at = if family == crate::ADDR_FAMILY_V4 {
+                        2
+                    } else {
+                        14
+                    };
+                    key.src[at..at + 2].copy_from_slice(&client.to_be_bytes());
+                    embryo_place(&key).0
+                })
+                .collect();
+            assert!(slots.len() > 3900, "{} slots for 4096 clients", slots.len());
+        }
     }
 
     #[test]
