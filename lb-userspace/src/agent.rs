@@ -36,7 +36,7 @@ use crate::{
     status::Start,
     tables::TableWriter,
     turnover,
-    writer::{Stabilizer, WriteFailed, Writer},
+    writer::{Stabilizer, StabilizerParts, WriteFailed, Writer},
 };
 
 /// How often the neighbour table is re-read for backend MAC changes.
@@ -645,21 +645,10 @@ async fn serve(
     let mut outliers = tokio::time::interval(crate::health::outlier::SAMPLE);
     // Its own task: a scan for it waits neither for this loop nor this loop for it.
     let stop_stabilizing = CancellationToken::new();
-    let (stabilizer, idle, conntrack_entries, counters) = {
-        let state = state.lock().expect("agent state poisoned");
-        let (stabilizer, idle, conntrack_entries) = state.stabilizer();
-        (
-            stabilizer,
-            idle,
-            conntrack_entries,
-            state.counters_to_sample().0,
-        )
-    };
+    let parts = state.lock().expect("agent state poisoned").stabilizer();
     tokio::spawn(stabilize_slots(
-        stabilizer,
+        parts,
         flow_reader.clone(),
-        SampledTurnover::new(conntrack_entries, counters),
-        idle,
         stop_stabilizing.clone(),
     ));
     let _stop_stabilizing = stop_stabilizing.drop_guard();
@@ -873,13 +862,15 @@ async fn scan_and_sample(
 /// (`dataplane.flow_idle_timeout`) and the connection table's turnover (`turnover`),
 /// and no live entry holds them, until `stop` or the writer stops. Never under the
 /// agent's lock: the writer answers on its own thread.
-async fn stabilize_slots(
-    stabilizer: Stabilizer,
-    reader: Arc<FlowReader>,
-    mut turnover: SampledTurnover,
-    idle: Duration,
-    stop: CancellationToken,
-) {
+async fn stabilize_slots(parts: StabilizerParts, reader: Arc<FlowReader>, stop: CancellationToken) {
+    let StabilizerParts {
+        stabilizer,
+        idle,
+        conntrack_entries,
+        counters,
+        horizon,
+    } = parts;
+    let mut turnover = SampledTurnover::new(conntrack_entries, counters, horizon);
     let (min, max) = STABILIZE_CHECK.into_inner();
     let mut tick = tokio::time::interval((idle / 4).clamp(min, max));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -898,20 +889,26 @@ async fn stabilize_slots(
 }
 
 /// The connection table's turnover (`turnover::Turnover`), sampled from the data path's
-/// counters at each look of the stabilizer.
+/// counters at each look of the stabilizer, its horizon published.
 struct SampledTurnover {
     counters: Arc<CounterReader>,
     conntrack_entries: u32,
     /// Made at the first reading, which tells how many CPUs count.
     turnover: Option<turnover::Turnover>,
+    published: Arc<turnover::PublishedHorizon>,
 }
 
 impl SampledTurnover {
-    fn new(conntrack_entries: u32, counters: Arc<CounterReader>) -> Self {
+    fn new(
+        conntrack_entries: u32,
+        counters: Arc<CounterReader>,
+        published: Arc<turnover::PublishedHorizon>,
+    ) -> Self {
         Self {
             counters,
             conntrack_entries,
             turnover: None,
+            published,
         }
     }
 
@@ -938,6 +935,7 @@ impl SampledTurnover {
             .turnover
             .get_or_insert_with(|| turnover::Turnover::new(conntrack_entries, entries.len()));
         turnover.record(now, entries);
+        self.published.set(turnover.horizon());
         turnover.bound(now, idle)
     }
 }

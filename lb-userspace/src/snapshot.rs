@@ -79,6 +79,8 @@ pub struct StatusSource {
     pub(crate) counters: Arc<CounterReader>,
     /// The slot words of `stable_slots` VIPs, as the table writer last wrote them.
     pub(crate) slot_words: Arc<SlotWords>,
+    /// `stable_slots`: when the connection table last turned over (`turnover`).
+    pub(crate) horizon: Arc<crate::turnover::PublishedHorizon>,
     pub(crate) telemetry: Telemetry,
     pub(crate) interface: Interface,
     pub(crate) interface_gone: Option<Instant>,
@@ -392,6 +394,12 @@ impl StatusSource {
             quic_cid_unknown: quic.cid_unknown,
             stable_slots: vip.config.stable_slots,
             changed_slots: self.slot_words.changed(vip.id),
+            turned_over_seconds_ago: vip
+                .config
+                .stable_slots
+                .then(|| self.horizon.get())
+                .flatten()
+                .map(|horizon| horizon.elapsed().as_secs()),
             backends,
         }
     }

@@ -74,6 +74,8 @@ pub struct State {
     model: Model,
     /// The table writer, and through it the data path.
     tables: Writer,
+    /// `stable_slots`: the connection table's turnover as the stabilizer last found it.
+    horizon: Arc<crate::turnover::PublishedHorizon>,
     interface: Interface,
     /// The XDP mode attached; None while the interface is gone.
     mode: Option<AttachedMode>,
@@ -205,6 +207,7 @@ impl State {
             config,
             model,
             tables,
+            horizon: Arc::default(),
             interface,
             mode: Some(mode),
             native_refused: None,
@@ -885,16 +888,16 @@ impl State {
         changed
     }
 
-    /// `stable_slots`: the writer's handle for turning changed slots stable, the least
-    /// they wait (`dataplane.flow_idle_timeout`, fixed at start) and the connection
-    /// table's size (`turnover::Turnover`), for the agent's task that does it outside
-    /// this lock.
-    pub fn stabilizer(&self) -> (crate::writer::Stabilizer, std::time::Duration, u32) {
-        (
-            self.tables.stabilizer(),
-            self.config.dataplane.flow_idle_timeout,
-            self.config.dataplane.conntrack_entries,
-        )
+    /// `stable_slots`: what the agent's task that turns changed slots stable needs,
+    /// outside this lock.
+    pub fn stabilizer(&self) -> crate::writer::StabilizerParts {
+        crate::writer::StabilizerParts {
+            stabilizer: self.tables.stabilizer(),
+            idle: self.config.dataplane.flow_idle_timeout,
+            conntrack_entries: self.config.dataplane.conntrack_entries,
+            counters: self.tables.counters(),
+            horizon: self.horizon.clone(),
+        }
     }
 
     /// What a counter sample reads, to read outside this lock: the counters' read side
@@ -998,6 +1001,7 @@ impl State {
             lookups: self.tables.lookups(),
             counters: self.tables.counters(),
             slot_words: self.tables.slot_words(),
+            horizon: self.horizon.clone(),
             telemetry: self.telemetry.clone(),
             interface: self.interface.clone(),
             interface_gone: self.interface_gone,

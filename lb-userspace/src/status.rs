@@ -307,6 +307,12 @@ pub struct VipStatus {
     /// entries until a scan finds they may turn stable (0 without `stable_slots`).
     #[serde(default)]
     pub changed_slots: usize,
+    /// With `stable_slots`: how long ago the connection table last turned over (every
+    /// CPU made its share of `conntrack_entries` since): a changed slot whose last change
+    /// came before may turn stable. None without `stable_slots`, or while it has not
+    /// turned over since the agent started.
+    #[serde(default)]
+    pub turned_over_seconds_ago: Option<u64>,
     pub backends: Vec<BackendStatus>,
 }
 
@@ -653,10 +659,14 @@ fn render_vip(out: &mut String, vip: &VipStatus, announcing: bool) {
         );
     }
     if vip.stable_slots {
+        let turned_over = match vip.turned_over_seconds_ago {
+            Some(seconds) => format!("last turned over {seconds}s ago"),
+            None => "has not turned over since the agent started".to_string(),
+        };
         let _ = writeln!(
             out,
-            "  stable slots: {} changed slots (their flows make entries until a scan turns \
-             them stable)",
+            "  stable slots: {} changed slots (their flows make entries until the connection \
+             table has turned over since their change; it {turned_over})",
             vip.changed_slots
         );
     }
@@ -878,6 +888,7 @@ pub mod tests {
                 quic_cid_unknown: 0,
                 stable_slots: false,
                 changed_slots: 0,
+                turned_over_seconds_ago: None,
                 backends: vec![backend("10.0.0.11"), backend("10.0.0.12")],
             }],
             counters: BTreeMap::new(),
@@ -925,9 +936,21 @@ pub mod tests {
         (status.vips[0].stable_slots, status.vips[0].changed_slots) = (true, 12);
         let text = render(&status);
         assert!(text.contains("  stable slots: 12 changed slots"), "{text}");
+        assert!(
+            text.contains("has not turned over since the agent started"),
+            "{text}"
+        );
         let json = serde_json::to_value(&status).unwrap();
         assert_eq!(json["vips"][0]["stable_slots"], true);
         assert_eq!(json["vips"][0]["changed_slots"], 12);
+        assert_eq!(
+            json["vips"][0]["turned_over_seconds_ago"],
+            serde_json::Value::Null
+        );
+        status.vips[0].turned_over_seconds_ago = Some(42);
+        assert!(render(&status).contains("it last turned over 42s ago"));
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["vips"][0]["turned_over_seconds_ago"], 42);
     }
 
     #[test]

@@ -20,6 +20,7 @@
 //! as long as the maps), so it holds no flow back.
 
 use std::collections::VecDeque;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Samples kept at most; past it, every other one of the older half goes (a coarser
@@ -100,6 +101,22 @@ impl Turnover {
     pub fn bound(&self, now: Instant, idle: Duration) -> Option<Duration> {
         let horizon = self.horizon()?;
         Some(idle.max(now.saturating_duration_since(horizon)))
+    }
+}
+
+/// The horizon as the stabilizer last found it, for `lb status`: written by the
+/// stabilizer's task only, read by status.
+#[derive(Debug, Default)]
+pub struct PublishedHorizon(Mutex<Option<Instant>>);
+
+impl PublishedHorizon {
+    pub fn set(&self, horizon: Option<Instant>) {
+        *self.0.lock().expect("horizon poisoned") = horizon;
+    }
+
+    /// None while the table has not turned over since the agent started.
+    pub fn get(&self) -> Option<Instant> {
+        *self.0.lock().expect("horizon poisoned")
     }
 }
 

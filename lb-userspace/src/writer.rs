@@ -305,6 +305,19 @@ impl Stabilizer {
     }
 }
 
+/// What the task that turns changed slots stable needs (`State::stabilizer`).
+pub struct StabilizerParts {
+    /// The writer's handle.
+    pub stabilizer: Stabilizer,
+    /// The least a changed slot waits: `dataplane.flow_idle_timeout`, fixed at start.
+    pub idle: Duration,
+    /// The connection table's size (`turnover::Turnover`).
+    pub conntrack_entries: u32,
+    pub counters: Arc<CounterReader>,
+    /// Where the horizon found is published, for status.
+    pub horizon: Arc<crate::turnover::PublishedHorizon>,
+}
+
 impl Writer {
     /// A writer thread over `dataplane`, whose tables `tables` wrote last (`desired`);
     /// `flows`: the connection table's handle for the cluster's imports.

@@ -1162,15 +1162,33 @@ fn a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves() {
     while changed_at.elapsed() < idle * 2 + SCAN_PERIOD {
         sleep(Duration::from_millis(200));
     }
+    let st = status(&lab);
     assert_eq!(
-        changed_slots(&status(&lab)),
+        changed_slots(&st),
         moved,
         "moved slots turned stable before the connection table turned over"
+    );
+    // Status says when the table last turned over: before the change.
+    let horizon = |s: &Value| {
+        vip_status(s)["turned_over_seconds_ago"]
+            .as_u64()
+            .map(|ago| Instant::now() - Duration::from_secs(ago))
+    };
+    let before = horizon(&st);
+    assert!(
+        before.is_none_or(|h| h <= changed_at + Duration::from_secs(1)),
+        "status says the table turned over after the change, but the slots stay changed"
     );
     // The table turned over by new connections: the slots without live pinned flows
     // turn stable, the others stay changed.
     let mut opened = turn_over(&lab, |s| changed_slots(s) < moved);
-    let held = changed_slots(&status(&lab));
+    let st = status(&lab);
+    let held = changed_slots(&st);
+    let after = horizon(&st).expect("status says when the table turned over");
+    assert!(
+        after + Duration::from_secs(1) >= changed_at,
+        "slots turned stable, but status says the table last turned over before the change"
+    );
     let rounds = chatter.rounds();
     let reports = chatter.stop();
     assert_chat_intact(&lab, &reports, rounds);
