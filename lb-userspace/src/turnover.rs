@@ -12,7 +12,7 @@
 //! balanced afresh) only once no flow idle since the change would still have an entry:
 //! once every CPU made its share of entries since. `Turnover` keeps samples of each
 //! CPU's count of flows that make an entry, or would make one outside a stable slot
-//! (`ct_promoted` less `ct_insert_skipped`: a flow's second packet), and finds the
+//! (`entries_made`: `ct_promoted` less `ct_insert_skipped`), and finds the
 //! latest such moment, the *horizon*. The stabilizer waits for it as well as for
 //! `flow_idle_timeout`: `bound` is how long ago the later of the two was.
 //!
@@ -104,6 +104,15 @@ impl Turnover {
     }
 }
 
+/// One CPU's count for `Turnover::record`, from its `ct_promoted` (flows entered at
+/// their second packet, or counted there in a stable slot) and `ct_insert_skipped`
+/// (inserts the flood guard skipped): the flows that made an entry or would have made
+/// one. 0 only where no flow was ever promoted, which `Turnover` reads as "no entry
+/// made on this CPU", however many inserts were skipped.
+pub fn entries_made(promoted: u64, skipped: u64) -> u64 {
+    promoted.saturating_sub(skipped).max(promoted.min(1))
+}
+
 /// The horizon as the stabilizer last found it, for `lb status`: written by the
 /// stabilizer's task only, read by status.
 #[derive(Debug, Default)]
@@ -172,6 +181,18 @@ mod tests {
         );
         turnover.record(at(10), vec![60, 0]);
         assert_eq!(turnover.horizon(), Some(at(5)), "CPU 0 made 57 since 5");
+    }
+
+    #[test]
+    fn skipped_inserts_count_against_entries_but_never_hide_that_some_were_made() {
+        assert_eq!(entries_made(0, 0), 0);
+        assert_eq!(entries_made(0, 5), 0);
+        assert_eq!(entries_made(10, 3), 7);
+        assert_eq!(
+            entries_made(3, 10),
+            1,
+            "promoted flows: not a CPU without entries"
+        );
     }
 
     #[test]

@@ -85,11 +85,10 @@ impl CounterMaps<'_> {
             for (sum, count) in sums.iter_mut().zip(outcomes.counts) {
                 *sum += count;
             }
-            let counts = &outcomes.counts;
-            entries.push(
-                counts[stat::CT_PROMOTED as usize]
-                    .saturating_sub(counts[stat::CT_INSERT_SKIPPED as usize]),
-            );
+            entries.push(crate::turnover::entries_made(
+                outcomes.counts[stat::CT_PROMOTED as usize],
+                outcomes.counts[stat::CT_INSERT_SKIPPED as usize],
+            ));
         }
         Ok((sums, entries))
     }
