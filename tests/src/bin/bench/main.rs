@@ -205,6 +205,9 @@ fn run(args: &Args) -> Result<()> {
                 // Reported in their own table; issue 8's target is for L2 DSR.
                 continue;
             }
+            // Issue 8 (and 36) ask 0.85x where flows are few; issue 36 0.7x at 16k, where
+            // every flow's state is out of the CPU's caches.
+            let target = if *flows >= 16384 { 0.7 } else { 0.85 };
             goals.push(Goal {
                 what: format!(
                     "veth {proto}, {flows} flows ({}): lb_xdp / xdp_mac_swap Mpps",
@@ -216,8 +219,8 @@ fn run(args: &Args) -> Result<()> {
                     num(*lb, 2),
                     num(*base, 2)
                 ),
-                target: ">= 0.85".into(),
-                met: ratio.is_finite().then_some(*ratio >= 0.85),
+                target: format!(">= {target}"),
+                met: ratio.is_finite().then_some(*ratio >= target),
             });
         }
         tables.extend(r.tables);
