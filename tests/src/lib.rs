@@ -247,6 +247,17 @@ pub const REQUIRE_ALL_ENV: &str = "LB_REQUIRE_ALL_TESTS";
 pub const LB_BIN_ENV: &str = "LB_BIN";
 
 /// The workspace root (the parent of this crate).
+/// The CPUs this process may run on (its affinity), in order: where a test pins a
+/// thread to make the program run on each CPU in turn (a veth runs its peer's XDP on the
+/// sender's CPU; the connection table keeps a list per CPU).
+pub fn allowed_cpus() -> Vec<usize> {
+    let me = nix::unistd::Pid::from_raw(0);
+    let allowed = nix::sched::sched_getaffinity(me).expect("sched_getaffinity");
+    (0..nix::sched::CpuSet::count())
+        .filter(|&cpu| allowed.is_set(cpu).unwrap_or(false))
+        .collect()
+}
+
 pub fn workspace_root() -> PathBuf {
     let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
     root.canonicalize().unwrap_or_else(|_| root.to_path_buf())

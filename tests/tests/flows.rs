@@ -237,11 +237,6 @@ fn spread_on_cpu(lab: &Lab, n: usize, cpu: usize) -> Spread {
     s
 }
 
-/// The CPUs this machine has online.
-fn num_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
 fn count(s: &Spread, name: &str) -> usize {
     s.counts.get(name).copied().unwrap_or(0)
 }
@@ -1246,7 +1241,7 @@ fn a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves() {
 /// connection table of `a_connection_in_a_stable_slot_keeps_its_backend_when_the_slot_moves`
 /// (256 entries, 128 per CPU) turns over. Returns how many it opened.
 fn turn_over(lab: &Lab, done: impl Fn(&Value) -> bool) -> usize {
-    let cpus = num_cpus();
+    let cpus = lb_tests::allowed_cpus();
     let mut opened = 0;
     while !done(&status(lab)) {
         assert!(
@@ -1254,7 +1249,7 @@ fn turn_over(lab: &Lab, done: impl Fn(&Value) -> bool) -> usize {
             "not done after {opened} new connections turned the 256-entry table over:\n{:#}",
             status(lab)
         );
-        spread_on_cpu(lab, 100, (opened / 100) % cpus);
+        spread_on_cpu(lab, 100, cpus[(opened / 100) % cpus.len()]);
         opened += 100;
         // A look of the stabilizer (every `idle / 4`) samples the counters, the next scans.
         sleep(SCAN_PERIOD);

@@ -125,7 +125,7 @@ pub struct Counters {
     /// Indexed by `lb_common::stat`.
     pub outcomes: Vec<u64>,
     /// Per CPU: flows that made a connection-table entry, or would have made one outside
-    /// a stable slot (`ct_promoted` less `ct_insert_skipped`), for `turnover::Turnover`.
+    /// a stable slot (`turnover::entries_made`), for `turnover::Turnover`.
     /// Empty where the data path does not count per CPU.
     pub entries_per_cpu: Vec<u64>,
     pub vips: HashMap<u32, TrafficCounters>,

@@ -197,9 +197,7 @@ pub fn scan(entries: u32, rounds: usize) -> Result<(Table, Value)> {
     // own CPU's share, so the table is filled from every CPU in turn, as traffic would.
     let me = nix::unistd::Pid::from_raw(0);
     let allowed = nix::sched::sched_getaffinity(me)?;
-    let cpus: Vec<usize> = (0..nix::sched::CpuSet::count())
-        .filter(|&c| allowed.is_set(c).unwrap_or(false))
-        .collect();
+    let cpus = lb_tests::allowed_cpus();
     let share = (entries as usize / cpus.len().max(1)).max(1);
     for i in 0..entries {
         if (i as usize).is_multiple_of(share) {
