@@ -237,21 +237,22 @@ pub fn fold(sum: u32) -> u16 {
 /// A hash of the flow's addresses and ports (MurmurHash3's finaliser over their
 /// xor-fold): the outer UDP source port and IPv6 flow label, the same for every packet
 /// of a flow. Cheaper than the Maglev hash, which an established flow does not compute.
+/// An IPv4 flow folds its first address words alone: the other three are zero, so the
+/// hash is the same, for 12 loads and xors less.
 #[inline(always)]
 fn flow_entropy(packet: &Packet) -> u32 {
     let s = packet.src_addr.as_ptr() as *const u16;
     let d = packet.dst_addr.as_ptr() as *const u16;
     let mut h = ((packet.src_port_be as u32) << 16) | packet.dst_port_be as u32;
-    for i in 0..4 {
-        let (s0, s1, d0, d1) = unsafe {
-            (
-                *s.add(2 * i) as u32,
-                *s.add(2 * i + 1) as u32,
-                *d.add(2 * i) as u32,
-                *d.add(2 * i + 1) as u32,
-            )
-        };
-        h ^= (s0 << 16 | s1) ^ (d1 << 16 | d0);
+    // Word i of both addresses, folded (the pairs' halves as they sit in memory).
+    let fold = |i: usize| unsafe {
+        let (s0, s1) = (*s.add(2 * i) as u32, *s.add(2 * i + 1) as u32);
+        let (d0, d1) = (*d.add(2 * i) as u32, *d.add(2 * i + 1) as u32);
+        (s0 << 16 | s1) ^ (d1 << 16 | d0)
+    };
+    h ^= fold(0);
+    if packet.family != ADDR_FAMILY_V4 {
+        h ^= fold(1) ^ fold(2) ^ fold(3);
     }
     lb_common::fmix32(h)
 }
