@@ -374,9 +374,8 @@ mod program {
             let dst = (*eth).dst_addr.as_mut_ptr();
             (dst as *mut u32).write_unaligned((mac as *const u32).read_unaligned());
             (dst.add(4) as *mut u16).write_unaligned((mac.add(4) as *const u16).read_unaligned());
-            match &port {
-                Some(port) => port.write_source((*eth).src_addr.as_mut_ptr()),
-                None => (*eth).src_addr = core::ptr::read_volatile(&IFACE_MAC),
+            if !port.write_source((*eth).src_addr.as_mut_ptr()) {
+                (*eth).src_addr = core::ptr::read_volatile(&IFACE_MAC);
             }
         }
         count_traffic(&LB_VIP_STATS, vip_id, bytes, new_flow);
@@ -387,10 +386,7 @@ mod program {
         if packet.ipv4_options {
             stats.count(stat::SEEN_IPV4_OPTIONS);
         }
-        match port {
-            Some(port) => Ok(egress::send(ctx, &port, bytes, new_flow)),
-            None => Ok(Verdict::tx(stat::XDP_TX)),
-        }
+        Ok(egress::send(ctx, &port, bytes, new_flow))
     }
 
     /// Copies the frame's first `CAPTURE_BYTES` to the debug capture, at most
