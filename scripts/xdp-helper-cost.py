@@ -30,11 +30,13 @@ libc = ctypes.CDLL(None, use_errno=True)
 
 
 def bpf(cmd, attr):
+    """The bpf(2) syscall on `attr`: its return value, and `attr` as the kernel left it."""
     buf = ctypes.create_string_buffer(attr, 256)
-    if libc.syscall(SYS_BPF, cmd, buf, 256) < 0:
+    ret = libc.syscall(SYS_BPF, cmd, buf, 256)
+    if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    return buf.raw
+    return ret, buf.raw
 
 
 def insn(code, dst=0, src=0, off=0, imm=0):
@@ -56,37 +58,34 @@ PROGRAMS = {
     "adjust_head(0)": mov_imm(2, 0) + call(HELPER_ADJUST_HEAD) + RETURN_PASS,
     "adjust_head(-20)": mov_imm(2, -20) + call(HELPER_ADJUST_HEAD) + RETURN_PASS,
 }
-keep = []
 
 
 def load(name, code):
     insns = ctypes.create_string_buffer(code)
     license = ctypes.create_string_buffer(b"GPL")
     log = ctypes.create_string_buffer(65536)
-    keep.extend([insns, license, log])
     attr = struct.pack(
         "<IIQQIIQII16s", BPF_PROG_TYPE_XDP, len(code) // 8, ctypes.addressof(insns),
         ctypes.addressof(license), 1, len(log), ctypes.addressof(log), 0, 0,
         name.encode()[:15].replace(b"(", b"_").replace(b")", b"_").replace(b"-", b"m"),
     )
-    fd = libc.syscall(SYS_BPF, BPF_PROG_LOAD, ctypes.create_string_buffer(attr, 256), 256)
-    if fd < 0:
-        err = ctypes.get_errno()
-        sys.exit(f"loading {name}: {os.strerror(err)}\n{log.value.decode(errors='replace')}")
-    return fd
+    try:
+        return bpf(BPF_PROG_LOAD, attr)[0]
+    except OSError as e:
+        sys.exit(f"loading {name}: {e.strerror}\n{log.value.decode(errors='replace')}")
 
 
-frame_in = ctypes.create_string_buffer(bytes(64))
-frame_out = ctypes.create_string_buffer(4096)
+frame_in = (ctypes.c_char * 64)()
+frame_out = (ctypes.c_char * 4096)()
 
 
 def test_run(fd, repeat):
     """Kernel ns per run, as BPF_PROG_TEST_RUN reports it."""
     attr = struct.pack(
-        "<IIIIQQII", fd, 0, len(frame_in) - 1, len(frame_out),
+        "<IIIIQQII", fd, 0, len(frame_in), len(frame_out),
         ctypes.addressof(frame_in), ctypes.addressof(frame_out), repeat, 0,
     )
-    out = bpf(BPF_PROG_TEST_RUN, attr)
+    _, out = bpf(BPF_PROG_TEST_RUN, attr)
     retval, duration = struct.unpack_from("<I", out, 4)[0], struct.unpack_from("<I", out, 36)[0]
     if retval != XDP_PASS:
         sys.exit(f"unexpected verdict {retval}")

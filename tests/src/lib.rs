@@ -246,7 +246,6 @@ pub const REQUIRE_ALL_ENV: &str = "LB_REQUIRE_ALL_TESTS";
 /// Env var naming the `lb` binary to test.
 pub const LB_BIN_ENV: &str = "LB_BIN";
 
-/// The workspace root (the parent of this crate).
 /// The CPUs this process may run on (its affinity), in order: where a test pins a
 /// thread to make the program run on each CPU in turn (a veth runs its peer's XDP on the
 /// sender's CPU; the connection table keeps a list per CPU).
@@ -258,6 +257,7 @@ pub fn allowed_cpus() -> Vec<usize> {
         .collect()
 }
 
+/// The workspace root (the parent of this crate).
 pub fn workspace_root() -> PathBuf {
     let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
     root.canonicalize().unwrap_or_else(|_| root.to_path_buf())
